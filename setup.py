@@ -1,0 +1,28 @@
+"""amct-ext: blockwise post-training quantization for DeepSeek-V4 (AMCT style)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="amct-ext",
+    version="0.1.0",
+    description="Blockwise PTQ for DeepSeek-V4 on Ascend NPUs, CUDA GPUs and CPUs",
+    python_requires=">=3.10",
+    packages=find_packages(include=["amct_ext", "amct_ext.*", "models", "models.*"]),
+    package_data={"amct_ext": ["schemes/*.json"]},
+    install_requires=[
+        # torch: on machines with a local CPU wheel, install `torch==2.13.0` first; any
+        # release >= 2.4 works.
+        "torch>=2.4",
+        "transformers>=5.10",
+        "accelerate>=1.0",
+        "safetensors>=0.4",
+        "tokenizers>=0.20",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        "npu": ["torch_npu"],
+        "hub": ["modelscope"],
+        "plot": ["matplotlib"],
+        "test": ["pytest>=7", "pytest-timeout", "matplotlib"],
+    },
+)
