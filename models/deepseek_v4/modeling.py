@@ -1,0 +1,577 @@
+"""DeepSeek-V4 float reference (prefill), written to be read against ../shared/spec/deepseek-v4.md §2.
+
+Module names are the released checkpoint keys (``embed``, ``layers.{i}.attn.wq_a``,
+``layers.{i}.ffn.experts.{e}.w1``, ``hc_head_fn`` ...), so a flat state dict loads without renaming.
+
+Notation in shape comments: B batch, S sequence, D dim, H n_heads, Dh head_dim, R rope_head_dim,
+hc hc_mult, W window_size, r compress ratio, Nc = S // r compressed entries, E routed experts.
+
+fp32 islands (spec "Parameter dtypes"): every RMSNorm weight, all hc_* parameters, attn_sink, the
+Compressor's ape / wkv / wgate, head.weight and gate.bias are created in fp32 whatever the compute
+dtype; tid2eid is int64. Everything else uses the model's compute ``dtype``.
+
+Differences from the upstream inference code, on purpose:
+- prefill only (start_pos == 0), no kv / compressor caches;
+- batch > 1 works (upstream's sparse-attention mask breaks there, spec §5 trap 3);
+- ``forward`` returns fp32 logits for every position;
+- rope uses real cos / sin tables (no complex dtype: Ascend has no complex kernels).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .configuration import DeepseekV4Config
+
+
+# ----------------------------------------------------------------------------------------- helpers
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, in fp32 with an fp32 weight; returns x's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+class Matmul(nn.Module):
+    """``a @ b`` (``a @ b^T`` with ``transpose_b``) as a module of its own.
+
+    The attention and indexer score / value products go through these so that quantization can
+    swap in a ``QuantizedMatmul`` without a second copy of the attention math. ``b`` is passed
+    token-major ([..., N, d]) in both cases, which is also the layout of a kv cache."""
+
+    def __init__(self, transpose_b: bool = False):
+        super().__init__()
+        self.transpose_b = transpose_b
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(a, b.transpose(-1, -2) if self.transpose_b else b)
+
+    def extra_repr(self) -> str:
+        return f"transpose_b={self.transpose_b}"
+
+
+def _factory_device() -> torch.device:
+    """Where a tensor created right now without ``device=`` lands (meta inside init_empty_weights)."""
+    return torch.empty(0).device
+
+
+@functools.lru_cache(maxsize=64)
+def rope_frequencies(rope_dim: int, base: float, factor: float, original_seq_len: int,
+                     beta_fast: float, beta_slow: float) -> tuple[float, ...]:
+    """f_i = base^(-2i/R), i < R/2, with YaRN interpolation when original_seq_len > 0 (spec §2 Rope).
+
+    Returns plain Python floats: caching tensors here would cache a *meta* tensor when first called
+    inside an empty-weights context (spec §5 trap 2)."""
+    freqs = [base ** (-(2 * i) / rope_dim) for i in range(rope_dim // 2)]
+    if original_seq_len > 0:
+        def corr(n_rot: float) -> float:
+            return rope_dim * math.log(original_seq_len / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr(beta_fast)), 0)
+        high = min(math.ceil(corr(beta_slow)), rope_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = [min(max((i - low) / (high - low), 0.0), 1.0) for i in range(rope_dim // 2)]
+        freqs = [f / factor * r + f * (1 - r) for f, r in zip(freqs, ramp)]
+    return tuple(freqs)
+
+
+@functools.lru_cache(maxsize=32)
+def _rope_table(freqs: tuple[float, ...], length: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin of pos * f_i, [length, R/2] fp32, cached per device (never a meta tensor for a real
+    device: the device is part of the key)."""
+    f = torch.tensor(freqs, dtype=torch.float64, device=device)
+    pos = torch.arange(length, dtype=torch.float64, device=device)
+    angles = torch.outer(pos, f)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last R channels of x as interleaved pairs (x0, x1), (x2, x3), ... by pos * f_i.
+
+    x [..., S, (heads,) C]; cos / sin [S, R/2] are broadcast over batch and heads (``x`` must have
+    the sequence axis at dim 1). ``inverse`` rotates by -pos (attention output). fp32 math, result in
+    x's dtype; the non-rope channels are passed through untouched."""
+    rd = cos.shape[-1] * 2
+    nope, rope = x[..., :-rd], x[..., -rd:]
+    shape = [1] * x.dim()
+    shape[1] = cos.shape[0]
+    shape[-1] = cos.shape[1]
+    c = cos.view(shape)
+    s = sin.view(shape)
+    if inverse:
+        s = -s
+    pairs = rope.float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard(d: int, device: str) -> torch.Tensor:
+    """Orthonormal Sylvester Hadamard matrix H_d / sqrt(d), fp32 (d a power of two)."""
+    if d & (d - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two size, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float32, device=device)
+    while h.shape[0] < d:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / math.sqrt(d)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x @ (H_d / sqrt(d)) over the last dim, fp32 math, x's dtype out."""
+    h = _hadamard(x.shape[-1], str(x.device))
+    return (x.float() @ h).to(x.dtype)
+
+
+class RotaryTable(nn.Module):
+    """Per-layer rope cos / sin buffers (non-persistent), grown on demand for longer sequences."""
+
+    def __init__(self, freqs: tuple[float, ...], length: int):
+        super().__init__()
+        self.freqs = freqs
+        cos, sin = _rope_table(freqs, length, str(_factory_device()))
+        self.register_buffer("cos", cos.clone(), persistent=False)
+        self.register_buffer("sin", sin.clone(), persistent=False)
+
+    def forward(self, seqlen: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos.shape[0] >= seqlen and self.cos.device == device:
+            return self.cos[:seqlen], self.sin[:seqlen]
+        cos, sin = _rope_table(self.freqs, max(seqlen, self.cos.shape[0]), str(device))
+        return cos[:seqlen], sin[:seqlen]
+
+
+def layer_rope_frequencies(config: DeepseekV4Config, ratio: int) -> tuple[float, ...]:
+    """Ratio-0 layers: rope_theta, no YaRN. Compressed layers: compress_rope_theta with YaRN."""
+    if ratio == 0:
+        return rope_frequencies(config.rope_head_dim, float(config.rope_theta), 1.0, 0, 0.0, 0.0)
+    return rope_frequencies(config.rope_head_dim, float(config.compress_rope_theta), float(config.rope_factor),
+                            int(config.original_seq_len), float(config.beta_fast), float(config.beta_slow))
+
+
+def rope_table_length(config: DeepseekV4Config) -> int:
+    # A table for every position up to max_seq_len (1M) would cost 256 MB per layer; keep a short one
+    # and let RotaryTable extend it for longer inputs.
+    return min(int(config.max_seq_len), 4096)
+
+
+# ------------------------------------------------------------------------------------ Compressor
+class Compressor(nn.Module):
+    """Gated pooling of every r consecutive tokens into one kv entry (spec §2 Compressor).
+
+    ``head_dim`` is Dh for the attention's compressor, index_head_dim for the Indexer's one
+    (``rotate=True``). With r == 4 the windows overlap: each entry pools 2r candidate rows."""
+
+    def __init__(self, config: DeepseekV4Config, ratio: int, head_dim: int, rotate: bool, dtype: torch.dtype):
+        super().__init__()
+        self.ratio = ratio
+        self.head_dim = head_dim
+        self.rotate = rotate
+        self.overlap = ratio == 4
+        c = 2 if self.overlap else 1
+        # fp32 island: ape, wkv, wgate
+        self.ape = nn.Parameter(torch.zeros(ratio, c * head_dim, dtype=torch.float32))
+        self.wkv = nn.Linear(config.dim, c * head_dim, bias=False, dtype=torch.float32)
+        self.wgate = nn.Linear(config.dim, c * head_dim, bias=False, dtype=torch.float32)
+        self.norm = RMSNorm(head_dim, config.norm_eps)
+        self.rope = RotaryTable(layer_rope_frequencies(config, ratio), rope_table_length(config))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, S, D] -> entries [B, S // r, head_dim] in x's dtype."""
+        bsz, seqlen, _ = x.shape
+        r, d = self.ratio, self.head_dim
+        n = seqlen // r
+        if n == 0:
+            return x.new_zeros(bsz, 0, d)
+        xs = x[:, : n * r].float()
+        kv = self.wkv(xs).view(bsz, n, r, -1)                       # [B, n, r, c*d]
+        score = self.wgate(xs).view(bsz, n, r, -1) + self.ape        # [B, n, r, c*d]
+        if self.overlap:
+            # rows r..2r: the block's own tokens, channels [d:]; rows 0..r: the previous block's
+            # tokens, channels [:d]; block 0 has no predecessor (kv 0, score -inf).
+            prev_kv = F.pad(kv[:, :-1, :, :d], (0, 0, 0, 0, 1, 0))
+            prev_score = F.pad(score[:, :-1, :, :d], (0, 0, 0, 0, 1, 0), value=float("-inf"))
+            kv = torch.cat((prev_kv, kv[..., d:]), dim=2)             # [B, n, 2r, d]
+            score = torch.cat((prev_score, score[..., d:]), dim=2)
+        entries = (score.softmax(dim=2) * kv).sum(dim=2)              # [B, n, d] fp32
+        entries = self.norm(entries.to(x.dtype))
+        cos, sin = self.rope(n * r, x.device)
+        entries = apply_rope(entries, cos[::r], sin[::r])             # entry j sits at position j*r
+        if self.rotate:
+            entries = hadamard_rotate(entries)
+        return entries
+
+
+# --------------------------------------------------------------------------------------- Indexer
+class Indexer(nn.Module):
+    """Scores the compressed entries for each query and keeps the top-k (r == 4 layers)."""
+
+    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.topk = config.index_topk
+        self.ratio = 4
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
+        self.weights_proj = nn.Linear(config.dim, self.n_heads, bias=False, dtype=dtype)
+        self.compressor = Compressor(config, 4, self.head_dim, rotate=True, dtype=dtype)
+        self.score_matmul = Matmul(transpose_b=True)
+        self.rope = RotaryTable(layer_rope_frequencies(config, 4), rope_table_length(config))
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+        """x [B, S, D], qr [B, S, q_lora] -> indices [B, S, k] into the compressed entries, -1 = no key."""
+        bsz, seqlen, _ = x.shape
+        cos, sin = self.rope(seqlen, x.device)
+        q = self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.head_dim)
+        q = hadamard_rotate(apply_rope(q, cos, sin))                  # [B, S, Ih, Id]
+        kc = self.compressor(x)                                       # [B, Nc, Id]
+        n_entries = kc.shape[1]
+        if n_entries == 0:
+            return torch.empty(bsz, seqlen, 0, dtype=torch.long, device=x.device)
+        weights = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)  # [B, S, Ih]
+        logits = self.score_matmul(q.float(), kc.float().unsqueeze(1))  # [B, S, Ih, Nc]
+        score = (logits.relu() * weights.unsqueeze(-1)).sum(dim=2)    # [B, S, Nc]
+        allowed = causal_entry_mask(seqlen, n_entries, self.ratio, x.device)  # [S, Nc]
+        score = score.masked_fill(~allowed, float("-inf"))
+        k = min(self.topk, n_entries)
+        idx = score.topk(k, dim=-1).indices                           # [B, S, k]
+        # a query with fewer than k allowed entries still gets k picks: mark the extra ones "no key"
+        limit = ((torch.arange(seqlen, device=x.device) + 1) // self.ratio).view(1, seqlen, 1)
+        return torch.where(idx < limit, idx, -1)
+
+
+def causal_entry_mask(seqlen: int, n_entries: int, ratio: int, device: torch.device) -> torch.Tensor:
+    """[S, Nc] bool: query t may see compressed entry j iff j < (t + 1) // r."""
+    limit = (torch.arange(seqlen, device=device) + 1) // ratio
+    return torch.arange(n_entries, device=device).view(1, -1) < limit.view(-1, 1)
+
+
+# ------------------------------------------------------------------------------------- Attention
+class Attention(nn.Module):
+    """MLA with one shared KV head, sliding window + compressed entries, attention sink, grouped wo_a."""
+
+    def __init__(self, config: DeepseekV4Config, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads = config.n_heads
+        self.head_dim = config.head_dim
+        self.rope_head_dim = config.rope_head_dim
+        self.window = config.window_size
+        self.ratio = config.compress_ratios[layer_id]
+        self.o_groups = config.o_groups
+        self.o_lora_rank = config.o_lora_rank
+        self.eps = config.norm_eps
+        self.softmax_scale = self.head_dim ** -0.5
+
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.wq_a = nn.Linear(config.dim, config.q_lora_rank, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(config.q_lora_rank, config.norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wkv = nn.Linear(config.dim, self.head_dim, bias=False, dtype=dtype)
+        self.kv_norm = RMSNorm(self.head_dim, config.norm_eps)
+        # wo_a is stored as a Linear weight [G * o_lora, H * Dh / G] but applied as a grouped einsum
+        self.wo_a = nn.Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank,
+                              bias=False, dtype=dtype)
+        self.wo_b = nn.Linear(self.o_groups * self.o_lora_rank, config.dim, bias=False, dtype=dtype)
+        self.qk_matmul = Matmul(transpose_b=True)
+        self.pv_matmul = Matmul()
+        if self.ratio:
+            self.compressor = Compressor(config, self.ratio, self.head_dim, rotate=False, dtype=dtype)
+            if self.ratio == 4:
+                self.indexer = Indexer(config, dtype)
+        self.rope = RotaryTable(layer_rope_frequencies(config, self.ratio), rope_table_length(config))
+
+    # -- pieces a quantization wrapper may override -------------------------------------------
+    def wo_a_weight(self) -> torch.Tensor:
+        """wo_a viewed as [G, o_lora, H*Dh/G] for the grouped einsum."""
+        return self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
+
+    def grouped_output(self, o: torch.Tensor) -> torch.Tensor:
+        """o [B, S, G, H*Dh/G] -> z [B, S, G, o_lora]: z[b,s,g] = wo_a[g] @ o[b,s,g] (not an F.linear)."""
+        return torch.einsum("bsgd,grd->bsgr", o, self.wo_a_weight())
+
+    # -------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, S, D] -> [B, S, D]."""
+        bsz, seqlen, _ = x.shape
+        cos, sin = self.rope(seqlen, x.device)
+        qr = self.q_norm(self.wq_a(x))                                  # [B, S, q_lora]
+        q = self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.head_dim)
+        q = (q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        kv = self.kv_norm(self.wkv(x))                                  # [B, S, Dh], keys == values
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(kv, cos, sin)
+
+        comp_kv, comp_allowed = None, None
+        if self.ratio:
+            comp_kv = self.compressor(x)                                # [B, Nc, Dh]
+            n_entries = comp_kv.shape[1]
+            if self.ratio == 4:
+                picks = self.indexer(x, qr)                             # [B, S, k], -1 = no key
+                comp_allowed = torch.zeros(bsz, seqlen, n_entries + 1, dtype=torch.bool, device=x.device)
+                comp_allowed.scatter_(-1, torch.where(picks < 0, n_entries, picks), True)
+                comp_allowed = comp_allowed[..., :n_entries]
+            else:
+                comp_allowed = causal_entry_mask(seqlen, n_entries, self.ratio, x.device).expand(bsz, -1, -1)
+
+        o = self.sparse_attention(q, kv, comp_kv, comp_allowed)           # [B, S, H, Dh]
+        o = apply_rope(o, cos, sin, inverse=True)
+        z = self.grouped_output(o.reshape(bsz, seqlen, self.o_groups, -1))  # [B, S, G, o_lora]
+        return self.wo_b(z.flatten(2))
+
+    def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, comp_kv: torch.Tensor | None,
+                         comp_allowed: torch.Tensor | None) -> torch.Tensor:
+        """softmax over {window keys} + {allowed compressed entries} + one sink logit per head.
+
+        q [B, S, H, Dh]; kv [B, S, Dh]; comp_kv [B, Nc, Dh]; comp_allowed [B, S, Nc] bool.
+        Query blocks of W tokens attend to the 2W keys of their own and the previous block (a banded
+        window without an S x S score matrix); compressed entries are scored densely and masked."""
+        bsz, seqlen, n_heads, dh = q.shape
+        w = self.window
+        n_blocks = -(-seqlen // w)
+        pad = n_blocks * w - seqlen
+        qb = F.pad(q, (0, 0, 0, 0, 0, pad)).view(bsz, n_blocks, w, n_heads, dh).transpose(2, 3)  # [B,nb,H,W,Dh]
+        kvp = F.pad(kv, (0, 0, 0, pad)).view(bsz, n_blocks, w, dh)
+        keys = torch.cat((F.pad(kvp[:, :-1], (0, 0, 0, 0, 1, 0)), kvp), dim=2).unsqueeze(2)  # [B,nb,1,2W,Dh]
+
+        # key slot j of block b is position (b-1)*W + j; query i of block b is b*W + i
+        i = torch.arange(w, device=q.device).view(w, 1)
+        j = torch.arange(2 * w, device=q.device).view(1, 2 * w)
+        band = (j > i) & (j <= i + w)                                   # t-W < p <= t
+        first = band & (j >= w)                                         # block 0 has no predecessor
+        win_allowed = torch.stack([first] + [band] * (n_blocks - 1)).view(1, n_blocks, 1, w, 2 * w)
+
+        logits = self.qk_matmul(qb, keys).float() * self.softmax_scale    # [B,nb,H,W,2W]
+        logits = logits.masked_fill(~win_allowed, float("-inf"))
+        if comp_kv is not None and comp_kv.shape[1] > 0:
+            n_entries = comp_kv.shape[1]
+            comp_logits = self.qk_matmul(qb, comp_kv.view(bsz, 1, 1, n_entries, dh)).float() * self.softmax_scale
+            allowed = F.pad(comp_allowed, (0, 0, 0, pad)).view(bsz, n_blocks, 1, w, n_entries)
+            logits = torch.cat((logits, comp_logits.masked_fill(~allowed, float("-inf"))), dim=-1)
+
+        sink = self.attn_sink.float().view(1, 1, n_heads, 1, 1)
+        peak = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
+        e = torch.exp(logits - peak)
+        probs = e / (e.sum(dim=-1, keepdim=True) + torch.exp(sink - peak))
+        probs = probs.to(q.dtype)
+
+        out = self.pv_matmul(probs[..., : 2 * w], keys)                  # [B,nb,H,W,Dh]
+        if comp_kv is not None and comp_kv.shape[1] > 0:
+            out = out + self.pv_matmul(probs[..., 2 * w:], comp_kv.view(bsz, 1, 1, -1, dh))
+        out = out.transpose(2, 3).reshape(bsz, n_blocks * w, n_heads, dh)
+        return out[:, :seqlen]
+
+
+# ------------------------------------------------------------------------------------------- MoE
+class Gate(nn.Module):
+    """Router (fp32 math). Score layers: topk(score + bias). Hash layers: tid2eid[input_id]."""
+
+    def __init__(self, config: DeepseekV4Config, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.topk = config.n_activated_experts
+        self.score_func = config.score_func
+        self.route_scale = config.route_scale
+        self.hash = layer_id < config.n_hash_layers
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.dim, dtype=dtype))
+        if self.hash:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.topk, dtype=torch.int64))
+        else:
+            self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D], input_ids [N] -> (weights [N, k] fp32, indices [N, k])."""
+        z = F.linear(x.float(), self.weight.float())                     # [N, E]
+        if self.score_func == "softmax":
+            score = z.softmax(dim=-1)
+        elif self.score_func == "sigmoid":
+            score = z.sigmoid()
+        else:  # sqrtsoftplus
+            score = F.softplus(z).sqrt()
+        if self.hash:
+            if input_ids is None:
+                raise ValueError("hash-routed MoE layers need input_ids (Block.forward(x, input_ids=...))")
+            indices = self.tid2eid[input_ids]
+        else:
+            indices = (score + self.bias).topk(self.topk, dim=-1).indices
+        weights = score.gather(1, indices)
+        if self.score_func != "softmax":
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.route_scale, indices
+
+
+class Expert(nn.Module):
+    """SwiGLU with V4's clamp: u = clamp(w3 x, -L, L), g = clamp(w1 x, max=L); w2(silu(g) * u * weight)."""
+
+    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float, dtype: torch.dtype):
+        super().__init__()
+        self.swiglu_limit = swiglu_limit
+        self.w1 = nn.Linear(dim, inter_dim, bias=False, dtype=dtype)
+        self.w2 = nn.Linear(inter_dim, dim, bias=False, dtype=dtype)
+        self.w3 = nn.Linear(dim, inter_dim, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        gate = self.w1(x).float()
+        up = self.w3(x).float()
+        if self.swiglu_limit > 0:
+            up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
+            gate = gate.clamp(max=self.swiglu_limit)
+        h = F.silu(gate) * up
+        if weights is not None:
+            h = h * weights                                              # routing weight before w2
+        return self.w2(h.to(x.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: DeepseekV4Config, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.dim = config.dim
+        self.n_routed_experts = config.n_routed_experts
+        self.gate = Gate(config, layer_id, dtype)
+        self.experts = nn.ModuleList(
+            Expert(config.dim, config.moe_inter_dim, config.swiglu_limit, dtype) for _ in range(config.n_routed_experts)
+        )
+        self.shared_experts = Expert(config.dim, config.n_shared_experts * config.moe_inter_dim,
+                                     config.swiglu_limit, dtype) if config.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, D], input_ids [B, S] -> [B, S, D]; routed + shared summed in fp32."""
+        shape = x.shape
+        flat = x.reshape(-1, self.dim)
+        weights, indices = self.gate(flat, None if input_ids is None else input_ids.reshape(-1))
+        out = self.route(flat, weights, indices)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat).float()
+        return out.to(x.dtype).view(shape)
+
+    def route(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's picked experts: tokens sorted by expert, one GEMM group per expert."""
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+        order = indices.flatten().argsort(stable=True)                   # slots grouped by expert
+        counts = torch.bincount(indices.flatten(), minlength=self.n_routed_experts).tolist()
+        token_of_slot = order // indices.shape[1]
+        slot_weights = weights.flatten()[order].unsqueeze(-1)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = token_of_slot[start:start + n]
+            out.index_add_(0, tok, self.experts[e](flat[tok], slot_weights[start:start + n]).float())
+            start += n
+        return out
+
+
+# ----------------------------------------------------------------------------- Hyper-connections
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B, S, hc, D] -> (y [B, S, D] in x's dtype, post [B, S, hc], comb [B, S, hc, hc]); fp32 math."""
+    xf = x.flatten(-2).float()                                            # [B, S, hc*D]
+    mix = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    pre, post, comb = mix.split([hc_mult, hc_mult, hc_mult * hc_mult], dim=-1)
+    pre = torch.sigmoid(pre * scale[0] + base[:hc_mult]) + hc_eps
+    post = 2 * torch.sigmoid(post * scale[1] + base[hc_mult:2 * hc_mult])
+    comb = (comb * scale[2] + base[2 * hc_mult:]).unflatten(-1, (hc_mult, hc_mult))
+    comb = comb.softmax(-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)                  # column sums
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)              # row sums
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    y = (pre.unsqueeze(-1) * x.float()).sum(dim=2)
+    return y.to(x.dtype), post, comb
+
+
+def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out[:, :, j] = post[j] * y + sum_k comb[k, j] * res[:, :, k]; fp32 math, res's dtype out."""
+    out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.einsum("bskj,bskd->bsjd", comb, res.float())
+    return out.to(res.dtype)
+
+
+# ----------------------------------------------------------------------------------------- Block
+class Block(nn.Module):
+    def __init__(self, layer_id: int, config: DeepseekV4Config, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.layer_id = layer_id
+        self.hc_mult = hc = config.hc_mult
+        self.sinkhorn_iters = config.hc_sinkhorn_iters
+        self.hc_eps = config.hc_eps
+        self.norm_eps = config.norm_eps
+        self.attn = Attention(config, layer_id, dtype)
+        self.ffn = MoE(config, layer_id, dtype)
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        mix = (2 + hc) * hc
+        self.hc_attn_fn = nn.Parameter(torch.zeros(mix, hc * config.dim, dtype=torch.float32))
+        self.hc_ffn_fn = nn.Parameter(torch.zeros(mix, hc * config.dim, dtype=torch.float32))
+        self.hc_attn_base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
+        self.hc_ffn_base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
+        self.hc_attn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        self.hc_ffn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def _hc_pre(self, x, fn, scale, base):
+        return hc_pre(x, fn, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
+
+    def forward(self, x: torch.Tensor, start_pos: int = 0, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, hc, D] -> [B, S, hc, D]. Prefill only; input_ids [B, S] feed hash routing."""
+        if start_pos != 0:
+            raise NotImplementedError("the float reference is prefill-only (start_pos must be 0)")
+        res = x
+        y, post, comb = self._hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        x = hc_post(self.attn(self.attn_norm(y)), res, post, comb)
+        res = x
+        y, post, comb = self._hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        return hc_post(self.ffn(self.ffn_norm(y), input_ids), res, post, comb)
+
+
+# ------------------------------------------------------------------------------------ the model
+class DeepseekV4ForCausalLM(nn.Module):
+    """embed -> hc copies -> blocks -> HC head -> norm -> head (fp32 logits for every position)."""
+
+    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        hc = config.hc_mult
+        self.embed = nn.Embedding(config.vocab_size, config.dim, dtype=dtype)
+        self.layers = nn.ModuleList(Block(i, config, dtype) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False, dtype=torch.float32)
+        self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * config.dim, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    # the three stages, also used one at a time by the blockwise pipeline
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] -> h [B, S, hc, D] (hc identical copies)."""
+        h = self.embed(input_ids)
+        return h.unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, S, hc, D] -> fp32 logits [B, S, vocab]."""
+        return hc_head_logits(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm, self.head,
+                              self.config.hc_eps, self.config.norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, 0, input_ids)
+        return self.head_logits(x)
+
+
+def hc_head_logits(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm: RMSNorm,
+                   head: nn.Linear, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """pre = sigmoid(mix * scale + base) + eps; y = sum_k pre[k] x[k]; logits = head(norm(y).float())."""
+    xf = x.flatten(-2).float()
+    mix = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(mix * scale + base) + hc_eps                        # [B, S, hc]
+    y = (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)
+    return F.linear(norm(y).float(), head.weight.float())
