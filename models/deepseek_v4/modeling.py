@@ -145,6 +145,11 @@ class RotaryTable(nn.Module):
         self.register_buffer("cos", cos.clone(), persistent=False)
         self.register_buffer("sin", sin.clone(), persistent=False)
 
+    def materialize(self, device: torch.device | str) -> None:
+        """Recompute the (derived, non-persistent) tables on ``device``: used after a meta build."""
+        cos, sin = _rope_table(self.freqs, self.cos.shape[0], str(torch.device(device)))
+        self.cos, self.sin = cos.clone(), sin.clone()
+
     def forward(self, seqlen: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cos.shape[0] >= seqlen and self.cos.device == device:
             return self.cos[:seqlen], self.sin[:seqlen]

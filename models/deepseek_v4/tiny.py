@@ -50,11 +50,11 @@ TINY_CONFIG: dict[str, Any] = {
     "rope_scaling": {
         "type": "yarn",
         "factor": 4,
-        "original_max_position_embeddings": 64,
+        "original_max_position_embeddings": 128,
         "beta_fast": 32,
         "beta_slow": 1,
     },
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 512,  # = factor * original: keeps transformers' YaRN check quiet
     "bos_token_id": 0,
     "eos_token_id": 1,
     "tie_word_embeddings": False,
@@ -139,3 +139,30 @@ def random_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overr
 
 def parameter_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def default_text_path():
+    from amct_ext.calibration import DEFAULT_CALIBRATION_PATH
+
+    return DEFAULT_CALIBRATION_PATH
+
+
+def make_tiny_checkpoint(out_dir, fmt: str = "bf16", seed: int = 0, text_path=None, n_shards: int = 2, **overrides):
+    """Random tiny checkpoint (config.json, shards + index, mtp.0.*, tokenizer) in ``out_dir``."""
+    from pathlib import Path
+
+    from amct_ext.tokenizer import tokenizer_vocab_size, train_bpe_tokenizer
+
+    from .release_format import write_release_checkpoint
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(**overrides)
+    train_bpe_tokenizer(text_path or default_text_path(), config.vocab_size, out_dir)
+    actual = tokenizer_vocab_size(out_dir)
+    if actual > config.vocab_size:
+        raise ValueError(f"tokenizer has {actual} entries but the model vocab is {config.vocab_size}")
+    model = DeepseekV4ForCausalLM(config, dtype=torch.float32)
+    init_random_weights(model, seed)
+    mtp = random_mtp_tensors(config, torch.Generator().manual_seed(seed + 1))
+    return write_release_checkpoint(model.state_dict(), config, out_dir, fmt=fmt, n_shards=n_shards, extra=mtp)
