@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from amct_ext.checkpoint import CheckpointReader
-from amct_ext.empty import assert_materialized, empty_weights
+from amct_ext.empty import assert_materialized, empty_weights, paused_gc
 from amct_ext.errors import CheckpointError, ConfigError
 
 from .configuration import DeepseekV4Config
@@ -54,7 +54,7 @@ def load_config(path: str | os.PathLike) -> DeepseekV4Config:
 
 def build_skeleton(config: DeepseekV4Config, dtype: torch.dtype = torch.bfloat16) -> DeepseekV4ForCausalLM:
     """The whole model with every parameter and buffer on the meta device."""
-    with empty_weights():
+    with empty_weights(), paused_gc():
         return DeepseekV4ForCausalLM(config, dtype=dtype)
 
 

@@ -43,6 +43,33 @@ class RMSNorm(nn.Module):
         return (self.weight * xf).to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear (no bias) whose weight is allocated but not initialised.
+
+    Every weight comes from a checkpoint (or ``tiny.init_random_weights``); skipping the default
+    kaiming init keeps the 1.6T-parameter meta skeleton fast to build and a real layer fast to
+    allocate. Still an ``nn.Linear``, so generic code that looks for linears finds it."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        # nn.Linear.__init__ minus the init and the bias bookkeeping: half the construction cost,
+        # which matters for the ~70k linears of a V4-Pro skeleton.
+        nn.Module.__init__(self)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = None
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without the default (unused) normal init, for the same reason as Linear."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class Matmul(nn.Module):
     """``a @ b`` (``a @ b^T`` with ``transpose_b``) as a module of its own.
 
@@ -187,8 +214,8 @@ class Compressor(nn.Module):
         c = 2 if self.overlap else 1
         # fp32 island: ape, wkv, wgate
         self.ape = nn.Parameter(torch.zeros(ratio, c * head_dim, dtype=torch.float32))
-        self.wkv = nn.Linear(config.dim, c * head_dim, bias=False, dtype=torch.float32)
-        self.wgate = nn.Linear(config.dim, c * head_dim, bias=False, dtype=torch.float32)
+        self.wkv = Linear(config.dim, c * head_dim, dtype=torch.float32)
+        self.wgate = Linear(config.dim, c * head_dim, dtype=torch.float32)
         self.norm = RMSNorm(head_dim, config.norm_eps)
         self.rope = RotaryTable(layer_rope_frequencies(config, ratio), rope_table_length(config))
 
@@ -228,8 +255,8 @@ class Indexer(nn.Module):
         self.head_dim = config.index_head_dim
         self.topk = config.index_topk
         self.ratio = 4
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
-        self.weights_proj = nn.Linear(config.dim, self.n_heads, bias=False, dtype=dtype)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype)
+        self.weights_proj = Linear(config.dim, self.n_heads, dtype=dtype)
         self.compressor = Compressor(config, 4, self.head_dim, rotate=True, dtype=dtype)
         self.score_matmul = Matmul(transpose_b=True)
         self.rope = RotaryTable(layer_rope_frequencies(config, 4), rope_table_length(config))
@@ -280,15 +307,15 @@ class Attention(nn.Module):
         self.softmax_scale = self.head_dim ** -0.5
 
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
-        self.wq_a = nn.Linear(config.dim, config.q_lora_rank, bias=False, dtype=dtype)
+        self.wq_a = Linear(config.dim, config.q_lora_rank, dtype=dtype)
         self.q_norm = RMSNorm(config.q_lora_rank, config.norm_eps)
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
-        self.wkv = nn.Linear(config.dim, self.head_dim, bias=False, dtype=dtype)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype)
+        self.wkv = Linear(config.dim, self.head_dim, dtype=dtype)
         self.kv_norm = RMSNorm(self.head_dim, config.norm_eps)
         # wo_a is stored as a Linear weight [G * o_lora, H * Dh / G] but applied as a grouped einsum
         self.wo_a = nn.Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * self.o_lora_rank,
                               bias=False, dtype=dtype)
-        self.wo_b = nn.Linear(self.o_groups * self.o_lora_rank, config.dim, bias=False, dtype=dtype)
+        self.wo_b = Linear(self.o_groups * self.o_lora_rank, config.dim, dtype=dtype)
         self.qk_matmul = Matmul(transpose_b=True)
         self.pv_matmul = Matmul()
         if self.ratio:
@@ -421,9 +448,9 @@ class Expert(nn.Module):
     def __init__(self, dim: int, inter_dim: int, swiglu_limit: float, dtype: torch.dtype):
         super().__init__()
         self.swiglu_limit = swiglu_limit
-        self.w1 = nn.Linear(dim, inter_dim, bias=False, dtype=dtype)
-        self.w2 = nn.Linear(inter_dim, dim, bias=False, dtype=dtype)
-        self.w3 = nn.Linear(dim, inter_dim, bias=False, dtype=dtype)
+        self.w1 = Linear(dim, inter_dim, dtype=dtype)
+        self.w2 = Linear(inter_dim, dim, dtype=dtype)
+        self.w3 = Linear(dim, inter_dim, dtype=dtype)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         gate = self.w1(x).float()
@@ -546,10 +573,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         hc = config.hc_mult
-        self.embed = nn.Embedding(config.vocab_size, config.dim, dtype=dtype)
+        self.embed = Embedding(config.vocab_size, config.dim, dtype=dtype)
         self.layers = nn.ModuleList(Block(i, config, dtype) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.head = nn.Linear(config.dim, config.vocab_size, bias=False, dtype=torch.float32)
+        self.head = Linear(config.dim, config.vocab_size, dtype=torch.float32)
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * config.dim, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))

@@ -1,0 +1,241 @@
+"""Accelerator abstraction: the ONLY module of the project that touches ``torch.npu`` / ``torch.cuda``.
+
+Everything else asks this module which backend to use and calls the helpers below, so the
+toolkit runs unchanged on Ascend NPUs (``torch_npu``), NVIDIA GPUs and plain CPU.
+
+Backend priority: npu > cuda > cpu. ``torch_npu`` is imported lazily (inside a ``try``) because
+importing it on a machine without the CANN runtime fails, and importing it has side effects
+(it patches torch), so we only do it when somebody asks for the backend.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from .errors import AmctError
+
+BACKENDS = ("npu", "cuda", "cpu")
+
+
+@functools.lru_cache(maxsize=1)
+def _npu_available() -> bool:
+    """True when ``torch_npu`` imports and reports at least one device.
+
+    Cached: the import is expensive and its outcome cannot change within a process.
+    """
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except Exception:  # ImportError, or a broken CANN install raising anything else
+        return False
+    try:
+        return bool(torch.npu.is_available())
+    except Exception:
+        return False
+
+
+def _cuda_available() -> bool:
+    return bool(torch.cuda.is_available())
+
+
+def backend_available(backend: str) -> bool:
+    if backend == "npu":
+        return _npu_available()
+    if backend == "cuda":
+        return _cuda_available()
+    if backend == "cpu":
+        return True
+    raise AmctError(f"unknown device backend {backend!r}; expected one of {BACKENDS}")
+
+
+def detect_backend() -> str:
+    """'npu' when torch_npu works, else 'cuda' when a GPU is visible, else 'cpu'."""
+    if _npu_available():
+        return "npu"
+    if _cuda_available():
+        return "cuda"
+    return "cpu"
+
+
+def _accel_module(backend: str) -> Any:
+    """``torch.npu`` or ``torch.cuda`` (the two expose the same memory / sync / event API)."""
+    if backend == "npu":
+        if not _npu_available():
+            raise AmctError("device backend 'npu' requested but torch_npu is not usable here")
+        return torch.npu
+    if backend == "cuda":
+        return torch.cuda
+    raise AmctError(f"backend {backend!r} has no accelerator module")
+
+
+def device_count(backend: str | None = None) -> int:
+    """Number of devices of ``backend`` (default: the detected one); cpu counts as 1."""
+    backend = backend or detect_backend()
+    if backend == "cpu":
+        return 1
+    if not backend_available(backend):
+        return 0
+    return int(_accel_module(backend).device_count())
+
+
+def resolve_device(pref: str | torch.device = "auto", index: int = 0) -> torch.device:
+    """Turn a user preference into a concrete ``torch.device``.
+
+    ``pref``: 'auto' (best available backend), 'npu', 'cuda', 'cpu', or an explicit
+    'cuda:1' / 'npu:3' (the explicit index wins over ``index``). Asking for a backend that is not
+    available, or for an index past the device count, raises AmctError naming the backend.
+    """
+    if isinstance(pref, torch.device):
+        pref = str(pref)
+    pref = (pref or "auto").strip().lower()
+    if ":" in pref:
+        backend, _, idx = pref.partition(":")
+        try:
+            index = int(idx)
+        except ValueError:
+            raise AmctError(f"bad device string {pref!r}: index {idx!r} is not an integer") from None
+    else:
+        backend = pref
+    if backend == "auto":
+        backend = detect_backend()
+    if backend not in BACKENDS:
+        raise AmctError(f"unknown device {pref!r}; expected auto, npu, cuda, cpu or e.g. 'cuda:1'")
+    if backend == "cpu":
+        return torch.device("cpu")
+    if not backend_available(backend):
+        why = "torch_npu is not installed or has no device" if backend == "npu" else \
+            "torch.cuda.is_available() is False"
+        raise AmctError(f"device backend {backend!r} requested but not available ({why})")
+    n = device_count(backend)
+    if index < 0 or index >= n:
+        raise AmctError(f"device {backend}:{index} requested but only {n} {backend} device(s) exist")
+    return torch.device(backend, index)
+
+
+def device_list(backend: str | None = None) -> list[torch.device]:
+    """Every device of ``backend`` (default: detected); ``[cpu]`` for cpu."""
+    backend = backend or detect_backend()
+    if backend == "cpu":
+        return [torch.device("cpu")]
+    return [torch.device(backend, i) for i in range(device_count(backend))]
+
+
+def _as_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return resolve_device("auto")
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+# ----------------------------------------------------------------------------- memory / sync
+def empty_cache(device: str | torch.device | None = None) -> None:
+    """Return cached allocator blocks to the driver; a no-op on cpu."""
+    dev = _as_device(device)
+    if dev.type in ("npu", "cuda"):
+        _accel_module(dev.type).empty_cache()
+
+
+def synchronize(device: str | torch.device | None = None) -> None:
+    """Wait for queued kernels on ``device``; a no-op on cpu (ops there are synchronous)."""
+    dev = _as_device(device)
+    if dev.type in ("npu", "cuda"):
+        _accel_module(dev.type).synchronize(dev)
+
+
+def reset_peak_memory(device: str | torch.device | None = None) -> None:
+    """Reset the allocator's peak counter. On cpu this is a no-op: the kernel's peak RSS
+    (``ru_maxrss``) cannot be reset, so cpu peaks are always "since process start"."""
+    dev = _as_device(device)
+    if dev.type in ("npu", "cuda"):
+        _accel_module(dev.type).reset_peak_memory_stats(dev)
+
+
+def _rss_scale() -> int:
+    # ru_maxrss is KiB on Linux but bytes on macOS.
+    return 1 if sys.platform == "darwin" else 1024
+
+
+def peak_memory_bytes(device: str | torch.device | None = None) -> int:
+    """Peak allocated bytes on ``device`` since the last ``reset_peak_memory``.
+
+    On cpu: the PROCESS-WIDE peak resident set size in bytes (``resource.getrusage``), i.e. all
+    memory of this process (Python, libraries, every tensor) since it started -- not only tensors,
+    and not resettable. Use it as an upper bound, not as an allocator statistic.
+    """
+    dev = _as_device(device)
+    if dev.type in ("npu", "cuda"):
+        return int(_accel_module(dev.type).max_memory_allocated(dev))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * _rss_scale()
+
+
+def memory_allocated(device: str | torch.device | None = None) -> int:
+    """Bytes currently allocated by tensors on ``device``.
+
+    On cpu: the process-wide CURRENT resident set size in bytes (from /proc/self/statm where it
+    exists, else the peak RSS as an upper bound) -- same caveats as ``peak_memory_bytes``.
+    """
+    dev = _as_device(device)
+    if dev.type in ("npu", "cuda"):
+        return int(_accel_module(dev.type).memory_allocated(dev))
+    try:
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_memory_bytes(dev)
+
+
+# ----------------------------------------------------------------------------- timing
+def elapsed_ms(fn: Callable[[], Any], device: str | torch.device | None = None,
+               repeats: int = 10, warmup: int = 2) -> list[float]:
+    """Run ``fn()`` ``warmup`` times untimed, then ``repeats`` times timed; per-repeat ms.
+
+    On npu/cuda, device events bracket each call (so the time is kernel time, not launch
+    time); on cpu ``time.perf_counter`` is used. Benchmarks should report the median.
+    """
+    if repeats < 1:
+        raise AmctError(f"elapsed_ms: repeats must be >= 1, got {repeats}")
+    dev = _as_device(device)
+    for _ in range(max(0, warmup)):
+        fn()
+    times: list[float] = []
+    if dev.type in ("npu", "cuda"):
+        mod = _accel_module(dev.type)
+        synchronize(dev)
+        for _ in range(repeats):
+            start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)))
+        return times
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+class Timer:
+    """Context manager timing one region: ``with Timer(dev) as t: ...; t.ms``.
+
+    Synchronizes the device before and after so asynchronous kernels are included.
+    """
+
+    def __init__(self, device: str | torch.device | None = None):
+        self.device = _as_device(device)
+        self.ms: float = float("nan")
+
+    def __enter__(self) -> "Timer":
+        synchronize(self.device)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        synchronize(self.device)
+        self.ms = (time.perf_counter() - self._t0) * 1e3

@@ -1,0 +1,597 @@
+"""Fake-quant (quantize-dequantize) number formats as plain functions.
+
+Every function takes a floating tensor and returns a tensor of the same shape and dtype whose
+values lie on the format's grid. The arithmetic runs in float32 whatever the input dtype, then
+the result is cast back (so a bf16 input gives the bf16 rounding of the fp32 fake-quant value).
+
+Blocks (what shares one scale) are set by the granularity; see ``TensorSpec``. The *public
+scale shape* of a tensor ``x`` of shape ``[*lead, K]`` is one entry per block, no singleton
+dims:
+
+=============  ====================================  ========================================
+granularity    blocks                                scale shape
+=============  ====================================  ========================================
+tensor         the whole tensor                      ``[]``
+channel/token  one row (all dims but the last)       ``[*lead]``
+group (g)      g consecutive elements of the last    ``[*lead, K // g]``  (K % g == 0 required)
+block (r, c)   r x c tiles over the last two dims    ``[*lead2, ceil(R / r), ceil(C / c)]``
+               (edges zero-padded)
+mx             32 consecutive elements of last dim   ``[*lead, K // 32]``  (K % 32 == 0 required)
+=============  ====================================  ========================================
+
+``clip`` (optional, values in (0, 1], broadcastable to the public scale shape) multiplies the
+range of each block before the scale is computed: ``amax * clip`` (or ``min * clip``,
+``max * clip``). Rounding uses a straight-through estimator when a gradient is needed, so a PTQ
+solver can learn ``clip``. ``torch.round`` rounds half to even.
+
+Every function refuses NaN / Inf inputs with :class:`NonFiniteInputError`.
+"""
+from __future__ import annotations
+
+import math
+import torch
+import torch.nn.functional as F
+
+from .errors import AmctError, QuantConfigError
+from .schemes import MX_BLOCK_SIZE, TensorSpec
+
+FP8_E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+#: Exponent of the largest power of two of the element format: floor(log2(max normal)).
+MX_EMAX = {"mxfp8": 8, "mxfp4": 2}
+MX_ELEM_MAX = {"mxfp8": FP8_E4M3_MAX, "mxfp4": E2M1_MAX}
+#: e8m0 encodes 2^(code - 127) for codes 0..254 (255 is NaN).
+E8M0_BIAS = 127
+#: e2m1 magnitudes indexed by the low 3 bits of the code (bit 3 is the sign).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+class QuantInputError(AmctError, ValueError):
+    """A tensor given to a quantization function cannot be quantized (dtype, shape, values)."""
+
+
+class NonFiniteInputError(QuantInputError):
+    """A tensor given to a quantization function contains NaN or Inf."""
+
+
+# ------------------------------------------------------------------------------ small helpers
+def _check_input(x: torch.Tensor, what: str = "input") -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        kind = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise QuantInputError(f"{what} must be a floating tensor to be quantized, got {kind}")
+    # One reduction: cheap next to the quantization itself, and it stops NaN from turning
+    # into a NaN scale that silently poisons a whole block.
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise NonFiniteInputError(f"{what} of shape {tuple(x.shape)} contains NaN or Inf; refusing to quantize it")
+
+
+def _round(x: torch.Tensor) -> torch.Tensor:
+    """Round half to even; straight-through gradient (identity) when autograd needs one."""
+    if x.requires_grad:
+        return x + (torch.round(x) - x).detach()
+    return torch.round(x)
+
+
+def _ste(y: torch.Tensor, y_q: torch.Tensor) -> torch.Tensor:
+    """Forward value ``y_q``, gradient of identity w.r.t. ``y``."""
+    if y.requires_grad:
+        return y + (y_q - y).detach()
+    return y_q
+
+
+def _nonzero_scale(scale: torch.Tensor) -> torch.Tensor:
+    # An all-zero block has scale 0; any positive scale maps it to exact zeros, 1 is simplest.
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+class _Layout:
+    """How a tensor of a given shape is cut into blocks that share one scale.
+
+    ``view(x)`` reshapes (and for 'block', zero-pads) x so that reducing ``reduce_dims`` with
+    keepdim gives one value per block (the *view scale*); ``restore`` undoes it.
+    ``to_view`` / ``to_public`` convert scales between view and public shape (module doc).
+    """
+
+    def __init__(self, shape: torch.Size, granularity: str, group_size: int | None = None,
+                 block_size: tuple[int, int] | None = None, what: str = "tensor"):
+        self.shape = torch.Size(shape)
+        self.gran = granularity
+        nd = len(self.shape)
+        if granularity != "tensor" and nd == 0:
+            raise QuantInputError(f"{what} is a scalar; granularity {granularity!r} needs at least one dim")
+        if granularity == "tensor":
+            self.public_shape = torch.Size([])
+        elif granularity in ("channel", "token"):
+            self.public_shape = self.shape[:-1]
+        elif granularity == "group":
+            k = self.shape[-1]
+            if k % group_size:
+                raise QuantInputError(
+                    f"{what} of shape {tuple(self.shape)}: last dim {k} is not divisible by the "
+                    f"group size {group_size}")
+            self.group_size = group_size
+            self.public_shape = self.shape[:-1] + (k // group_size,)
+        elif granularity == "block":
+            if nd < 2:
+                raise QuantInputError(f"{what} of shape {tuple(self.shape)}: granularity 'block' needs at least 2 dims")
+            self.br, self.bc = block_size
+            r, c = self.shape[-2:]
+            self.nr, self.nc = math.ceil(r / self.br), math.ceil(c / self.bc)
+            self.public_shape = self.shape[:-2] + (self.nr, self.nc)
+        else:  # pragma: no cover - TensorSpec validates granularity
+            raise QuantConfigError(f"unknown granularity {granularity!r}")
+
+    @property
+    def reduce_dims(self) -> tuple[int, ...]:
+        # Every view puts a block's elements on the last dim, except 'block' (rows at -3).
+        return (-3, -1) if self.gran == "block" else (-1,)
+
+    def view(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gran == "tensor":
+            return x.reshape(1, -1)
+        if self.gran in ("channel", "token"):
+            return x
+        if self.gran == "group":
+            return x.reshape(*self.shape[:-1], self.shape[-1] // self.group_size, self.group_size)
+        r, c = self.shape[-2:]
+        pad_r, pad_c = self.nr * self.br - r, self.nc * self.bc - c
+        if pad_r or pad_c:
+            # Zero padding changes neither amax nor (zero-inclusive) min/max of a tile.
+            x = F.pad(x, (0, pad_c, 0, pad_r))
+        return x.reshape(*self.shape[:-2], self.nr, self.br, self.nc, self.bc)
+
+    def restore(self, xv: torch.Tensor) -> torch.Tensor:
+        if self.gran in ("channel", "token"):
+            return xv
+        if self.gran in ("tensor", "group"):
+            return xv.reshape(self.shape)
+        r, c = self.shape[-2:]
+        full = xv.reshape(*self.shape[:-2], self.nr * self.br, self.nc * self.bc)
+        if full.shape[-2:] != (r, c):
+            full = full[..., :r, :c].contiguous()
+        return full
+
+    def to_view(self, s: torch.Tensor) -> torch.Tensor:
+        if self.gran == "tensor":
+            return s.reshape(1, 1)
+        if self.gran == "block":
+            return s.unsqueeze(-1).unsqueeze(-3)
+        return s.unsqueeze(-1)
+
+    def to_public(self, sv: torch.Tensor) -> torch.Tensor:
+        if self.gran == "tensor":
+            return sv.reshape(())
+        if self.gran == "block":
+            return sv.squeeze(-1).squeeze(-2)
+        return sv.squeeze(-1)
+
+    def clip_view(self, clip: torch.Tensor | None, what: str) -> torch.Tensor | None:
+        """Broadcast ``clip`` to the public scale shape and return it in view shape."""
+        if clip is None:
+            return None
+        if not isinstance(clip, torch.Tensor):
+            clip = torch.tensor(float(clip))
+        with torch.no_grad():
+            ok = bool(((clip > 0) & (clip <= 1)).all())
+        if not ok:
+            raise QuantInputError(f"clip for {what} must lie in (0, 1]; got values outside")
+        try:
+            c = torch.broadcast_to(clip.float(), self.public_shape)
+        except RuntimeError:
+            raise QuantInputError(
+                f"clip of shape {tuple(clip.shape)} does not broadcast to the scale shape "
+                f"{tuple(self.public_shape)} of {what} {tuple(self.shape)} ({self.gran})") from None
+        return self.to_view(c)
+
+
+def _layout(shape: torch.Size, spec: TensorSpec, what: str) -> _Layout:
+    return _Layout(shape, spec.granularity, spec.group_size, spec.block_size, what)
+
+
+def scale_shape(shape: torch.Size | tuple[int, ...], spec: TensorSpec) -> torch.Size:
+    """Public scale shape (one entry per block) of a tensor of ``shape`` under ``spec``."""
+    return _layout(torch.Size(shape), spec, "tensor").public_shape
+
+
+# -------------------------------------------------------------------------------- integer
+def _int_range(bits: int, symmetric: bool) -> tuple[int, int]:
+    """Integer grid: symmetric uses the *restricted* range [-(2^(k-1)-1), 2^(k-1)-1] (no
+    -2^(k-1), so +x and -x quantize alike and the int8 grid is -127..127); asymmetric uses
+    [0, 2^k - 1]."""
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        return -qmax, qmax
+    return 0, 2 ** bits - 1
+
+
+def int_qparams_from_range(xmin: torch.Tensor, xmax: torch.Tensor, bits: int,
+                           symmetric: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero point for asymmetric) for blocks whose range is [xmin, xmax].
+
+    Symmetric:  ``amax = max(|xmin|, |xmax|)``, ``scale = amax / (2^(k-1) - 1)``, zp = None.
+    Asymmetric: the range is widened to contain 0 (so 0 is exactly representable and the zero
+    point lies in range): ``lo = min(xmin, 0)``, ``hi = max(xmax, 0)``,
+    ``scale = (hi - lo) / (2^k - 1)``, ``zp = round(-lo / scale)`` (a float holding an integer).
+    Blocks with a zero range get scale 1 (they quantize to exact zeros).
+    """
+    qmin, qmax = _int_range(bits, symmetric)
+    if symmetric:
+        amax = torch.maximum(xmin.abs(), xmax.abs())
+        return _nonzero_scale(amax / qmax), None
+    lo, hi = torch.clamp(xmin, max=0), torch.clamp(xmax, min=0)
+    scale = _nonzero_scale((hi - lo) / qmax)
+    zp = torch.clamp(_round(-lo / scale), qmin, qmax)
+    return scale, zp
+
+
+def _int_block_qparams(xv: torch.Tensor, lay: _Layout, bits: int, symmetric: bool,
+                       clip_v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    dims = lay.reduce_dims
+    if symmetric:
+        amax = xv.abs().amax(dim=dims, keepdim=True)
+        if clip_v is not None:
+            amax = amax * clip_v
+        return int_qparams_from_range(-amax, amax, bits, True)
+    xmin = xv.amin(dim=dims, keepdim=True)
+    xmax = xv.amax(dim=dims, keepdim=True)
+    if clip_v is not None:
+        xmin, xmax = xmin * clip_v, xmax * clip_v
+    return int_qparams_from_range(xmin, xmax, bits, False)
+
+
+def _int_codes(xv, scale, zp, qmin, qmax):
+    """Integer codes (as float): ``clamp(round(x / scale) + zp, qmin, qmax)``."""
+    q = _round(xv / scale)
+    if zp is not None:
+        q = q + zp
+    return torch.clamp(q, qmin, qmax)
+
+
+def _int_decode(q, scale, zp):
+    """``(q - zp) * scale``; shared by fake_quant and dequantize so both agree bit for bit."""
+    if zp is not None:
+        q = q - zp
+    return q * scale
+
+
+def _fq_int(x: torch.Tensor, spec: TensorSpec, clip) -> torch.Tensor:
+    lay = _layout(x.shape, spec, "input")
+    xv = lay.view(x.float())
+    scale, zp = _int_block_qparams(xv, lay, spec.bits, spec.symmetric, lay.clip_view(clip, "input"))
+    qmin, qmax = _int_range(spec.bits, spec.symmetric)
+    out = _int_decode(_int_codes(xv, scale, zp, qmin, qmax), scale, zp)
+    return lay.restore(out).to(x.dtype)
+
+
+def fake_quant_int(x: torch.Tensor, bits: int = 8, *, symmetric: bool = True,
+                   granularity: str = "channel", group_size: int | None = None,
+                   block_size: tuple[int, int] | None = None, clip=None) -> torch.Tensor:
+    """Integer k-bit fake quantization (k = 2..8).
+
+    Per block (granularity; see module doc), with ``clip`` applied to the range first:
+
+    - symmetric:  ``qmax = 2^(k-1) - 1``, ``scale = amax / qmax``,
+      ``q = clamp(round(x / scale), -qmax, qmax)``, ``x_hat = q * scale``
+      (restricted range: -2^(k-1) is never used).
+    - asymmetric: range widened to contain 0, ``scale = (max - min) / (2^k - 1)``,
+      ``zp = round(-min / scale)``, ``q = clamp(round(x / scale) + zp, 0, 2^k - 1)``,
+      ``x_hat = (q - zp) * scale``.
+
+    A block of zeros gets scale 1 and stays zero.
+    """
+    spec = TensorSpec("int", bits, symmetric, granularity, group_size, block_size,
+                      dynamic=True if granularity == "token" else None)
+    _check_input(x)
+    return x if spec.is_identity else _fq_int(x, spec, clip)
+
+
+def quantize_int(x: torch.Tensor, spec: TensorSpec, clip=None):
+    """Deployable integer form: ``(q, scale, zero_point)``.
+
+    ``q`` has x's shape; int8 for symmetric specs, uint8 for asymmetric ones (one value per
+    element, not packed). ``scale`` is float32 in the public scale shape; ``zero_point`` is
+    int32 in the same shape for asymmetric specs, else ``None``.
+    ``dequantize_int(*quantize_int(x, spec), spec)`` equals ``fake_quant(x, spec)`` (in fp32).
+    """
+    _need(spec, ("int",))
+    _check_input(x)
+    lay = _layout(x.shape, spec, "input")
+    xv = lay.view(x.float())
+    scale, zp = _int_block_qparams(xv, lay, spec.bits, spec.symmetric, lay.clip_view(clip, "input"))
+    qmin, qmax = _int_range(spec.bits, spec.symmetric)
+    q = lay.restore(_int_codes(xv, scale, zp, qmin, qmax))
+    q = q.detach().to(torch.int8 if spec.symmetric else torch.uint8)
+    zp_out = None if zp is None else lay.to_public(zp).detach().to(torch.int32)
+    return q, lay.to_public(scale).detach(), zp_out
+
+
+def dequantize_int(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                   spec: TensorSpec, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_int`: ``(q - zero_point) * scale`` per block."""
+    _need(spec, ("int",))
+    lay = _layout(q.shape, spec, "q")
+    sv = lay.to_view(scale.float())
+    zv = None if zero_point is None else lay.to_view(zero_point.float())
+    return lay.restore(_int_decode(lay.view(q.float()), sv, zv)).to(dtype)
+
+
+# ------------------------------------------------------------------------------- fp8 e4m3
+def cast_e4m3(y: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to the nearest e4m3fn value (ties to even), saturating at +-448;
+    returns a float8_e4m3fn tensor."""
+    return torch.clamp(y, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _fp8_block_scale(xv, lay, clip_v):
+    amax = xv.abs().amax(dim=lay.reduce_dims, keepdim=True)
+    if clip_v is not None:
+        amax = amax * clip_v
+    return _nonzero_scale(amax / FP8_E4M3_MAX)
+
+
+def _fq_fp8(x, spec, clip):
+    lay = _layout(x.shape, spec, "input")
+    xv = lay.view(x.float())
+    scale = _fp8_block_scale(xv, lay, lay.clip_view(clip, "input"))
+    y = torch.clamp(xv / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    out = _ste(y, cast_e4m3(y).float()) * scale
+    return lay.restore(out).to(x.dtype)
+
+
+def fake_quant_fp8(x: torch.Tensor, *, granularity: str = "tensor", group_size: int | None = None,
+                   block_size: tuple[int, int] | None = None, clip=None) -> torch.Tensor:
+    """FP8 e4m3 (OCP e4m3fn: max 448, no Inf) fake quantization.
+
+    Per block: ``scale = amax / 448`` (``amax * clip`` with clip), ``x_hat =
+    e4m3(clamp(x / scale, -448, 448)) * scale`` where e4m3() rounds to nearest, ties to even.
+    Granularity 'block' with ``block_size=(128, 128)`` is DeepSeek's released weight layout
+    (edges not divisible by 128 are padded). A block of zeros gets scale 1 and stays zero.
+    """
+    spec = TensorSpec("fp8", 8, True, granularity, group_size, block_size,
+                      dynamic=True if granularity == "token" else None)
+    _check_input(x)
+    return _fq_fp8(x, spec, clip)
+
+
+def quantize_fp8(x: torch.Tensor, spec: TensorSpec, clip=None):
+    """Deployable FP8 form: ``(elements, scale)``; elements are float8_e4m3fn with x's shape,
+    scale is float32 in the public scale shape (``x ~ elements * scale``; DeepSeek checkpoints
+    call this scale ``scale_inv``)."""
+    _need(spec, ("fp8",))
+    _check_input(x)
+    lay = _layout(x.shape, spec, "input")
+    xv = lay.view(x.float())
+    scale = _fp8_block_scale(xv, lay, lay.clip_view(clip, "input"))
+    e = cast_e4m3(xv / scale)
+    # Restore via float32: padding / reshaping float8 tensors is not supported everywhere.
+    elements = lay.restore(e.float()).to(torch.float8_e4m3fn)
+    return elements.detach(), lay.to_public(scale).detach()
+
+
+def dequantize_fp8(elements: torch.Tensor, scale: torch.Tensor, spec: TensorSpec,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8`: ``elements * scale`` per block."""
+    _need(spec, ("fp8",))
+    lay = _layout(elements.shape, spec, "elements")
+    return lay.restore(lay.view(elements.float()) * lay.to_view(scale.float())).to(dtype)
+
+
+# ---------------------------------------------------------------------- OCP microscaling (MX)
+def round_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to the nearest FP4 e2m1 value, ties to even mantissa, saturating at
+    +-6. Representable magnitudes: 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+
+    Within [0, 2) the grid step is 0.5, in [2, 4) it is 1, in [4, 6] it is 2; in each range
+    the grid index's parity equals the mantissa bit, so rounding ``|y| / step`` half-to-even
+    is exactly round-to-nearest-even of e2m1.
+    """
+    a = torch.clamp(y.abs(), max=E2M1_MAX)
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(a / step) * step, y)
+
+
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """e2m1 values (already on the grid) -> 4-bit codes in uint8: bit 3 sign, bits 2..0 the
+    index into :data:`E2M1_VALUES` (which is the OCP exponent/mantissa bit pattern)."""
+    table = torch.tensor(E2M1_VALUES, device=v.device)
+    mag = v.abs()
+    idx = torch.bucketize(mag, table)
+    sign = ((v < 0) & (mag > 0)).to(torch.uint8)
+    return idx.to(torch.uint8) | (sign << 3)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit e2m1 codes (uint8, one per element) -> float32 values."""
+    table = torch.tensor(E2M1_VALUES, device=codes.device)
+    c = codes.to(torch.int64)
+    mag = table[c & 7]
+    return torch.where((c & 8) > 0, -mag, mag)
+
+
+def _mx_elem(elem: str) -> str:
+    if elem not in MX_EMAX:
+        raise QuantConfigError(f"MX element format {elem!r} is unknown; valid: {', '.join(MX_EMAX)}")
+    return elem
+
+
+def _mx_shared_exp(xv: torch.Tensor, elem: str, clip_v) -> torch.Tensor:
+    """``shared_exp = floor(log2(amax)) - emax_elem`` per 32-block, clamped to e8m0's
+    [-127, 127]; 0 for all-zero blocks. frexp gives floor(log2) exactly (log2 may round)."""
+    amax = xv.detach().abs().amax(dim=-1, keepdim=True)
+    if clip_v is not None:
+        amax = amax * clip_v.detach()  # power-of-two scales carry no gradient
+    _, e = torch.frexp(amax)  # amax = m * 2^e, m in [0.5, 1)  =>  floor(log2(amax)) = e - 1
+    shared = torch.clamp(e - 1 - MX_EMAX[elem], -E8M0_BIAS, E8M0_BIAS)
+    return torch.where(amax > 0, shared, torch.zeros_like(shared))
+
+
+def _mx_round(y: torch.Tensor, elem: str) -> torch.Tensor:
+    """Element rounding with saturation, as float32 values."""
+    if elem == "mxfp8":
+        return cast_e4m3(y).float()
+    return round_e2m1(y)
+
+
+def _mx_layout(x: torch.Tensor, what: str) -> _Layout:
+    return _Layout(x.shape, "group", MX_BLOCK_SIZE, None, what)
+
+
+def _fq_mx(x, elem, clip):
+    lay = _mx_layout(x, "input")
+    xv = lay.view(x.float())
+    shared = _mx_shared_exp(xv, elem, lay.clip_view(clip, "input"))
+    scale = torch.exp2(shared.float())  # exact power of two (2^-127 is an fp32 subnormal)
+    y = torch.clamp(xv / scale, -MX_ELEM_MAX[elem], MX_ELEM_MAX[elem])
+    out = _ste(y, _mx_round(y, elem)) * scale
+    return lay.restore(out).to(x.dtype)
+
+
+def fake_quant_mx(x: torch.Tensor, elem: str, clip=None) -> torch.Tensor:
+    """OCP Microscaling fake quantization, ``elem`` = 'mxfp8' (e4m3) or 'mxfp4' (e2m1).
+
+    Blocks of 32 consecutive elements of the last dim (K % 32 == 0 required) share the scale
+    ``2^shared_exp`` with ``shared_exp = floor(log2(amax)) - emax_elem`` (emax 8 for e4m3, 2 for
+    e2m1; clamped to the e8m0 range [-127, 127]); elements are
+    ``round_to_elem(clamp(x / scale, -max, max))`` (max 448 / 6, round to nearest even) and
+    ``x_hat = element * scale``. All-zero blocks use scale 1. ``clip`` scales amax before the
+    exponent is taken; it gets no gradient (the scale is a power of two).
+    """
+    _mx_elem(elem)
+    _check_input(x)
+    return _fq_mx(x, elem, clip)
+
+
+def fake_quant_mxfp8(x: torch.Tensor, clip=None) -> torch.Tensor:
+    """:func:`fake_quant_mx` with e4m3 elements."""
+    return fake_quant_mx(x, "mxfp8", clip)
+
+
+def fake_quant_mxfp4(x: torch.Tensor, clip=None) -> torch.Tensor:
+    """:func:`fake_quant_mx` with e2m1 elements."""
+    return fake_quant_mx(x, "mxfp4", clip)
+
+
+def quantize_mx(x: torch.Tensor, elem: str, clip=None):
+    """Deployable MX form: ``(elements, e8m0)``.
+
+    ``elements`` has x's shape: float8_e4m3fn for 'mxfp8', uint8 e2m1 codes (one per element,
+    not packed; see :func:`e2m1_encode`) for 'mxfp4'. ``e8m0`` is uint8 of shape
+    ``[*lead, K // 32]`` holding ``shared_exp + 127``.
+    """
+    _mx_elem(elem)
+    _check_input(x)
+    lay = _mx_layout(x, "input")
+    xv = lay.view(x.float())
+    shared = _mx_shared_exp(xv, elem, lay.clip_view(clip, "input"))
+    y = torch.clamp(xv / torch.exp2(shared.float()), -MX_ELEM_MAX[elem], MX_ELEM_MAX[elem])
+    vals = lay.restore(_mx_round(y, elem))
+    elements = vals.to(torch.float8_e4m3fn) if elem == "mxfp8" else e2m1_encode(vals)
+    e8m0 = (lay.to_public(shared) + E8M0_BIAS).to(torch.uint8)
+    return elements.detach(), e8m0
+
+
+def dequantize_mx(elements: torch.Tensor, e8m0: torch.Tensor, elem: str,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_mx`: ``element * 2^(e8m0 - 127)`` per 32-block."""
+    _mx_elem(elem)
+    vals = elements.float() if elem == "mxfp8" else e2m1_decode(elements)
+    lay = _mx_layout(vals, "elements")
+    scale = torch.exp2(e8m0.float() - E8M0_BIAS)
+    return lay.restore(lay.view(vals) * lay.to_view(scale)).to(dtype)
+
+
+# ------------------------------------------------------------------------------ dispatchers
+def _need(spec: TensorSpec, formats: tuple[str, ...]) -> None:
+    if not isinstance(spec, TensorSpec) or spec.format not in formats:
+        got = spec.format if isinstance(spec, TensorSpec) else type(spec).__name__
+        raise QuantConfigError(f"expected a TensorSpec of format {'/'.join(formats)}, got {got}")
+
+
+def fake_quant(x: torch.Tensor, spec: TensorSpec | None, clip=None) -> torch.Tensor:
+    """Fake-quantize ``x`` per ``spec`` (see the per-format functions for the math).
+
+    ``spec`` None or identity (format 'none', int bits >= 16) returns ``x`` itself.
+    The spec's ``dynamic`` flag is irrelevant here: scales always come from ``x``; static
+    activation scales go through :func:`fake_quant_from_range`.
+    """
+    if spec is None or spec.is_identity:
+        return x
+    _check_input(x)
+    if spec.format == "int":
+        return _fq_int(x, spec, clip)
+    if spec.format == "fp8":
+        return _fq_fp8(x, spec, clip)
+    return _fq_mx(x, spec.format, clip)
+
+
+def quantize(x: torch.Tensor, spec: TensorSpec, clip=None) -> dict[str, torch.Tensor]:
+    """Deployable tensors of ``x`` as a dict: int -> ``q``, ``scale`` (+ ``zero_point``);
+    fp8 -> ``q`` (float8_e4m3fn), ``scale``; MX -> ``q`` (elements / e2m1 codes),
+    ``scale_e8m0``. ``dequantize(quantize(x, spec), spec)`` equals ``fake_quant(x, spec)``."""
+    if spec is None or spec.is_identity:
+        raise QuantConfigError("quantize() needs a quantizing spec; this one leaves tensors in float")
+    if spec.format == "int":
+        q, s, zp = quantize_int(x, spec, clip)
+        out = {"q": q, "scale": s}
+        if zp is not None:
+            out["zero_point"] = zp
+        return out
+    if spec.format == "fp8":
+        q, s = quantize_fp8(x, spec, clip)
+        return {"q": q, "scale": s}
+    q, e = quantize_mx(x, spec.format, clip)
+    return {"q": q, "scale_e8m0": e}
+
+
+def dequantize(d: dict[str, torch.Tensor], spec: TensorSpec,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize`."""
+    if spec.format == "int":
+        return dequantize_int(d["q"], d["scale"], d.get("zero_point"), spec, dtype)
+    if spec.format == "fp8":
+        return dequantize_fp8(d["q"], d["scale"], spec, dtype)
+    return dequantize_mx(d["q"], d["scale_e8m0"], spec.format, dtype)
+
+
+# ----------------------------------------------------------------- static (calibrated) scales
+def qparams_from_range(spec: TensorSpec, xmin: torch.Tensor, xmax: torch.Tensor):
+    """Static scale (+ zero point) from an observed range [xmin, xmax] (any shape that
+    broadcasts against the tensors it will quantize, e.g. ``[]`` or ``[K]``).
+    int: see :func:`int_qparams_from_range`; fp8: ``scale = max(|xmin|, |xmax|) / 448``."""
+    xmin, xmax = xmin.float(), xmax.float()
+    if spec.format == "int":
+        return int_qparams_from_range(xmin, xmax, spec.bits, spec.symmetric)
+    if spec.format == "fp8":
+        return _nonzero_scale(torch.maximum(xmin.abs(), xmax.abs()) / FP8_E4M3_MAX), None
+    raise QuantConfigError(f"format {spec.format!r} has no static scales (MX scales are always per block of the current tensor)")
+
+
+def fake_quant_from_range(x: torch.Tensor, spec: TensorSpec, xmin: torch.Tensor,
+                          xmax: torch.Tensor) -> torch.Tensor:
+    """Fake-quantize with scales computed from an observed range (static activation quant);
+    ``xmin`` / ``xmax`` broadcast against ``x`` (``[]`` per tensor, ``[K]`` per last-dim
+    channel). Values outside the observed range saturate."""
+    if spec is None or spec.is_identity:
+        return x
+    _check_input(x)
+    scale, zp = qparams_from_range(spec, xmin.to(x.device), xmax.to(x.device))
+    xf = x.float()
+    if spec.format == "int":
+        qmin, qmax = _int_range(spec.bits, spec.symmetric)
+        out = _int_decode(_int_codes(xf, scale, zp, qmin, qmax), scale, zp)
+    else:
+        y = torch.clamp(xf / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        out = _ste(y, cast_e4m3(y).float()) * scale
+    return out.to(x.dtype)
+
+
+__all__ = [
+    "FP8_E4M3_MAX", "E2M1_MAX", "E2M1_VALUES", "E8M0_BIAS", "MX_EMAX",
+    "QuantInputError", "NonFiniteInputError",
+    "scale_shape", "fake_quant", "quantize", "dequantize",
+    "fake_quant_int", "quantize_int", "dequantize_int", "int_qparams_from_range",
+    "fake_quant_fp8", "quantize_fp8", "dequantize_fp8", "cast_e4m3",
+    "fake_quant_mx", "fake_quant_mxfp8", "fake_quant_mxfp4", "quantize_mx", "dequantize_mx",
+    "round_e2m1", "e2m1_encode", "e2m1_decode",
+    "qparams_from_range", "fake_quant_from_range",
+]

@@ -1,0 +1,202 @@
+"""Quantized building blocks: QuantLinear, QuantizedMatmul, QuantGatedMLP.
+
+All of them are exact no-ops when their specs are None / quantizers are off: the outputs are
+bit-identical (``torch.equal``) to the float modules / ops they replace. Parameters are never
+copied or cast: QuantLinear holds the very Parameter objects of the nn.Linear it wraps.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import QuantConfigError
+from .quantizers import ActivationQuantizer, WeightQuantizer
+from .schemes import TensorSpec
+
+
+class QuantLinear(nn.Module):
+    """``F.linear(input_quantizer(x), weight_quantizer(weight), bias)``.
+
+    In inference (module in eval mode, no trainable clip, and no gradient wanted for the
+    weight) the fake-quant weight is cached. The cache key covers the weight object, its
+    storage, its autograd version counter, device and dtype and the clip parameter, so
+    ordinary updates invalidate it; call :meth:`invalidate_cache` after writing into
+    ``weight.data`` directly (such writes bypass the version counter).
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None,
+                 weight_spec: TensorSpec | None = None, act_spec: TensorSpec | None = None,
+                 cache_weight: bool = True):
+        super().__init__()
+        if weight.dim() != 2:
+            raise QuantConfigError(f"QuantLinear needs a 2-D weight [out, in], got shape {tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight  # the same Parameter object: no copy, dtype and device unchanged
+        self.bias = bias
+        self.weight_quantizer = WeightQuantizer(weight_spec)
+        self.weight_quantizer.check_shape(weight)
+        self.input_quantizer = ActivationQuantizer(act_spec)
+        self.cache_weight = cache_weight
+        self._cached_weight: torch.Tensor | None = None
+        self._cache_key: tuple | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weight_spec: TensorSpec | None = None,
+                    act_spec: TensorSpec | None = None, cache_weight: bool = True) -> "QuantLinear":
+        return cls(linear.weight, linear.bias, weight_spec, act_spec, cache_weight)
+
+    # ------------------------------------------------------------------ weight cache
+    def invalidate_cache(self) -> None:
+        self._cached_weight = None
+        self._cache_key = None
+
+    def _can_cache(self) -> bool:
+        if not self.cache_weight or self.training or self.weight_quantizer.is_identity:
+            return False
+        clip = self.weight_quantizer.clip
+        if clip is not None and clip.requires_grad:
+            return False
+        # A cached (detached) weight would cut the gradient path to the weight.
+        return not (torch.is_grad_enabled() and self.weight.requires_grad)
+
+    def _key(self) -> tuple:
+        w, clip = self.weight, self.weight_quantizer.clip
+        ck = None if clip is None else (id(clip), clip.data_ptr(), clip._version)
+        return (id(w), w.data_ptr(), w._version, w.device, w.dtype, ck)
+
+    def quantized_weight(self) -> torch.Tensor:
+        """The fake-quant weight used by forward (same dtype as the weight)."""
+        if not self._can_cache():
+            return self.weight_quantizer(self.weight)
+        key = self._key()
+        if self._cached_weight is None or key != self._cache_key:
+            with torch.no_grad():
+                self._cached_weight = self.weight_quantizer(self.weight)
+            self._cache_key = key
+        return self._cached_weight
+
+    def train(self, mode: bool = True):
+        self.invalidate_cache()  # frees the copy while training / solving
+        return super().train(mode)
+
+    def _apply(self, fn, *args, **kwargs):
+        self.invalidate_cache()  # .to() / .cuda() / .half(): recompute on the new tensors
+        return super()._apply(fn, *args, **kwargs)
+
+    # ----------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.input_quantizer(x), self.quantized_weight(), self.bias)
+
+    # ------------------------------------------------------------------ PTQ / export
+    def export_ptq_params(self) -> dict[str, torch.Tensor]:
+        """Learned / observed state, keyed ``weight_quantizer.<name>`` and
+        ``input_quantizer.<name>``."""
+        out = {f"weight_quantizer.{k}": v for k, v in self.weight_quantizer.ptq_params().items()}
+        out.update({f"input_quantizer.{k}": v for k, v in self.input_quantizer.ptq_params().items()})
+        return out
+
+    def load_ptq_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        w, a = {}, {}
+        for k, v in params.items():
+            owner, _, name = k.partition(".")
+            if owner == "weight_quantizer":
+                w[name] = v
+            elif owner == "input_quantizer":
+                a[name] = v
+            else:
+                raise QuantConfigError(f"unknown QuantLinear PTQ parameter {k!r}; keys start with weight_quantizer. or input_quantizer.")
+        self.weight_quantizer.load_ptq_params(w, self.weight)
+        self.input_quantizer.load_ptq_params(a)
+        self.invalidate_cache()
+
+    @torch.no_grad()
+    def export(self) -> dict[str, torch.Tensor]:
+        """Deployable tensors: ``qweight``, ``scale`` / ``scale_e8m0`` (+ ``zero_point``) from
+        the weight quantizer (``weight`` when it is identity), ``bias`` if any, and
+        ``input_scale`` (+ ``input_zero_point``) for static activation specs."""
+        out = self.weight_quantizer.export(self.weight)
+        if self.bias is not None:
+            out["bias"] = self.bias.detach()
+        out.update({f"input_{k}": v for k, v in self.input_quantizer.export().items()})
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class QuantizedMatmul(nn.Module):
+    """``matmul(a_quantizer(a), b_quantizer(b))`` for the attention matmuls (q @ k^T, p @ v).
+
+    Each operand is quantized *in the layout it is passed*: per-token specs reduce over the
+    operand's last dim. For q @ k^T pass ``k`` as stored (``[..., T, d]``) with
+    ``transpose_b=True`` so k is quantized per token over the head dim, or use :meth:`einsum`.
+    With both quantizers off the result is bit-identical to ``torch.matmul``.
+    """
+
+    def __init__(self, a_spec: TensorSpec | None = None, b_spec: TensorSpec | None = None):
+        super().__init__()
+        self.a_quantizer = ActivationQuantizer(a_spec)
+        self.b_quantizer = ActivationQuantizer(b_spec)
+
+    def set_mode(self, mode: str) -> None:
+        self.a_quantizer.mode = mode
+        self.b_quantizer.mode = mode
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, transpose_b: bool = False) -> torch.Tensor:
+        b = self.b_quantizer(b)
+        if transpose_b:
+            b = b.transpose(-1, -2)
+        return torch.matmul(self.a_quantizer(a), b)
+
+    def einsum(self, equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.einsum(equation, self.a_quantizer(a), self.b_quantizer(b))
+
+
+
+class QuantGatedMLP(nn.Module):
+    """Gated MLP ``down(act(gate(x)) * up(x))`` with QuantLinear projections.
+
+    Wraps a module with ``gate_proj`` / ``up_proj`` / ``down_proj`` nn.Linear children and an
+    ``act_fn``. Projections keep the wrapped module's attribute names, so parameter names stay
+    checkpoint coordinates. Subclasses for other layouts set :attr:`PROJECTIONS` (role ->
+    attribute name, e.g. ``{"gate": "w1", "up": "w3", "down": "w2"}``) and may override
+    ``forward``. ``weight_spec`` / ``act_spec`` are one spec for all projections or a dict
+    role -> spec.
+    """
+
+    PROJECTIONS: dict[str, str] = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+    def __init__(self, mlp: nn.Module, weight_spec=None, act_spec=None, cache_weight: bool = True):
+        super().__init__()
+        if not hasattr(mlp, "act_fn"):
+            raise QuantConfigError(f"{type(mlp).__name__} has no act_fn; QuantGatedMLP needs one")
+        self.act_fn: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
+        self._wrap_projections(mlp, weight_spec, act_spec, cache_weight)
+        gate = self.projection("gate")
+        self.hidden_size = getattr(mlp, "hidden_size", gate.in_features)
+        self.intermediate_size = getattr(mlp, "intermediate_size", gate.out_features)
+
+    @staticmethod
+    def _spec_for(spec, role: str):
+        if isinstance(spec, Mapping):
+            return spec.get(role)
+        return spec
+
+    def _wrap_projections(self, mlp: nn.Module, weight_spec, act_spec, cache_weight: bool = True) -> None:
+        """Replace each projection of ``mlp`` by a QuantLinear sharing its parameters."""
+        for role, attr in self.PROJECTIONS.items():
+            lin = getattr(mlp, attr, None)
+            if not isinstance(lin, nn.Linear):
+                raise QuantConfigError(f"{type(mlp).__name__}.{attr} ({role} projection) must be an nn.Linear, got {type(lin).__name__}")
+            setattr(self, attr, QuantLinear.from_linear(
+                lin, self._spec_for(weight_spec, role), self._spec_for(act_spec, role), cache_weight))
+
+    def projection(self, role: str) -> QuantLinear:
+        return getattr(self, self.PROJECTIONS[role])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (self.projection(r) for r in ("gate", "up", "down"))
+        return down(self.act_fn(gate(x)) * up(x))

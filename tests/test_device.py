@@ -1,0 +1,119 @@
+import re
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from amct_ext import device as D
+from amct_ext.errors import AmctError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    monkeypatch.setattr(D, "_npu_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_detect_backend_priority(monkeypatch, cpu_only):
+    assert D.detect_backend() == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert D.detect_backend() == "cuda"
+    monkeypatch.setattr(D, "_npu_available", lambda: True)
+    assert D.detect_backend() == "npu"  # npu wins over cuda
+
+
+def test_npu_probe_is_safe_without_torch_npu():
+    # torch_npu is not installed here: the probe must say False, not raise.
+    D._npu_available.cache_clear()
+    try:
+        import torch_npu  # noqa: F401
+    except Exception:
+        assert D._npu_available() is False
+
+
+def test_resolve_device_cpu_and_auto(cpu_only):
+    assert D.resolve_device("cpu") == torch.device("cpu")
+    assert D.resolve_device("auto") == torch.device("cpu")
+    assert D.resolve_device(torch.device("cpu")) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("pref", ["cuda", "cuda:1", "npu", "npu:0"])
+def test_resolve_device_unavailable_names_backend(cpu_only, pref):
+    backend = pref.split(":")[0]
+    with pytest.raises(AmctError, match=backend):
+        D.resolve_device(pref)
+
+
+def test_resolve_device_bad_strings(cpu_only):
+    with pytest.raises(AmctError, match="tpu"):
+        D.resolve_device("tpu")
+    with pytest.raises(AmctError, match="index"):
+        D.resolve_device("cuda:x")
+
+
+def test_resolve_device_index_checked(monkeypatch):
+    monkeypatch.setattr(D, "_npu_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert D.resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert D.resolve_device("auto", index=1) == torch.device("cuda", 1)
+    with pytest.raises(AmctError, match="only 2 cuda"):
+        D.resolve_device("cuda:2")
+    assert D.device_list("cuda") == [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
+def test_counts_and_noops_on_cpu(cpu_only):
+    assert D.device_count("cpu") == 1
+    assert D.device_count() == 1
+    assert D.device_count("cuda") == 0
+    assert D.device_list() == [torch.device("cpu")]
+    for fn in (D.empty_cache, D.synchronize, D.reset_peak_memory):
+        assert fn("cpu") is None
+
+
+def test_cpu_memory_is_process_rss_in_bytes():
+    before = D.memory_allocated("cpu")
+    x = torch.ones(16 * 2**20)  # 64 MiB, touched
+    after = D.memory_allocated("cpu")
+    peak = D.peak_memory_bytes("cpu")
+    assert before > 10 * 2**20  # a python+torch process is tens of MiB: bytes, not KiB
+    assert after - before > 32 * 2**20
+    assert peak >= after * 0.9  # peak RSS (sampled by the kernel) bounds the current RSS
+    del x
+
+
+def test_elapsed_ms_cpu_counts_and_times():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.005)
+
+    times = D.elapsed_ms(fn, "cpu", repeats=4, warmup=2)
+    assert len(times) == 4 and len(calls) == 6
+    assert statistics.median(times) >= 4.5
+    with pytest.raises(AmctError):
+        D.elapsed_ms(fn, "cpu", repeats=0)
+
+
+def test_timer_cpu():
+    with D.Timer("cpu") as t:
+        time.sleep(0.003)
+    assert t.ms >= 2.5
+
+
+def test_only_device_py_touches_accelerator_modules():
+    # Architecture rule: torch.npu / torch.cuda appear only in amct_ext/device.py.
+    pat = re.compile(r"torch\.(cuda|npu)\b|import torch_npu")
+    offenders = []
+    for folder in ("amct_ext", "models", "tools"):
+        for f in (REPO / folder).rglob("*.py") if (REPO / folder).is_dir() else []:
+            if f == REPO / "amct_ext" / "device.py":
+                continue
+            if pat.search(f.read_text(errors="ignore")):
+                offenders.append(str(f.relative_to(REPO)))
+    assert offenders == []

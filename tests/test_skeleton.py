@@ -1,0 +1,99 @@
+"""Empty-weight skeletons of the real V4-Flash / V4-Pro and the two traps of building them."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from amct_ext.empty import empty_weights, meta_tensors
+from models.deepseek_v4 import DeepseekV4Config
+from models.deepseek_v4.loading import build_skeleton, empty_block, materialize_derived_buffers
+from models.deepseek_v4.modeling import Block, RotaryTable, layer_rope_frequencies, _rope_table
+
+from tests.conftest import REPO, SHARED
+
+
+@pytest.mark.parametrize("name, params_b", [("flash", 284.3), ("pro", 1573.0)])
+def test_full_skeleton_is_free_and_fast(name, params_b):
+    """Built in a fresh process: < 10 s, < 2 GB peak RSS, every parameter and buffer on meta."""
+    code = textwrap.dedent(f"""
+        import json, resource, sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from models.deepseek_v4 import DeepseekV4Config
+        from models.deepseek_v4.loading import build_skeleton
+        cfg = DeepseekV4Config.from_pretrained({str(SHARED / "configs" / f"deepseek-v4-{name}.config.json")!r})
+        t = time.perf_counter()
+        m = build_skeleton(cfg)
+        dt = time.perf_counter() - t
+        print(json.dumps({{
+            "seconds": dt,
+            "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+            "params_b": sum(p.numel() for p in m.parameters()) / 1e9,
+            "all_meta": all(p.is_meta for p in m.parameters()) and all(b.is_meta for b in m.buffers()),
+            "n_layers": len(m.layers),
+        }}))
+    """)
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\n{name}: {r['seconds']:.2f} s, peak RSS {r['rss_gb']:.2f} GB, {r['params_b']:.1f} B parameters")
+    assert r["all_meta"]
+    assert abs(r["params_b"] - params_b) < 0.1
+    assert r["seconds"] < 10 and r["rss_gb"] < 2.0
+
+
+def test_include_buffers_trap():
+    """Without include_buffers=True the rope tables would be allocated for real."""
+    from accelerate import init_empty_weights
+
+    cfg = DeepseekV4Config.from_pretrained(SHARED / "configs" / "deepseek-v4-flash.config.json")
+    with init_empty_weights(include_buffers=False):
+        block = Attention_only(cfg)
+    assert not block.rope.cos.is_meta  # the trap: buffers stay real
+    with empty_weights():
+        block = Attention_only(cfg)
+    assert block.rope.cos.is_meta and block.wq_a.weight.is_meta
+
+
+def Attention_only(cfg):
+    from models.deepseek_v4.modeling import Attention
+
+    return Attention(cfg, 2, torch.bfloat16)
+
+
+def test_real_layer_after_skeleton_has_real_rope_and_fp32_islands():
+    """Trap: a tensor cache first filled under meta must not hand meta tables to a later real build."""
+    cfg = DeepseekV4Config.from_pretrained(SHARED / "configs" / "deepseek-v4-flash.config.json")
+    skeleton = build_skeleton(cfg)                  # fills caches while everything is on meta
+    assert skeleton.layers[2].attn.rope.cos.is_meta
+    block = empty_block(cfg, 4)                     # ratio-4 score layer with indexer: params on meta ...
+    materialize_derived_buffers(block, "cpu")       # ... derived buffers computed for real
+    for name, buf in block.named_buffers():
+        if name.endswith((".cos", ".sin")):
+            assert buf.device.type == "cpu", name
+    freqs = torch.tensor(layer_rope_frequencies(cfg, 4), dtype=torch.float64)
+    expected = torch.outer(torch.arange(10, dtype=torch.float64), freqs).cos().float()
+    assert torch.allclose(block.attn.rope.cos[:10], expected, atol=1e-6)
+    # fp32 islands keep fp32; the rest is the compute dtype
+    fp32 = {n for n, p in block.named_parameters() if p.dtype == torch.float32}
+    for n in ("hc_attn_fn", "hc_ffn_base", "attn.attn_sink", "attn_norm.weight", "attn.q_norm.weight",
+              "attn.compressor.ape", "attn.compressor.wkv.weight", "attn.compressor.wgate.weight",
+              "attn.indexer.compressor.wkv.weight", "ffn.gate.bias"):
+        assert n in fp32, n
+    assert block.attn.wq_a.weight.dtype == torch.bfloat16
+    assert block.ffn.experts[0].w1.weight.dtype == torch.bfloat16
+    hash_block = empty_block(cfg, 0)
+    assert hash_block.ffn.gate.hash and hash_block.ffn.gate.tid2eid.dtype == torch.int64
+
+
+def test_real_tiny_block_builds_without_meta_leftovers():
+    from models.deepseek_v4.tiny import tiny_config
+
+    cfg = tiny_config()
+    with empty_weights():
+        Block(1, cfg, torch.bfloat16)
+    block = Block(1, cfg, torch.bfloat16)
+    assert meta_tensors(block) == []
+    assert block.attn.rope.cos.device.type == "cpu"
