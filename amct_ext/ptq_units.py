@@ -1,0 +1,38 @@
+"""PTQ units: the pieces of a decoder layer that are calibrated one at a time.
+
+A unit is a sub-module whose float output the solver reproduces with its quantized twin
+(an attention, a routed expert, the shared expert). Units are named by checkpoint coordinates
+(``layers.3.ffn.experts.17``) so saved parameters map back to the model unambiguously.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+from torch import nn
+
+
+@dataclass
+class PtqUnit:
+    kind: str                 # 'attn' | 'expert' | 'shared_expert'
+    name: str                 # checkpoint coordinate, e.g. 'layers.3.ffn.experts.17'
+    layer_idx: int
+    module: nn.Module
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def file_stem(self) -> str:
+        """``layer_{i}_{unit}``: the name of the unit's parameter file (without suffix)."""
+        local = self.name[len(f"layers.{self.layer_idx}."):] if self.name.startswith("layers.") else self.name
+        return f"layer_{self.layer_idx}_{local.replace('.', '_')}"
+
+
+def make_ptq_unit(kind: str, name: str, layer_idx: int, module: nn.Module, **metadata: Any) -> PtqUnit:
+    return PtqUnit(kind=kind, name=name, layer_idx=layer_idx, module=module, metadata=dict(metadata))
+
+
+def iter_indexed_units(kind: str, prefix: str, layer_idx: int, modules: Iterable[nn.Module],
+                       index_key: str) -> Iterator[PtqUnit]:
+    """One unit per module of an indexed container (``ffn.experts.{e}``), metadata ``{index_key: e}``."""
+    for idx, module in enumerate(modules):
+        yield make_ptq_unit(kind, f"{prefix}.{idx}", layer_idx, module, **{index_key: idx})
