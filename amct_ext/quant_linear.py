@@ -40,6 +40,8 @@ class QuantLinear(nn.Module):
         self.weight_quantizer.check_shape(weight)
         self.input_quantizer = ActivationQuantizer(act_spec)
         self.cache_weight = cache_weight
+        # enabled=False runs the float linear (bit-identical) with the quantizers kept in place
+        self.enabled = True
         self._cached_weight: torch.Tensor | None = None
         self._cache_key: tuple | None = None
 
@@ -88,6 +90,8 @@ class QuantLinear(nn.Module):
 
     # ----------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return F.linear(x, self.weight, self.bias)
         return F.linear(self.input_quantizer(x), self.quantized_weight(), self.bias)
 
     # ------------------------------------------------------------------ PTQ / export
@@ -140,12 +144,15 @@ class QuantizedMatmul(nn.Module):
         super().__init__()
         self.a_quantizer = ActivationQuantizer(a_spec)
         self.b_quantizer = ActivationQuantizer(b_spec)
+        self.enabled = True  # False: plain torch.matmul, quantizers untouched
 
     def set_mode(self, mode: str) -> None:
         self.a_quantizer.mode = mode
         self.b_quantizer.mode = mode
 
     def forward(self, a: torch.Tensor, b: torch.Tensor, transpose_b: bool = False) -> torch.Tensor:
+        if not self.enabled:
+            return torch.matmul(a, b.transpose(-1, -2) if transpose_b else b)
         b = self.b_quantizer(b)
         if transpose_b:
             b = b.transpose(-1, -2)

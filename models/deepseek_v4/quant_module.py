@@ -1,0 +1,327 @@
+"""DeepSeek-V4 quantization wrappers (prefill only, no kv caches held).
+
+The wrappers are subclasses of the float modules that *reuse their forward*: a wrapper is the
+float module with quantized pieces swapped in -- ``QuantLinear`` for its linears, a
+``QuantMatmul`` for the attention / indexer score and value products, and, for ``wo_a``, a side
+weight quantizer behind the float module's own ``wo_a_weight()`` / ``grouped_output()`` hooks.
+A second copy of the attention math would silently drift from the float layer when that gets
+optimised; this way there is one copy.
+
+    QuantV4Attention   wq_a, wq_b, wkv, wo_b -> QuantLinear; wo_a keeps its grouped einsum
+                       (bsgd,grd->bsgr) and gets WoAQuant (observes its input, fake-quantizes the
+                       [G, o_lora, d] view); QK / PV through QuantMatmul when 'attn-cache' is on;
+                       nested QuantV4Compressor and QuantV4Indexer.
+    QuantV4Compressor  wkv, wgate -> QuantLinear (fp32 weights stay fp32).
+    QuantV4Indexer     wq_b, weights_proj -> QuantLinear; its own QuantV4Compressor; the
+                       index-score matmul through QuantMatmul when 'attn-cache' is on.
+    QuantV4Expert      the gated-MLP wrapper with a w1/w3/w2 -> gate/up/down facade; forward is
+                       the float Expert's (clamp-then-silu, routing weight before w2).
+
+Block and FFN children are named ``attn`` / ``ffn`` (not ``self_attn`` / ``mlp``): generic code
+that looks for the HF names finds nothing here, so the adapter applies these wrappers itself.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from amct_ext.errors import QuantConfigError
+from amct_ext.ptq_units import PtqUnit, iter_indexed_units, make_ptq_unit
+from amct_ext.quant_linear import QuantGatedMLP, QuantizedMatmul, QuantLinear
+from amct_ext.quantizers import ActivationQuantizer, WeightQuantizer
+from amct_ext.schemes import QuantScheme, TensorSpec, parse_targets
+
+from .modeling import Attention, Block, Compressor, Expert, Indexer, Matmul
+
+ATTN_TARGETS = ("attn-linear", "attn-cache")
+
+
+# ----------------------------------------------------------------------------------- leaves
+class QuantMatmul(QuantizedMatmul):
+    """QuantizedMatmul with the float ``Matmul``'s call signature (``forward(a, b)``)."""
+
+    def __init__(self, float_matmul: Matmul, spec: TensorSpec | None):
+        super().__init__(spec, spec)
+        self.transpose_b = float_matmul.transpose_b
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return torch.matmul(a, b.transpose(-1, -2) if self.transpose_b else b)
+        return super().forward(a, b, transpose_b=self.transpose_b)
+
+    def export_ptq_params(self) -> dict[str, torch.Tensor]:
+        out = {f"a_quantizer.{k}": v for k, v in self.a_quantizer.ptq_params().items()}
+        out.update({f"b_quantizer.{k}": v for k, v in self.b_quantizer.ptq_params().items()})
+        return out
+
+    def load_ptq_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        split = _split_params(params, ("a_quantizer", "b_quantizer"), "QuantMatmul")
+        self.a_quantizer.load_ptq_params(split["a_quantizer"])
+        self.b_quantizer.load_ptq_params(split["b_quantizer"])
+
+
+class WoAQuant(nn.Module):
+    """Side quantizers of ``wo_a``: an input quantizer on o [B, S, G, H*Dh/G] and a weight
+    quantizer on the [G, o_lora, H*Dh/G] view. Granularities act on the rows of that view
+    (per output channel of each group), which are the rows of the stored [G*o_lora, d] weight."""
+
+    def __init__(self, wo_a: nn.Linear, n_groups: int, weight_spec: TensorSpec | None,
+                 act_spec: TensorSpec | None):
+        super().__init__()
+        # a plain reference, not a submodule: the weight keeps its single checkpoint name attn.wo_a
+        object.__setattr__(self, "_owner", wo_a)
+        self.n_groups = n_groups
+        self.enabled = True
+        self.weight_quantizer = WeightQuantizer(weight_spec)
+        self.weight_quantizer.check_shape(wo_a.weight)
+        self.input_quantizer = ActivationQuantizer(act_spec)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._owner.weight
+
+    def quantized_view(self) -> torch.Tensor:
+        """[G, o_lora, d] fake-quant view (the 2-D weight is quantized, then viewed)."""
+        w = self.weight_quantizer(self.weight) if self.enabled else self.weight
+        return w.view(self.n_groups, -1, w.shape[-1])
+
+    def quantize_input(self, o: torch.Tensor) -> torch.Tensor:
+        return self.input_quantizer(o) if self.enabled else o
+
+    def export_ptq_params(self) -> dict[str, torch.Tensor]:
+        out = {f"weight_quantizer.{k}": v for k, v in self.weight_quantizer.ptq_params().items()}
+        out.update({f"input_quantizer.{k}": v for k, v in self.input_quantizer.ptq_params().items()})
+        return out
+
+    def load_ptq_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        split = _split_params(params, ("weight_quantizer", "input_quantizer"), "WoAQuant")
+        self.weight_quantizer.load_ptq_params(split["weight_quantizer"], self.weight)
+        self.input_quantizer.load_ptq_params(split["input_quantizer"])
+
+    @torch.no_grad()
+    def export(self) -> dict[str, torch.Tensor]:
+        out = self.weight_quantizer.export(self.weight)
+        out.update({f"input_{k}": v for k, v in self.input_quantizer.export().items()})
+        return out
+
+
+def _split_params(params: Mapping[str, torch.Tensor], owners: tuple[str, ...], who: str) -> dict[str, dict]:
+    split: dict[str, dict] = {o: {} for o in owners}
+    for key, value in params.items():
+        owner, _, name = key.partition(".")
+        if owner not in split:
+            raise QuantConfigError(f"{who}: unknown PTQ parameter {key!r} (expected keys under {', '.join(owners)})")
+        split[owner][name] = value
+    return split
+
+
+QUANT_LEAVES = (QuantLinear, QuantMatmul, WoAQuant)
+
+
+# ---------------------------------------------------------------------------- unit mixin
+class PtqUnitMixin:
+    """What the blockwise solver needs from a unit: its learnable parameters and their state."""
+
+    def quant_leaves(self) -> Iterator[tuple[str, nn.Module]]:
+        for name, module in self.named_modules():
+            if isinstance(module, QUANT_LEAVES):
+                yield name, module
+
+    def ptq_parameters(self) -> list[nn.Parameter]:
+        """Learnable weight-clipping factors of every weight quantizer in the unit."""
+        params: list[nn.Parameter] = []
+        for _, leaf in self.quant_leaves():
+            if isinstance(leaf, (QuantLinear, WoAQuant)):
+                params += leaf.weight_quantizer.enable_learning(leaf.weight)
+                if isinstance(leaf, QuantLinear):
+                    leaf.invalidate_cache()
+        return params
+
+    def freeze_ptq_parameters(self) -> None:
+        for _, leaf in self.quant_leaves():
+            if isinstance(leaf, (QuantLinear, WoAQuant)):
+                leaf.weight_quantizer.disable_learning()
+                if isinstance(leaf, QuantLinear):
+                    leaf.invalidate_cache()
+
+    def export_ptq_params(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, leaf in self.quant_leaves():
+            for key, value in leaf.export_ptq_params().items():
+                out[f"{name}.{key}"] = value.detach().cpu()
+        return out
+
+    def load_ptq_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        leaves = dict(self.quant_leaves())
+        grouped: dict[str, dict[str, torch.Tensor]] = collections.defaultdict(dict)
+        for key, value in params.items():
+            owner = max((n for n in leaves if key.startswith(n + ".")), key=len, default=None)
+            if owner is None:
+                raise QuantConfigError(f"PTQ parameter {key!r} matches no quantized module of "
+                                       f"{type(self).__name__}")
+            grouped[owner][key[len(owner) + 1:]] = value
+        for owner, values in grouped.items():
+            leaves[owner].load_ptq_params(values)
+
+
+# ---------------------------------------------------------------------------- rebinding
+def _rebind(cls: type, module: nn.Module) -> nn.Module:
+    """A ``cls`` instance sharing ``module``'s parameters, buffers and submodules (containers
+    copied, so swapping a child in the wrapper leaves the float module untouched)."""
+    new = cls.__new__(cls)
+    state = dict(module.__dict__)
+    for key, value in state.items():
+        if isinstance(value, (dict, set)) and key.startswith("_"):
+            state[key] = type(value)(value)
+    new.__dict__.update(state)
+    return new
+
+
+def _quant_linear(linear: nn.Linear, weight_spec, act_spec) -> QuantLinear:
+    return QuantLinear.from_linear(linear, weight_spec, act_spec)
+
+
+# ------------------------------------------------------------------------------- wrappers
+class QuantV4Compressor(PtqUnitMixin, Compressor):
+    @classmethod
+    def from_float(cls, comp: Compressor, weight_spec, act_spec) -> "QuantV4Compressor":
+        q = _rebind(cls, comp)
+        q.wkv = _quant_linear(comp.wkv, weight_spec, act_spec)
+        q.wgate = _quant_linear(comp.wgate, weight_spec, act_spec)
+        return q
+
+
+class QuantV4Indexer(PtqUnitMixin, Indexer):
+    @classmethod
+    def from_float(cls, idx: Indexer, weight_spec, act_spec, cache_spec, linear: bool, cache: bool
+                   ) -> "QuantV4Indexer":
+        q = _rebind(cls, idx)
+        if linear:
+            q.wq_b = _quant_linear(idx.wq_b, weight_spec, act_spec)
+            q.weights_proj = _quant_linear(idx.weights_proj, weight_spec, act_spec)
+            q.compressor = QuantV4Compressor.from_float(idx.compressor, weight_spec, act_spec)
+        if cache:
+            q.score_matmul = QuantMatmul(idx.score_matmul, cache_spec)
+        return q
+
+
+class QuantV4Attention(PtqUnitMixin, Attention):
+    @classmethod
+    def from_float(cls, attn: Attention, scheme: QuantScheme, targets: list[str]) -> "QuantV4Attention":
+        q = _rebind(cls, attn)
+        linear = "attn-linear" in targets
+        cache = "attn-cache" in targets
+        ts = scheme.target("attn-linear")
+        wspec, aspec = (ts.weight, ts.input) if (linear and ts is not None) else (None, None)
+        cspec = scheme.cache if cache else None
+        if linear:
+            for name in ("wq_a", "wq_b", "wkv", "wo_b"):
+                setattr(q, name, _quant_linear(getattr(attn, name), wspec, aspec))
+            q.wo_a_quant = WoAQuant(attn.wo_a, attn.o_groups, wspec, aspec)
+            if attn.ratio:
+                q.compressor = QuantV4Compressor.from_float(attn.compressor, wspec, aspec)
+        if attn.ratio == 4 and (linear or cache):
+            q.indexer = QuantV4Indexer.from_float(attn.indexer, wspec, aspec, cspec, linear, cache)
+        if cache:
+            q.qk_matmul = QuantMatmul(attn.qk_matmul, cspec)
+            q.pv_matmul = QuantMatmul(attn.pv_matmul, cspec)
+        return q
+
+    # the float module's hooks for wo_a, with the side quantizer swapped in
+    def wo_a_weight(self) -> torch.Tensor:
+        if "wo_a_quant" in self._modules:
+            return self.wo_a_quant.quantized_view()
+        return super().wo_a_weight()
+
+    def grouped_output(self, o: torch.Tensor) -> torch.Tensor:
+        if "wo_a_quant" in self._modules:
+            o = self.wo_a_quant.quantize_input(o)
+        return super().grouped_output(o)
+
+
+class _ExpertFacade:
+    """Gives a V4 Expert the gate/up/down + act_fn face that QuantGatedMLP expects."""
+
+    def __init__(self, expert: Expert):
+        self.w1, self.w2, self.w3 = expert.w1, expert.w2, expert.w3
+        self.act_fn = torch.nn.functional.silu
+        self.hidden_size = expert.w1.in_features
+        self.intermediate_size = expert.w1.out_features
+
+
+class QuantV4Expert(PtqUnitMixin, QuantGatedMLP):
+    """Routed or shared expert: QuantGatedMLP with w1/w3/w2 as gate/up/down, V4 semantics."""
+
+    PROJECTIONS = {"gate": "w1", "up": "w3", "down": "w2"}
+
+    def __init__(self, expert: Expert, weight_spec, act_spec):
+        super().__init__(_ExpertFacade(expert), weight_spec, act_spec)
+        self.swiglu_limit = expert.swiglu_limit
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        # the float Expert's own math (clamp-then-silu, routing weight before w2) on our linears
+        return Expert.forward(self, x, weights)
+
+
+# ------------------------------------------------------------------------- block-level API
+def quantize_block(block: Block, scheme: QuantScheme, targets: list[str] | str) -> Block:
+    """Wrap ``block`` in place for ``targets`` and return it. Parameters are shared, never cast.
+
+    Activation quantizers start in 'quant' mode for dynamic specs and 'observe' for static ones
+    (those need a calibration pass, then ``set_activation_mode(block, 'quant')``)."""
+    targets = parse_targets(targets)
+    scheme.check_targets(targets)
+    if any(t in targets for t in ATTN_TARGETS):
+        if isinstance(block.attn, QuantV4Attention):
+            raise QuantConfigError(f"layer {block.layer_id}: attention is already quantized")
+        block.attn = QuantV4Attention.from_float(block.attn, scheme, targets)
+    if "moe" in targets:
+        ts = scheme.target("moe")
+        wspec, aspec = (ts.weight, ts.input) if ts is not None else (None, None)
+        ffn = block.ffn
+        if any(isinstance(e, QuantV4Expert) for e in ffn.experts):
+            raise QuantConfigError(f"layer {block.layer_id}: experts are already quantized")
+        ffn.experts = nn.ModuleList(QuantV4Expert(e, wspec, aspec) for e in ffn.experts)
+        if ffn.shared_experts is not None:
+            ffn.shared_experts = QuantV4Expert(ffn.shared_experts, wspec, aspec)
+    for module in block.modules():
+        if isinstance(module, ActivationQuantizer) and not module.is_identity:
+            module.mode = "observe" if module.is_static else "quant"
+    return block
+
+
+def iter_block_ptq_units(block: Block, layer_idx: int, targets: list[str] | str) -> Iterator[PtqUnit]:
+    """attn-linear / attn-cache: one 'attn' unit; moe: one unit per routed expert + the shared one."""
+    targets = parse_targets(targets)
+    prefix = f"layers.{layer_idx}"
+    if any(t in targets for t in ATTN_TARGETS):
+        yield make_ptq_unit("attn", f"{prefix}.attn", layer_idx, block.attn, ratio=block.attn.ratio)
+    if "moe" in targets:
+        yield from iter_indexed_units("expert", f"{prefix}.ffn.experts", layer_idx, block.ffn.experts, "expert_idx")
+        if block.ffn.shared_experts is not None:
+            yield make_ptq_unit("shared_expert", f"{prefix}.ffn.shared_experts", layer_idx, block.ffn.shared_experts)
+
+
+def set_quant_enabled(module: nn.Module, enabled: bool) -> None:
+    """Switch every quantized leaf inside ``module`` off (bit-identical float math) or on."""
+    for leaf in module.modules():
+        if isinstance(leaf, QUANT_LEAVES):
+            leaf.enabled = enabled
+            if isinstance(leaf, QuantLinear):
+                leaf.invalidate_cache()
+
+
+def set_activation_mode(module: nn.Module, mode: str) -> None:
+    """'off' | 'observe' | 'quant' for every non-identity activation quantizer inside ``module``."""
+    for leaf in module.modules():
+        if isinstance(leaf, ActivationQuantizer) and not leaf.is_identity:
+            leaf.mode = mode
+
+
+def count_quant_modules(module: nn.Module) -> dict[str, int]:
+    """How many QuantLinear / ActivationQuantizer / QuantMatmul / WoAQuant a module holds."""
+    counts = collections.Counter(type(m).__name__ for m in module.modules())
+    return {name: counts.get(name, 0) for name in ("QuantLinear", "ActivationQuantizer", "QuantMatmul", "WoAQuant")}
