@@ -555,7 +555,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, start_pos: int = 0, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, hc, D] -> [B, S, hc, D]. Prefill only; input_ids [B, S] feed hash routing."""
         if start_pos != 0:
-            raise NotImplementedError("the float reference is prefill-only (start_pos must be 0)")
+            raise ValueError(f"the float reference is prefill-only: start_pos must be 0, got {start_pos}")
         res = x
         y, post, comb = self._hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         x = hc_post(self.attn(self.attn_norm(y)), res, post, comb)
