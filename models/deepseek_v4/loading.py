@@ -86,6 +86,7 @@ def load_block(reader: CheckpointReader, config: DeepseekV4Config, layer_id: int
     _assign(block, result.tensors, f"layer {layer_id}")
     materialize_derived_buffers(block, device)
     assert_materialized(block, f"layer {layer_id}")
+    block.ffn.pack_experts()  # grouped-GEMM expert path (one copy of the expert weights, as views)
     return block.eval(), [prefix + k for k in result.loaded] + [prefix + k for k in result.unexpected]
 
 

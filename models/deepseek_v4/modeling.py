@@ -475,19 +475,23 @@ class MoE(nn.Module):
         )
         self.shared_experts = Expert(config.dim, config.n_shared_experts * config.moe_inter_dim,
                                      config.swiglu_limit, dtype) if config.n_shared_experts else None
+        self._packed: tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]] | None = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, D], input_ids [B, S] -> [B, S, D]; routed + shared summed in fp32."""
         shape = x.shape
         flat = x.reshape(-1, self.dim)
         weights, indices = self.gate(flat, None if input_ids is None else input_ids.reshape(-1))
-        out = self.route(flat, weights, indices)
+        if self._can_group(flat):
+            out = self.route_grouped(flat, weights, indices)
+        else:
+            out = self.route(flat, weights, indices)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat).float()
         return out.to(x.dtype).view(shape)
 
     def route(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's picked experts: tokens sorted by expert, one GEMM group per expert."""
+        """Reference routing: tokens sorted by expert, one call of each expert module on its tokens."""
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         order = indices.flatten().argsort(stable=True)                   # slots grouped by expert
         counts = torch.bincount(indices.flatten(), minlength=self.n_routed_experts).tolist()
@@ -501,6 +505,76 @@ class MoE(nn.Module):
             out.index_add_(0, tok, self.experts[e](flat[tok], slot_weights[start:start + n]).float())
             start += n
         return out
+
+    # -- grouped GEMM path ----------------------------------------------------------------------
+    @torch.no_grad()
+    def pack_experts(self) -> None:
+        """Stack the routed experts' weights into w13 [E, 2I, D] (w1 rows, then w3 rows) and
+        w2 [E, D, I], and make every expert's parameters views into them.
+
+        ``forward`` then runs two grouped GEMMs over the tokens sorted by expert instead of a
+        Python loop over E experts (and needs no host sync). Call it after the weights are loaded
+        and before any wrapper takes references to the parameters; moving the module (``.to()``)
+        drops the packing (the loop path is used until it is packed again)."""
+        if not _grouped_mm_supported(self.experts[0].w1.weight):
+            return
+        w1 = self.experts[0].w1.weight
+        n_exp, inter, dim = len(self.experts), w1.shape[0], w1.shape[1]
+        w13 = torch.empty(n_exp, 2 * inter, dim, dtype=w1.dtype, device=w1.device)
+        w2 = torch.empty(n_exp, dim, inter, dtype=w1.dtype, device=w1.device)
+        ptrs = []
+        for e, expert in enumerate(self.experts):
+            w13[e, :inter].copy_(expert.w1.weight)
+            w13[e, inter:].copy_(expert.w3.weight)
+            w2[e].copy_(expert.w2.weight)
+            expert.w1.weight = nn.Parameter(w13[e, :inter], requires_grad=expert.w1.weight.requires_grad)
+            expert.w3.weight = nn.Parameter(w13[e, inter:], requires_grad=expert.w3.weight.requires_grad)
+            expert.w2.weight = nn.Parameter(w2[e], requires_grad=expert.w2.weight.requires_grad)
+            ptrs.append((expert.w1.weight.data_ptr(), expert.w3.weight.data_ptr(), expert.w2.weight.data_ptr()))
+        self._packed = (w13, w2, ptrs)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._packed = None  # parameters get new storage: the stacked copies would go stale
+        return super()._apply(fn, *args, **kwargs)
+
+    def _can_group(self, flat: torch.Tensor) -> bool:
+        """Packed weights still back every expert, and every expert computes the float function."""
+        if self._packed is None or self._packed[0].device != flat.device:
+            return False
+        for expert, (p1, p3, p2) in zip(self.experts, self._packed[2]):
+            if getattr(expert, "quantized", False):
+                return False
+            if (expert.w1.weight.data_ptr(), expert.w3.weight.data_ptr(), expert.w2.weight.data_ptr()) != (p1, p3, p2):
+                return False
+        return True
+
+    def route_grouped(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Same math as ``route`` + ``Expert.forward``, as two grouped GEMMs over sorted slots."""
+        w13, w2, _ = self._packed
+        inter = w2.shape[-1]
+        limit = self.experts[0].swiglu_limit
+        slots = indices.flatten()
+        order = slots.argsort(stable=True)
+        offsets = torch.cumsum(torch.bincount(slots, minlength=self.n_routed_experts), 0).to(torch.int32)
+        tok = order // indices.shape[1]
+        h = torch._grouped_mm(flat[tok], w13.transpose(1, 2), offs=offsets)   # [T, 2I]
+        gate, up = h[:, :inter].float(), h[:, inter:].float()
+        if limit > 0:
+            up = up.clamp(-limit, limit)
+            gate = gate.clamp(max=limit)
+        h = F.silu(gate) * up * weights.flatten()[order].unsqueeze(-1)
+        y = torch._grouped_mm(h.to(flat.dtype), w2.transpose(1, 2), offs=offsets)  # [T, D]
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+        return out.index_add_(0, tok, y.float())
+
+
+def _grouped_mm_supported(weight: torch.Tensor) -> bool:
+    """torch._grouped_mm: CPU (bf16 / fp32) and CUDA (bf16); rows must be 16-byte aligned."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    ok_dtype = weight.dtype == torch.bfloat16 or (weight.device.type == "cpu" and weight.dtype == torch.float32)
+    aligned = all((n * weight.element_size()) % 16 == 0 for n in weight.shape)
+    return weight.device.type in ("cpu", "cuda") and ok_dtype and aligned
 
 
 # ----------------------------------------------------------------------------- Hyper-connections

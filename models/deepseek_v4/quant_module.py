@@ -261,6 +261,12 @@ class QuantV4Expert(PtqUnitMixin, QuantGatedMLP):
         super().__init__(_ExpertFacade(expert), weight_spec, act_spec)
         self.swiglu_limit = expert.swiglu_limit
 
+    @property
+    def quantized(self) -> bool:
+        """True when any projection really quantizes (MoE then leaves its grouped float path)."""
+        return any(p.enabled and not (p.weight_quantizer.is_identity and p.input_quantizer.is_identity)
+                   for p in (self.w1, self.w2, self.w3))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         # the float Expert's own math (clamp-then-silu, routing weight before w2) on our linears
         return Expert.forward(self, x, weights)
