@@ -368,41 +368,46 @@ class Attention(nn.Module):
 
         q [B, S, H, Dh]; kv [B, S, Dh]; comp_kv [B, Nc, Dh]; comp_allowed [B, S, Nc] bool.
         Query blocks of W tokens attend to the 2W keys of their own and the previous block (a banded
-        window without an S x S score matrix); compressed entries are scored densely and masked."""
+        window without an S x S score matrix); compressed entries are scored densely and masked.
+        The single shared KV head lets the heads fold into the rows of plain batched GEMMs:
+        [B, nb, W*H, Dh] @ [B, nb, Dh, 2W] -- no per-head copy of the keys."""
         bsz, seqlen, n_heads, dh = q.shape
         w = self.window
         n_blocks = -(-seqlen // w)
         pad = n_blocks * w - seqlen
-        qb = F.pad(q, (0, 0, 0, 0, 0, pad)).view(bsz, n_blocks, w, n_heads, dh).transpose(2, 3)  # [B,nb,H,W,Dh]
+        qb = F.pad(q, (0, 0, 0, 0, 0, pad)).view(bsz, n_blocks, w * n_heads, dh)   # rows = (token, head)
         kvp = F.pad(kv, (0, 0, 0, pad)).view(bsz, n_blocks, w, dh)
-        keys = torch.cat((F.pad(kvp[:, :-1], (0, 0, 0, 0, 1, 0)), kvp), dim=2).unsqueeze(2)  # [B,nb,1,2W,Dh]
+        keys = torch.cat((F.pad(kvp[:, :-1], (0, 0, 0, 0, 1, 0)), kvp), dim=2)      # [B, nb, 2W, Dh]
 
         # key slot j of block b is position (b-1)*W + j; query i of block b is b*W + i
         i = torch.arange(w, device=q.device).view(w, 1)
         j = torch.arange(2 * w, device=q.device).view(1, 2 * w)
         band = (j > i) & (j <= i + w)                                   # t-W < p <= t
         first = band & (j >= w)                                         # block 0 has no predecessor
-        win_allowed = torch.stack([first] + [band] * (n_blocks - 1)).view(1, n_blocks, 1, w, 2 * w)
+        win_allowed = torch.cat((first.unsqueeze(0), band.expand(n_blocks - 1, w, 2 * w)))
+        win_allowed = win_allowed.view(1, n_blocks, w, 1, 2 * w)
 
-        logits = self.qk_matmul(qb, keys).float() * self.softmax_scale    # [B,nb,H,W,2W]
+        logits = self.qk_matmul(qb, keys).float().view(bsz, n_blocks, w, n_heads, 2 * w) * self.softmax_scale
         logits = logits.masked_fill(~win_allowed, float("-inf"))
-        if comp_kv is not None and comp_kv.shape[1] > 0:
+        has_comp = comp_kv is not None and comp_kv.shape[1] > 0
+        if has_comp:
             n_entries = comp_kv.shape[1]
-            comp_logits = self.qk_matmul(qb, comp_kv.view(bsz, 1, 1, n_entries, dh)).float() * self.softmax_scale
-            allowed = F.pad(comp_allowed, (0, 0, 0, pad)).view(bsz, n_blocks, 1, w, n_entries)
+            comp_logits = self.qk_matmul(qb.view(bsz, n_blocks * w * n_heads, dh), comp_kv).float()
+            comp_logits = comp_logits.view(bsz, n_blocks, w, n_heads, n_entries) * self.softmax_scale
+            allowed = F.pad(comp_allowed, (0, 0, 0, pad)).view(bsz, n_blocks, w, 1, n_entries)
             logits = torch.cat((logits, comp_logits.masked_fill(~allowed, float("-inf"))), dim=-1)
 
-        sink = self.attn_sink.float().view(1, 1, n_heads, 1, 1)
+        sink = self.attn_sink.float().view(1, 1, 1, n_heads, 1)
         peak = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
-        e = torch.exp(logits - peak)
-        probs = e / (e.sum(dim=-1, keepdim=True) + torch.exp(sink - peak))
-        probs = probs.to(q.dtype)
+        probs = torch.exp(logits - peak)
+        probs = probs / (probs.sum(dim=-1, keepdim=True) + torch.exp(sink - peak))
+        probs = probs.to(q.dtype).view(bsz, n_blocks, w * n_heads, -1)
 
-        out = self.pv_matmul(probs[..., : 2 * w], keys)                  # [B,nb,H,W,Dh]
-        if comp_kv is not None and comp_kv.shape[1] > 0:
-            out = out + self.pv_matmul(probs[..., 2 * w:], comp_kv.view(bsz, 1, 1, -1, dh))
-        out = out.transpose(2, 3).reshape(bsz, n_blocks * w, n_heads, dh)
-        return out[:, :seqlen]
+        out = self.pv_matmul(probs[..., : 2 * w], keys)                  # [B, nb, W*H, Dh]
+        if has_comp:
+            comp_out = self.pv_matmul(probs[..., 2 * w:].reshape(bsz, n_blocks * w * n_heads, -1), comp_kv)
+            out = out + comp_out.view(bsz, n_blocks, w * n_heads, dh)
+        return out.view(bsz, n_blocks * w, n_heads, dh)[:, :seqlen]
 
 
 # ------------------------------------------------------------------------------------------- MoE
