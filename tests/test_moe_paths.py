@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from amct_ext.schemes import load_scheme
+from amct_ext.schemes import QuantScheme, load_scheme
 from models.deepseek_v4.quant_module import quantize_block, set_quant_enabled
 from models.deepseek_v4.tiny import random_tiny_model
 
@@ -28,10 +28,31 @@ def test_packing_follows_wrappers_and_moves():
     block.ffn.pack_experts()
     x = torch.randn(1, 20, 64, dtype=torch.bfloat16)
     assert block.ffn._can_group(x.view(-1, 64))
-    q = quantize_block(copy.deepcopy(block), load_scheme("w8a8"), ["moe"])
-    q.ffn.pack_experts()
-    assert not q.ffn._can_group(x.view(-1, 64))   # fake-quant experts take the loop path
+    static = QuantScheme.from_dict({
+        "name": "w8a8-static", "weight": {"format": "int", "bits": 8, "granularity": "channel"},
+        "input": {"format": "int", "bits": 8, "granularity": "tensor", "dynamic": False}, "cache": None})
+    q = quantize_block(copy.deepcopy(block), static, ["moe"])
+    assert not q.ffn._can_group(x.view(-1, 64))   # per-expert static input scales: loop path
     set_quant_enabled(q, False)
     assert q.ffn._can_group(x.view(-1, 64))       # quant off: float math again, grouped is exact
     block.to(torch.float32)
     assert block.ffn._packed is None             # moved: packing dropped, loop path
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "fp8", "mxfp4", "mxfp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_fake_quant_equals_per_expert_loop(scheme, dtype):
+    """Per-token input scales depend on the row alone, so quantizing all sorted rows at once and
+    running the stacked fake-quant weights gives exactly the per-expert loop's result."""
+    model = random_tiny_model(0, dtype=dtype)
+    ids = torch.randint(2, 512, (2, 70), generator=torch.Generator().manual_seed(2))
+    x = model.embed_tokens(ids)
+    block = model.layers[3]
+    block.ffn.pack_experts()
+    q = quantize_block(copy.deepcopy(block), load_scheme(scheme), ["moe"])
+    assert q.ffn._can_group(x.view(-1, 64))
+    with torch.no_grad():
+        grouped = q(x, 0, ids)
+        q.ffn._can_group = lambda flat: False
+        loop = q(x, 0, ids)
+    assert torch.equal(grouped, loop)

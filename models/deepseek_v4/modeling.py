@@ -555,22 +555,33 @@ class MoE(nn.Module):
 
     def route_grouped(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Same math as ``route`` + ``Expert.forward``, as two grouped GEMMs over sorted slots."""
-        w13, w2, _ = self._packed
+        w13, w2 = self.grouped_weights()
         inter = w2.shape[-1]
         limit = self.experts[0].swiglu_limit
         slots = indices.flatten()
         order = slots.argsort(stable=True)
         offsets = torch.cumsum(torch.bincount(slots, minlength=self.n_routed_experts), 0).to(torch.int32)
         tok = order // indices.shape[1]
-        h = torch._grouped_mm(flat[tok], w13.transpose(1, 2), offs=offsets)   # [T, 2I]
+        xs = self.grouped_rows(flat[tok], "w1")
+        h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offsets)          # [T, 2I]
         gate, up = h[:, :inter].float(), h[:, inter:].float()
         if limit > 0:
             up = up.clamp(-limit, limit)
             gate = gate.clamp(max=limit)
         h = F.silu(gate) * up * weights.flatten()[order].unsqueeze(-1)
-        y = torch._grouped_mm(h.to(flat.dtype), w2.transpose(1, 2), offs=offsets)  # [T, D]
+        h = self.grouped_rows(h.to(flat.dtype), "w2")
+        y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)            # [T, D]
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         return out.index_add_(0, tok, y.float())
+
+    # hooks of the grouped path (a quantization wrapper swaps in fake-quant weights / inputs)
+    def grouped_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, D], w2 [E, D, I]) used by the grouped GEMMs."""
+        return self._packed[0], self._packed[1]
+
+    def grouped_rows(self, rows: torch.Tensor, projection: str) -> torch.Tensor:
+        """The input rows of ``projection`` ('w1' covers w1 and w3) as the experts see them."""
+        return rows
 
 
 def _grouped_mm_supported(weight: torch.Tensor) -> bool:

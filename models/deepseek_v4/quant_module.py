@@ -34,7 +34,7 @@ from amct_ext.quant_linear import QuantGatedMLP, QuantizedMatmul, QuantLinear
 from amct_ext.quantizers import ActivationQuantizer, WeightQuantizer
 from amct_ext.schemes import QuantScheme, TensorSpec, parse_targets
 
-from .modeling import Attention, Block, Compressor, Expert, Indexer, Matmul
+from .modeling import Attention, Block, Compressor, Expert, Indexer, Matmul, MoE, _grouped_mm_supported
 
 ATTN_TARGETS = ("attn-linear", "attn-cache")
 
@@ -272,6 +272,68 @@ class QuantV4Expert(PtqUnitMixin, QuantGatedMLP):
         return Expert.forward(self, x, weights)
 
 
+class QuantV4MoE(MoE):
+    """The float MoE (same forward, same routing) whose grouped-GEMM path also serves fake-quant
+    experts: the experts' cached fake-quant weights are stacked once, and the per-token input
+    quantization runs over all sorted rows at once -- the same numbers as each expert quantizing
+    its own rows, because per-token scales depend on the row alone. Other input specs (static or
+    per-tensor scales differ per expert) take the per-expert loop."""
+
+    _stacks: tuple | None = None
+
+    @classmethod
+    def from_float(cls, moe: MoE) -> "QuantV4MoE":
+        q = _rebind(cls, moe)
+        q._stacks = None
+        return q
+
+    def _quantized_experts(self) -> list["QuantV4Expert"]:
+        return [e for e in self.experts if getattr(e, "quantized", False)]
+
+    def _can_group(self, flat: torch.Tensor) -> bool:
+        if not self._quantized_experts():
+            return super()._can_group(flat)
+        experts = list(self.experts)
+        if not all(isinstance(e, QuantV4Expert) and e.quantized for e in experts):
+            return False
+        w = experts[0].w1.weight
+        if w.device != flat.device or not _grouped_mm_supported(w):
+            return False
+        for role, proj in (("w1", "w1"), ("w1", "w3"), ("w2", "w2")):
+            spec = getattr(experts[0], proj).input_quantizer.spec
+            if getattr(experts[0], role).input_quantizer.spec != spec or not _row_wise(spec):
+                return False
+            if any(getattr(e, proj).input_quantizer.spec != spec for e in experts):
+                return False
+        return True
+
+    def grouped_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._quantized_experts():
+            return super().grouped_weights()
+        parts = [(e.w1.quantized_weight(), e.w3.quantized_weight(), e.w2.quantized_weight()) for e in self.experts]
+        key = [tuple(id(t) for t in p) for p in parts]
+        if self._stacks is None or self._stacks[0] != key:
+            w13 = torch.stack([torch.cat((p[0], p[1])) for p in parts])
+            w2 = torch.stack([p[2] for p in parts])
+            # keep the source tensors referenced so their ids cannot be reused while cached
+            self._stacks = (key, w13.detach(), w2.detach(), parts)
+        return self._stacks[1], self._stacks[2]
+
+    def grouped_rows(self, rows: torch.Tensor, projection: str) -> torch.Tensor:
+        if not self._quantized_experts():
+            return rows
+        return getattr(self.experts[0], projection).input_quantizer(rows)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._stacks = None
+        return super()._apply(fn, *args, **kwargs)
+
+
+def _row_wise(spec) -> bool:
+    """Input specs whose scales depend on the row alone (or no quantization at all)."""
+    return spec is None or (spec.dynamic and (spec.granularity in ("token", "group") or spec.format in ("mxfp8", "mxfp4")))
+
+
 # ------------------------------------------------------------------------- block-level API
 def quantize_block(block: Block, scheme: QuantScheme, targets: list[str] | str) -> Block:
     """Wrap ``block`` in place for ``targets`` and return it. Parameters are shared, never cast.
@@ -290,6 +352,7 @@ def quantize_block(block: Block, scheme: QuantScheme, targets: list[str] | str) 
         ffn = block.ffn
         if any(isinstance(e, QuantV4Expert) for e in ffn.experts):
             raise QuantConfigError(f"layer {block.layer_id}: experts are already quantized")
+        ffn = block.ffn = QuantV4MoE.from_float(ffn)
         ffn.experts = nn.ModuleList(QuantV4Expert(e, wspec, aspec) for e in ffn.experts)
         if ffn.shared_experts is not None:
             ffn.shared_experts = QuantV4Expert(ffn.shared_experts, wspec, aspec)

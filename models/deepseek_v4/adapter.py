@@ -1,0 +1,256 @@
+"""DeepSeek-V4 adapter: binds the blockwise framework (amct_ext.base.BaseModel) to this model.
+
+What is V4-specific here
+- The hidden state is 4-D ``[B, S, hc, D]`` (hyper-connections) from the embedding to the head;
+  the head collapses the hc copies (``hc_head_*``) before the final norm.
+- ``Block.forward(x, start_pos=0, input_ids=None)``: hash-routed MoE layers need each sample's
+  ``input_ids``. They travel through the per-sample state channel (``self.sample_state``), which
+  ``do_embedding_forward`` fills from what the Catcher records.
+- Children are ``attn`` / ``ffn`` (not ``self_attn`` / ``mlp``), so units and wrappers come
+  from ``quant_module`` rather than generic name matching; the 'mlp' target is refused.
+
+Memory model: the whole model is a meta skeleton; only the stem (embed, norm, head, hc_head_*)
+is loaded for real, and layer ``i`` is built on demand and released after use.
+
+Two build paths for a layer
+- CPU staging (``block(i)``): every tensor in host memory; the PTQ solver moves one unit at a
+  time to the compute device.
+- Sharded (``block(i, sharded=True)``): the layer's device map comes from
+  ``dispatch.build_layer_device_map`` over ``shard_devices()``; tensors are read from the
+  checkpoint DIRECTLY onto their device (one ``reader.load_prefix`` per device group, FP8 / FP4
+  decoded there), then ``dispatch.dispatch_layer`` adds the accelerate hooks that move
+  activations between devices. Nothing of the layer passes through host memory as a whole.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+from collections import defaultdict
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from amct_ext.base import BaseModel, RunConfig
+from amct_ext.capture import Catcher, run_until_caught
+from amct_ext.checkpoint import CheckpointReader
+from amct_ext.dispatch import build_layer_device_map, dispatch_layer, resolve_device_for, undispatch_layer
+from amct_ext.empty import assert_materialized
+from amct_ext.errors import CheckpointError, ConfigError
+from amct_ext.ptq_units import PtqUnit
+from amct_ext.schemes import parse_targets
+
+from . import quant_module
+from .loading import build_skeleton, empty_block, load_block, load_config, load_stem
+from .modeling import Block, RotaryTable
+
+log = logging.getLogger(__name__)
+
+#: config.json fields without which the defaults would silently describe another model
+#: (official name, runtime name); either spelling is accepted.
+REQUIRED_CONFIG_FIELDS = (
+    ("vocab_size", "vocab_size"),
+    ("hidden_size", "dim"),
+    ("num_hidden_layers", "n_layers"),
+    ("num_attention_heads", "n_heads"),
+    ("moe_intermediate_size", "moe_inter_dim"),
+    ("n_routed_experts", "n_routed_experts"),
+    ("num_experts_per_tok", "n_activated_experts"),
+    ("compress_ratios", "compress_ratios"),
+)
+
+# attribute set on a sharded block: the devices its map was built over (for re-dispatch)
+_SHARD_ATTR = "_amct_shard_devices"
+
+
+def check_config_fields(model_path) -> None:
+    """One clear error naming config.json and the first missing required field."""
+    from pathlib import Path
+
+    cfg = Path(model_path) / "config.json"
+    if not cfg.is_file():
+        raise CheckpointError(f"{cfg}: config.json not found (is {model_path} a DeepSeek-V4 checkpoint folder?)")
+    try:
+        raw = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{cfg}: cannot read JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{cfg}: expected a JSON object at the top level")
+    for hf, runtime in REQUIRED_CONFIG_FIELDS:
+        if hf not in raw and runtime not in raw:
+            alt = f" (or {runtime!r})" if runtime != hf else ""
+            raise ConfigError(f"{cfg}: required field {hf!r}{alt} is missing")
+
+
+class _DropPartialLoadWarnings(logging.Filter):
+    """The sharded path reads a layer with one ``load_prefix`` per device; each call sees the
+    other devices' keys as "not expected". Those are accounted for across all calls by
+    ``_load_sharded`` (which reports keys no device took), so the per-call warning is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("checkpoint keys under")
+
+
+@contextlib.contextmanager
+def _quiet_partial_loads() -> Iterator[None]:
+    logger = logging.getLogger("amct_ext.checkpoint")
+    f = _DropPartialLoadWarnings()
+    logger.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)
+
+
+class DeepseekV4Adapter(BaseModel):
+    """Blockwise access to a DeepSeek-V4 checkpoint folder (V4-Flash, V4-Pro, tiny)."""
+
+    def __init__(self, run: RunConfig):
+        super().__init__(run)
+        check_config_fields(self.model_path)
+        self.config = load_config(self.model_path)
+        self.reader = CheckpointReader(self.model_path)
+        self.dtype = run.dtype
+        self.model: nn.Module | None = None
+        self._stem_loaded = False
+
+    # ------------------------------------------------------------------ identity / limits
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.n_layers)
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.config.max_seq_len)
+
+    def model_id(self) -> dict[str, Any]:
+        """Identifies the checkpoint in ptq_params/meta.json: the hash of its config.json (a moved
+        folder is the same model; a different architecture or size is not)."""
+        blob = (self.model_path / "config.json").read_bytes()
+        return {"name": self.model_path.name, "config_sha256": hashlib.sha256(blob).hexdigest()}
+
+    # ------------------------------------------------------------------ skeleton and stem
+    def empty_weights_model(self) -> nn.Module:
+        if self.model is None:
+            self.model = build_skeleton(self.config, self.dtype)
+        return self.model
+
+    def load_embed_state_dict(self) -> None:
+        """embed / norm / head / hc_head_* onto the compute device (small next to one layer)."""
+        if self._stem_loaded:
+            return
+        model = self.empty_weights_model()
+        load_stem(self.reader, model, self.device, self.dtype)
+        self._stem_loaded = True
+
+    # ------------------------------------------------------------------ layers
+    def block(self, layer_idx: int, sharded: bool = False) -> Block:
+        if not 0 <= layer_idx < self.num_layers:
+            raise ConfigError(f"layer index {layer_idx} is out of range: the model has {self.num_layers} layers")
+        if not sharded:
+            block, _ = load_block(self.reader, self.config, layer_idx, self.dtype, "cpu")
+            return block
+        return self._load_sharded(layer_idx, self.shard_devices())
+
+    def _load_sharded(self, layer_idx: int, devices: Sequence[torch.device]) -> Block:
+        """Direct placement: one ``load_prefix`` per device group, tensors decoded on the device."""
+        block = empty_block(self.config, layer_idx, self.dtype)
+        names = [n for n, _ in block.named_modules() if n]
+        dmap = build_layer_device_map(names, devices)
+        groups: dict[torch.device, dict[str, torch.Tensor]] = defaultdict(dict)
+        for key, meta in block.state_dict().items():
+            owner = key.rpartition(".")[0]
+            groups[resolve_device_for(owner, dmap)][key] = meta
+        prefix = f"layers.{layer_idx}."
+        tensors: dict[str, torch.Tensor] = {}
+        not_taken: set[str] | None = None
+        with _quiet_partial_loads():
+            for dev, expected in groups.items():
+                result = self.reader.load_prefix(prefix, expected, device=dev, dtype=self.dtype)
+                tensors.update(result.tensors)
+                unexpected = {k for k in result.unexpected if k not in block.state_dict()}
+                not_taken = unexpected if not_taken is None else not_taken & unexpected
+        if not_taken:
+            log.warning("layer %d: checkpoint keys the model does not use: %s", layer_idx,
+                        ", ".join(sorted(not_taken)[:10]))
+        result = block.load_state_dict(tensors, strict=False, assign=True)
+        if result.missing_keys or result.unexpected_keys:  # the reader already checked: a bug guard
+            raise CheckpointError(f"layer {layer_idx}: missing {result.missing_keys[:5]}, "
+                                  f"unexpected {result.unexpected_keys[:5]}")
+        for name, sub in block.named_modules():
+            if isinstance(sub, RotaryTable):  # derived buffers: recomputed where they are used
+                sub.materialize(resolve_device_for(name, dmap))
+        assert_materialized(block, f"layer {layer_idx}")
+        dispatch_layer(block, dmap)
+        setattr(block, _SHARD_ATTR, list(devices))
+        return block.eval()
+
+    def release_block(self, block: nn.Module) -> None:
+        if hasattr(block, _SHARD_ATTR):
+            delattr(block, _SHARD_ATTR)
+        super().release_block(block)
+
+    # ------------------------------------------------------------------ quantization hooks
+    def quantize_block(self, block: Block, scheme, targets: Sequence[str]) -> Block:
+        """``quant_module.quantize_block``; a sharded block is re-dispatched afterwards because
+        the wrappers replace hooked modules (the new map equals the old one name for name)."""
+        devices = getattr(block, _SHARD_ATTR, None)
+        if devices is not None:
+            undispatch_layer(block)
+        quant_module.quantize_block(block, scheme, list(self.parse_targets(targets)))
+        if devices is not None:
+            names = [n for n, _ in block.named_modules() if n]
+            dispatch_layer(block, build_layer_device_map(names, devices))
+        return block
+
+    @staticmethod
+    def parse_targets(targets: str | Sequence[str]) -> list[str]:
+        """Validated targets; 'mlp' is refused (V4's feed-forward layers are MoE: use 'moe')."""
+        return parse_targets(targets)
+
+    def iter_ptq_units(self, block: Block, layer_idx: int, targets: Sequence[str]) -> Iterator[PtqUnit]:
+        return quant_module.iter_block_ptq_units(block, layer_idx, list(self.parse_targets(targets)))
+
+    def prepare_capture(self, block: Block) -> None:
+        """The grouped-GEMM MoE path computes all routed experts from stacked weights without
+        calling the expert modules, so their forward hooks would never fire. Dropping the
+        packing (what ``MoE._apply`` does on a move) sends routing through the per-expert loop;
+        the parameters stay valid (views of the stacked storage)."""
+        ffn = getattr(block, "ffn", None)
+        if ffn is not None and getattr(ffn, "_packed", None) is not None:
+            ffn._packed = None
+
+    def set_quant_enabled(self, module: nn.Module, enabled: bool) -> None:
+        quant_module.set_quant_enabled(module, enabled)
+
+    # ------------------------------------------------------------------ forward hooks
+    @torch.no_grad()
+    def do_embedding_forward(self, samples: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """embed -> [B, S, hc, D]; layer 0's inputs recorded by a Catcher in the model's own forward.
+
+        The Catcher also records what the model passes to its layers (``start_pos``,
+        ``input_ids``): that is each sample's state for ``do_block_forward``.
+        """
+        self.load_embed_state_dict()
+        model = self.empty_weights_model()
+        store = "cpu" if self.run.offload_hidden else None
+        catcher = Catcher(model.layers[0], store_device=store)
+        model.layers[0] = catcher
+        try:
+            for ids in samples:
+                run_until_caught(lambda: model(ids.to(self.device)))
+        finally:
+            model.layers[0] = catcher.module
+        self.sample_state = catcher.kwargs
+        return catcher.inputs
+
+    @torch.no_grad()
+    def do_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """HC head (collapse hc copies) -> norm -> head: fp32 logits [B, S, V] for every position."""
+        self.load_embed_state_dict()
+        return self.empty_weights_model().head_logits(hidden.to(self.device))
+
+    def close(self) -> None:
+        self.reader.close()
