@@ -31,12 +31,14 @@ def test_packing_follows_wrappers_and_moves():
     static = QuantScheme.from_dict({
         "name": "w8a8-static", "weight": {"format": "int", "bits": 8, "granularity": "channel"},
         "input": {"format": "int", "bits": 8, "granularity": "tensor", "dynamic": False}, "cache": None})
-    q = quantize_block(copy.deepcopy(block), static, ["moe"])
+    q = quantize_block(block, static, ["moe"])      # in place: the packed views stay shared
     assert not q.ffn._can_group(x.view(-1, 64))   # per-expert static input scales: loop path
     set_quant_enabled(q, False)
     assert q.ffn._can_group(x.view(-1, 64))       # quant off: float math again, grouped is exact
-    block.to(torch.float32)
-    assert block.ffn._packed is None             # moved: packing dropped, loop path
+    other = model.layers[1]
+    other.ffn.pack_experts()
+    other.to(torch.float32)
+    assert other.ffn._packed is None             # moved: packing dropped, loop path
 
 
 @pytest.mark.parametrize("scheme", ["w8a8", "fp8", "mxfp4", "mxfp8"])
