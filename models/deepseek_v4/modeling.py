@@ -542,10 +542,16 @@ class MoE(nn.Module):
         self._packed = None  # parameters get new storage: the stacked copies would go stale
         return super()._apply(fn, *args, **kwargs)
 
+    def _packed_requires_grad(self) -> bool:
+        e = self.experts[0]
+        return e.w1.weight.requires_grad or e.w2.weight.requires_grad or e.w3.weight.requires_grad
+
     def _can_group(self, flat: torch.Tensor) -> bool:
         """Packed weights still back every expert, and every expert computes the float function."""
         if self._packed is None or self._packed[0].device != flat.device:
             return False
+        if torch.is_grad_enabled() and self._packed_requires_grad():
+            return False  # the stacks are plain tensors: training must reach the expert parameters
         for expert, (p1, p3, p2) in zip(self.experts, self._packed[2]):
             if getattr(expert, "quantized", False):
                 return False
