@@ -22,6 +22,7 @@ def test_grouped_equals_loop(dtype):
     assert torch.equal(loop, grouped)
 
 
+@torch.no_grad()
 def test_packing_follows_wrappers_and_moves():
     model = random_tiny_model(0, dtype=torch.bfloat16)
     block = model.layers[2]
@@ -41,6 +42,21 @@ def test_packing_follows_wrappers_and_moves():
     assert other.ffn._packed is None             # moved: packing dropped, loop path
 
 
+def test_gradients_never_take_the_grouped_path():
+    """The stacks are plain (detached) tensors: with gradients on, the loop path must run."""
+    model = random_tiny_model(0, dtype=torch.float32)
+    block = model.layers[3]
+    block.ffn.pack_experts()
+    x = torch.randn(1, 20, 4, 64)
+    ids = torch.randint(2, 512, (1, 20))
+    block(x, 0, ids).square().sum().backward()
+    assert block.ffn.experts[0].w1.weight.grad is not None or block.ffn.experts[1].w1.weight.grad is not None
+    q = quantize_block(block, load_scheme("w8a8"), ["moe"])
+    params = [p for e in q.ffn.experts for p in e.ptq_parameters()]
+    q(x, 0, ids).square().sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+
+
 @pytest.mark.parametrize("scheme", ["w8a8", "fp8", "mxfp4", "mxfp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_fake_quant_equals_per_expert_loop(scheme, dtype):
@@ -52,8 +68,8 @@ def test_grouped_fake_quant_equals_per_expert_loop(scheme, dtype):
     block = model.layers[3]
     block.ffn.pack_experts()
     q = quantize_block(copy.deepcopy(block), load_scheme(scheme), ["moe"])
-    assert q.ffn._can_group(x.view(-1, 64))
     with torch.no_grad():
+        assert q.ffn._can_group(x.view(-1, 64))
         grouped = q(x, 0, ids)
         q.ffn._can_group = lambda flat: False
         loop = q(x, 0, ids)

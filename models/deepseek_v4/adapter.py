@@ -215,12 +215,11 @@ class DeepseekV4Adapter(BaseModel):
 
     def prepare_capture(self, block: Block) -> None:
         """The grouped-GEMM MoE path computes all routed experts from stacked weights without
-        calling the expert modules, so their forward hooks would never fire. Dropping the
-        packing (what ``MoE._apply`` does on a move) sends routing through the per-expert loop;
-        the parameters stay valid (views of the stacked storage)."""
+        calling the expert modules, so their forward hooks would never fire: route this block
+        through the per-expert loop (same numbers) while capturing."""
         ffn = getattr(block, "ffn", None)
-        if ffn is not None and getattr(ffn, "_packed", None) is not None:
-            ffn._packed = None
+        if ffn is not None:
+            ffn.grouped = False
 
     def set_quant_enabled(self, module: nn.Module, enabled: bool) -> None:
         quant_module.set_quant_enabled(module, enabled)

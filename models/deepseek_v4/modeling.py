@@ -481,6 +481,9 @@ class MoE(nn.Module):
         self.shared_experts = Expert(config.dim, config.n_shared_experts * config.moe_inter_dim,
                                      config.swiglu_limit, dtype) if config.n_shared_experts else None
         self._packed: tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]] | None = None
+        # prefer the grouped path when packed; False forces the per-expert loop (e.g. so that
+        # forward hooks on the expert modules see every call while calibration data is captured)
+        self.grouped = True
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, D], input_ids [B, S] -> [B, S, D]; routed + shared summed in fp32."""
@@ -548,7 +551,7 @@ class MoE(nn.Module):
 
     def _can_group(self, flat: torch.Tensor) -> bool:
         """Packed weights still back every expert, and every expert computes the float function."""
-        if self._packed is None or self._packed[0].device != flat.device:
+        if not self.grouped or self._packed is None or self._packed[0].device != flat.device:
             return False
         if torch.is_grad_enabled() and self._packed_requires_grad():
             return False  # the stacks are plain tensors: training must reach the expert parameters

@@ -293,6 +293,8 @@ class QuantV4MoE(MoE):
     def _can_group(self, flat: torch.Tensor) -> bool:
         if not self._quantized_experts():
             return super()._can_group(flat)
+        if not self.grouped or torch.is_grad_enabled():
+            return False  # the stacked fake-quant weights are detached: gradients need the loop
         experts = list(self.experts)
         if not all(isinstance(e, QuantV4Expert) and e.quantized for e in experts):
             return False

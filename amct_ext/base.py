@@ -1,0 +1,254 @@
+"""BaseModel: the adapter skeleton the blockwise workflows drive (no model-specific knowledge).
+
+A blockwise run never holds the whole model. It needs, from the model, only these hooks:
+
+- ``empty_weights_model()``   the model skeleton on the meta device (no memory);
+- ``load_embed_state_dict()`` the small "stem" (embedding, final norm, head) loaded for real;
+- ``block(i, sharded)``        decoder layer ``i`` built on demand (``release_block`` frees it);
+- ``do_embedding_forward``     token windows -> the inputs of layer 0 (+ per-sample state);
+- ``do_block_forward``         one layer over every sample;
+- ``do_head_forward``          last hidden state -> fp32 logits for every position;
+- ``iter_ptq_units``           the pieces of a (quantized) layer the PTQ solver calibrates;
+- ``quantize_block``           wrap a float layer with fake-quant modules;
+- ``set_quant_enabled``        switch a wrapped layer's quantizers off (float) / on.
+
+Per-sample state channel
+------------------------
+Some layers need more than the hidden state: DeepSeek-V4's hash-routed MoE layers need each
+sample's ``input_ids``. ``do_embedding_forward`` stores one kwargs dict per sample in
+``self.sample_state``; the default ``do_block_forward`` zips it with the inputs, so an adapter
+does not re-implement the layer loop just to pass extra arguments (the AMCT case study's
+"per-sample state channel").
+
+Configuration travels in small explicit dataclasses (``RunConfig``, ``PtqConfig``,
+``EvalConfig``) rather than one global ``args`` object, so every function states what it reads.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from . import device as devmod
+from .errors import ConfigError, DataError
+from .ptq_units import PtqUnit
+
+
+# ------------------------------------------------------------------------------------ configs
+@dataclass
+class RunConfig:
+    """Where the model comes from and where it runs.
+
+    ``device``: 'auto' | 'npu' | 'cuda' | 'cpu' | 'cuda:1' ... (see ``device.resolve_device``).
+    ``shard_devices``: devices a sharded layer is spread over; None = every device of the
+    compute device's backend. Tests pass e.g. ['cpu', 'cpu', 'cpu'].
+    ``dtype``: compute dtype of the non-fp32 parameters (the fp32 islands stay fp32).
+    ``offload_hidden``: keep hidden states on the host between layers (device memory then holds
+    one layer plus one batch, not the activations of every window).
+    """
+
+    model_path: str | os.PathLike
+    device: str = "auto"
+    shard_devices: Sequence[str] | None = None
+    dtype: torch.dtype = torch.bfloat16
+    offload_hidden: bool = True
+    progress: bool = True
+
+
+@dataclass
+class PtqConfig:
+    """Blockwise PTQ settings. ``seed`` fixes the calibration windows and the solver's RNG."""
+
+    epochs: int = 2
+    lr: float = 1e-3
+    n_samples: int = 8
+    seq_len: int = 128
+    batch_size: int = 1
+    seed: int = 0
+    calib_path: str | os.PathLike | None = None
+
+    def check(self) -> None:
+        if self.epochs < 0:
+            raise ConfigError(f"PtqConfig.epochs must be >= 0, got {self.epochs}")
+        if not (self.lr > 0):
+            raise ConfigError(f"PtqConfig.lr must be > 0, got {self.lr}")
+        if self.n_samples < 1 or self.batch_size < 1:
+            raise ConfigError(f"PtqConfig: n_samples and batch_size must be >= 1, "
+                              f"got {self.n_samples}, {self.batch_size}")
+
+    def solver_settings(self) -> dict[str, Any]:
+        """What makes saved parameters reproducible (recorded in ptq_params/meta.json)."""
+        return {"epochs": self.epochs, "lr": self.lr, "n_samples": self.n_samples,
+                "seq_len": self.seq_len, "batch_size": self.batch_size, "seed": self.seed,
+                "calib_path": None if self.calib_path is None else str(Path(self.calib_path).name)}
+
+
+@dataclass
+class EvalConfig:
+    """Perplexity settings: windows of ``seq_len`` tokens, the first ``max_windows`` of them."""
+
+    seq_len: int = 128
+    max_windows: int | None = None
+    batch_size: int = 1
+    data_path: str | os.PathLike | None = None
+    sharded: bool = False
+
+    def check(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError(f"EvalConfig.batch_size must be >= 1, got {self.batch_size}")
+        if self.max_windows is not None and self.max_windows < 1:
+            raise DataError(f"EvalConfig.max_windows must be >= 1 or None, got {self.max_windows}")
+
+
+def batches(windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """Split ``[n, S]`` windows into consecutive ``[<=batch_size, S]`` samples (order kept)."""
+    return [windows[i:i + batch_size] for i in range(0, windows.shape[0], batch_size)]
+
+
+# ------------------------------------------------------------------------------------ adapter
+class BaseModel:
+    """Adapter skeleton. Subclasses implement the hooks marked abstract below."""
+
+    #: the compute device (PTQ units move here; the stem lives here)
+    device: torch.device
+
+    def __init__(self, run: RunConfig):
+        self.run = run
+        self.model_path = Path(run.model_path)
+        self.device = devmod.resolve_device(run.device)
+        # one kwargs dict per sample, set by do_embedding_forward (see module docstring)
+        self.sample_state: list[dict[str, Any]] | None = None
+
+    # ------------------------------------------------------------------ abstract hooks
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers of the main forward."""
+        raise NotImplementedError
+
+    def empty_weights_model(self) -> nn.Module:
+        """The whole model with every parameter and buffer on the meta device."""
+        raise NotImplementedError
+
+    def load_embed_state_dict(self) -> None:
+        """Load the stem (embedding, final norm, head, ...) into the skeleton, on ``self.device``."""
+        raise NotImplementedError
+
+    def block(self, layer_idx: int, sharded: bool = False) -> nn.Module:
+        """Build decoder layer ``layer_idx`` with its weights.
+
+        ``sharded=False``: on host memory (CPU staging; PTQ moves units to the device).
+        ``sharded=True``: its tensors placed on their target devices as they are read.
+        The caller releases it with :meth:`release_block` after use.
+        """
+        raise NotImplementedError
+
+    def do_embedding_forward(self, samples: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Token samples (each ``[B, S]``) -> the inputs of layer 0, one per sample.
+
+        Must set ``self.sample_state`` to one kwargs dict per sample (what
+        :meth:`do_block_forward` passes to every layer besides the hidden state)."""
+        raise NotImplementedError
+
+    def do_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last layer's output for one sample -> fp32 logits ``[B, S, V]`` (every position)."""
+        raise NotImplementedError
+
+    def iter_ptq_units(self, block: nn.Module, layer_idx: int, targets: Sequence[str]) -> Iterator[PtqUnit]:
+        """The PTQ units of a quantized layer, in a deterministic order."""
+        raise NotImplementedError
+
+    def quantize_block(self, block: nn.Module, scheme: Any, targets: Sequence[str]) -> nn.Module:
+        """Wrap ``block``'s quantizable modules for ``scheme`` / ``targets`` (in place)."""
+        raise NotImplementedError
+
+    def prepare_capture(self, block: nn.Module) -> None:
+        """Make every PTQ unit of ``block`` run as its own module call, so forward hooks see
+        its inputs (turn off fused paths that bypass the unit modules). Default: nothing."""
+
+    def set_quant_enabled(self, module: nn.Module, enabled: bool) -> None:
+        """Switch every quantizer inside ``module`` off (bit-identical float math) or on."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ provided
+    def block_device(self, block: nn.Module) -> torch.device:
+        """Where a block's forward runs: the device of its first parameter (stem of a sharded
+        layer), or the compute device for a parameterless block."""
+        for p in block.parameters():
+            return p.device
+        return self.device
+
+    @torch.no_grad()
+    def do_block_forward(self, block: nn.Module, inputs: Sequence[torch.Tensor],
+                         sample_state: Sequence[dict[str, Any]] | None = None,
+                         progress: bool | str = False) -> list[torch.Tensor]:
+        """Run ``block`` over every sample; returns the outputs in input order.
+
+        Sample ``k`` is called as ``block(inputs[k], **sample_state[k])`` where ``sample_state``
+        defaults to ``self.sample_state``. Inputs are moved to the block's device; outputs go
+        back to the host when ``run.offload_hidden`` (device memory then holds one sample's
+        activations, not all of them).
+        """
+        state = self.sample_state if sample_state is None else sample_state
+        if state is None:
+            state = [{}] * len(inputs)
+        if len(state) != len(inputs):
+            raise ValueError(f"do_block_forward: {len(inputs)} inputs but {len(state)} sample states")
+        dev = self.block_device(block)
+        from tqdm.auto import tqdm
+
+        outs = []
+        desc = progress if isinstance(progress, str) else "block"
+        for x, kw in tqdm(list(zip(inputs, state)), desc=desc, leave=False,
+                          disable=not (progress and self.run.progress)):
+            kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+            y = block(x.to(dev), **kw)
+            outs.append(y.to("cpu") if self.run.offload_hidden else y)
+        return outs
+
+    def release_block(self, block: nn.Module) -> None:
+        """Drop a layer built by :meth:`block`: remove dispatch hooks, free its memory."""
+        from .dispatch import undispatch_layer
+
+        undispatch_layer(block)
+        # Moving parameters to meta frees their storage now, even if a caller still holds a
+        # reference to the module (a PtqUnit, a captured closure). No gc.collect(): with the
+        # storage gone there is nothing left to reclaim, and a full collection costs ~0.5 s
+        # per layer once transformers is imported.
+        block.to("meta")
+        for d in self.shard_devices():
+            devmod.empty_cache(d)
+
+    def shard_devices(self) -> list[torch.device]:
+        """Devices a sharded layer is spread over (``run.shard_devices`` or the whole backend)."""
+        if self.run.shard_devices:
+            return [torch.device(d) for d in self.run.shard_devices]
+        if self.device.type == "cpu":
+            return [self.device]
+        return devmod.device_list(self.device.type)
+
+    def tokenizer(self):
+        """The checkpoint's tokenizer (``AutoTokenizer.from_pretrained(model_path)``)."""
+        tok = getattr(self, "_tokenizer", None)
+        if tok is not None:
+            return tok
+        from transformers import AutoTokenizer
+
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+            return self._tokenizer
+        except Exception as e:  # missing / broken tokenizer files: one line, name the folder
+            raise DataError(f"{self.model_path}: cannot load the tokenizer "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+    def close(self) -> None:
+        """Release files and caches held by the adapter."""
+
+    def __enter__(self) -> "BaseModel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,485 @@
+"""Blockwise orchestration, generic over a BaseModel adapter: perplexity and PTQ.
+
+Blockwise means the model is never whole in memory: the hidden states of every sample flow
+through layer i, layer i is released, then layer i+1 is built. Peak memory is about one layer
+plus the hidden states (kept on the host between layers). Both ``evaluate_blockwise`` and
+``run_blockwise_ptq`` follow that loop.
+
+Design choice: float predecessors
+---------------------------------
+During PTQ, layer i+1 is calibrated on FLOAT inputs: X_{i+1} = float_block_i(X_i), not the
+output of the quantized layer i. Reasons: (1) the solver's target is the float unit output, so
+float inputs make input and target consistent; (2) each layer's data depends only on the float
+model and the calibration windows, so a resumed run recomputes exactly the same data and
+produces bit-identical parameters; (3) one forward per layer gives both the captured unit I/O
+and the next layer's input. (Quantized predecessors would let later layers compensate earlier
+errors, at the cost of a second pass per layer and of resume determinism.)
+
+Static activation specs (``dynamic: false``) need observed ranges: after ``quantize_block`` an
+'observe' pass over the calibration inputs of the layer (float inputs, RTN weights) records
+them, then they switch to 'quant'. A static quantizer that saw no data (an expert no
+calibration token was routed to) is left 'off' (float activations) and counted in the logs.
+
+Parameter files: OUTPUT/ptq_params/meta.json (scheme fingerprint, targets, model, solver
+settings) is written before any unit; each unit then writes ``{file_stem}.pt`` (its
+``export_ptq_params()``) and ``{file_stem}.json`` (its losses) atomically. A unit whose
+``.pt`` exists is skipped, so an interrupted run resumes where it stopped. A folder whose
+meta.json names another scheme / targets / model / settings is refused (never mixed).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from . import device as devmod
+from .base import BaseModel, EvalConfig, PtqConfig, batches
+from .calibration import load_calibration_windows
+from .capture import capture_unit_io
+from .errors import AmctError, ConfigError, DataError
+from .io_utils import atomic_save, atomic_write_json, safe_torch_load
+from .perplexity import NllAccumulator, load_eval_text, tokenize_windows
+from .quantizers import ActivationQuantizer
+from .schemes import QuantScheme, parse_targets
+from .solver import UnitResult, timed_solve
+
+log = logging.getLogger(__name__)
+
+PARAMS_DIR = "ptq_params"
+META_NAME = "meta.json"
+META_VERSION = 1
+MODES = ("float", "rtn", "ptq")
+
+
+class ParamsMismatchError(AmctError):
+    """An output folder holds PTQ parameters of another scheme / targets / model / settings."""
+
+
+# ----------------------------------------------------------------------------- small helpers
+def _tqdm(iterable, **kw):
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, **kw)
+
+
+def layer_range(adapter: BaseModel, start: int | None = None, end: int | None = None) -> range:
+    """Layers ``[start, end)``; None = from the first / to the last. Out of range: ConfigError."""
+    n = adapter.num_layers
+    s = 0 if start is None else start
+    e = n if end is None else end
+    if not (0 <= s < e <= n):
+        raise ConfigError(f"layer range [{s}, {e}) is invalid: the model has {n} layers (0..{n - 1}); "
+                          f"need 0 <= start-layer < end-layer <= {n}")
+    return range(s, e)
+
+
+def check_seq_len(adapter: BaseModel, seq_len: int, what: str = "seq_len") -> None:
+    """A window must predict at least one token and fit the model's positions."""
+    limit = getattr(adapter, "max_seq_len", None)
+    if seq_len < 2:
+        raise ConfigError(f"{what}={seq_len}: must be >= 2 (a window predicts tokens 1..S-1)")
+    if limit is not None and seq_len > limit:
+        raise ConfigError(f"{what}={seq_len} exceeds the model's max_position_embeddings={limit}")
+
+
+def load_eval_windows(adapter: BaseModel, cfg: EvalConfig) -> torch.Tensor:
+    """The Wikitext protocol: rows joined with '\\n\\n', tokenized once, non-overlapping windows."""
+    cfg.check()
+    check_seq_len(adapter, cfg.seq_len, "eval seq_len")
+    text = load_eval_text(cfg.data_path)
+    return tokenize_windows(text, adapter.tokenizer(), cfg.seq_len, cfg.max_windows)
+
+
+def load_calib_windows(adapter: BaseModel, cfg: PtqConfig) -> torch.Tensor:
+    cfg.check()
+    check_seq_len(adapter, cfg.seq_len, "calibration seq_len")
+    return load_calibration_windows(cfg.calib_path, adapter.tokenizer(), cfg.seq_len, cfg.n_samples, cfg.seed)
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _module_bytes(module: nn.Module) -> int:
+    return _tensor_bytes(list(module.parameters()) + [b for b in module.buffers() if b is not None])
+
+
+@dataclass
+class Stream:
+    """Hidden states of a set of samples between layers, with their per-sample state."""
+
+    hidden: list[torch.Tensor]
+    state: list[dict[str, Any]]
+
+    @property
+    def nbytes(self) -> int:
+        return _tensor_bytes(self.hidden)
+
+
+def embed_stream(adapter: BaseModel, windows: torch.Tensor, batch_size: int) -> Stream:
+    hidden = adapter.do_embedding_forward(batches(windows, batch_size))
+    return Stream(hidden, list(adapter.sample_state or [{}] * len(hidden)))
+
+
+@dataclass
+class MemoryStats:
+    """Peak memory of a blockwise loop: the device statistic and our own accounting."""
+
+    device: str
+    peak_memory_bytes: int           # device allocator peak; on cpu the PROCESS peak RSS
+    max_layer_bytes: int = 0         # largest layer's parameters + buffers
+    hidden_bytes: int = 0            # hidden states of all samples between layers
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------- static calibration
+def _static_quantizers(module: nn.Module) -> list[ActivationQuantizer]:
+    return [m for m in module.modules() if isinstance(m, ActivationQuantizer) and m.is_static]
+
+
+def scheme_has_static(scheme: QuantScheme, targets: Sequence[str]) -> bool:
+    """Whether any activation / cache spec used by ``targets`` is static (needs calibration)."""
+    for t in targets:
+        spec = scheme.cache if t == "attn-cache" else scheme.target(t).input
+        if spec is not None and not spec.dynamic:
+            return True
+    return False
+
+
+def observe_static(adapter: BaseModel, block: nn.Module, calib: Stream | None, layer_idx: int) -> None:
+    """Record the ranges of static activation quantizers over the layer's calibration inputs
+    (RTN weights), then switch them to 'quant' (unobserved ones to 'off'). No-op for
+    dynamic-only schemes."""
+    static = _static_quantizers(block)
+    if not static:
+        return
+    if calib is None:
+        raise ConfigError("the scheme has static activation specs (dynamic: false): they need calibration data")
+    for q in static:
+        q.reset_stats()
+        q.mode = "observe"
+    adapter.set_quant_enabled(block, True)
+    adapter.do_block_forward(block, calib.hidden, calib.state)
+    finish_static(block, layer_idx)
+
+
+def finish_static(block: nn.Module, layer_idx: int) -> None:
+    unobserved = 0
+    for q in _static_quantizers(block):
+        if q.observed:
+            q.mode = "quant"
+        else:
+            q.mode = "off"
+            unobserved += 1
+    if unobserved:
+        log.warning("layer %d: %d static activation quantizer(s) saw no calibration data "
+                    "(e.g. experts no calibration token was routed to); they stay in float",
+                    layer_idx, unobserved)
+
+
+# ----------------------------------------------------------------------------- parameter folder
+def params_meta(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig) -> dict[str, Any]:
+    model_id = adapter.model_id() if hasattr(adapter, "model_id") else {"name": str(adapter.model_path)}
+    return {"version": META_VERSION, "model": model_id, "scheme": scheme.name,
+            "scheme_fingerprint": scheme.fingerprint(), "targets": list(targets),
+            "solver": cfg.solver_settings()}
+
+
+def _mismatch(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """The first difference that matters (display names aside), or None."""
+    if old.get("version") != new["version"]:
+        return f"format version {old.get('version')} != {new['version']}"
+    if old.get("scheme_fingerprint") != new["scheme_fingerprint"]:
+        return f"scheme {old.get('scheme')!r} != {new['scheme']!r} (different fingerprint)"
+    if old.get("targets") != new["targets"]:
+        return f"targets {old.get('targets')} != {new['targets']}"
+    if (old.get("model") or {}).get("config_sha256") != new["model"].get("config_sha256"):
+        return f"model {(old.get('model') or {}).get('name')!r} != {new['model'].get('name')!r} (different config.json)"
+    if old.get("solver") != new["solver"]:
+        return f"solver settings {old.get('solver')} != {new['solver']}"
+    return None
+
+
+def check_params_dir(params_dir: Path, meta: dict[str, Any]) -> bool:
+    """True when ``params_dir`` already holds parameters of this exact run (resume); False when
+    it is absent or empty. Raises ParamsMismatchError for anything else (never mix)."""
+    meta_path = params_dir / META_NAME
+    hint = "pass a fresh --output-dir or delete that folder"
+    if meta_path.is_file():
+        try:
+            old = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ParamsMismatchError(f"{meta_path}: unreadable ({e}); {hint}") from None
+        why = _mismatch(old if isinstance(old, dict) else {}, meta)
+        if why:
+            raise ParamsMismatchError(f"{params_dir} holds PTQ parameters of another run ({why}); {hint}")
+        return True
+    if params_dir.is_dir() and any(p.suffix == ".pt" for p in params_dir.iterdir()):
+        raise ParamsMismatchError(f"{params_dir} holds .pt files but no {META_NAME} (unknown scheme); {hint}")
+    return False
+
+
+def _read_meta(params_dir: Path) -> dict[str, Any]:
+    meta_path = params_dir / META_NAME
+    if not meta_path.is_file():
+        raise DataError(f"{meta_path} not found: no PTQ parameters in {params_dir} (run PTQ first)")
+    try:
+        return json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{meta_path}: unreadable ({e})") from None
+
+
+def load_unit_params(unit, params_dir: Path) -> None:
+    path = params_dir / f"{unit.file_stem}.pt"
+    if not path.is_file():
+        raise DataError(f"{path}: missing PTQ parameters of unit {unit.name} (run PTQ for this layer first)")
+    try:
+        params = safe_torch_load(path)
+    except Exception as e:  # truncated / foreign file: one line naming it
+        raise DataError(f"{path}: cannot load ({type(e).__name__}: {e})") from None
+    if not isinstance(params, dict):
+        raise DataError(f"{path}: expected a dict of tensors, got {type(params).__name__}")
+    try:
+        unit.module.load_ptq_params(params)
+    except AmctError as e:
+        raise DataError(f"{path}: {e}") from None
+
+
+# ----------------------------------------------------------------------------- evaluation
+@dataclass
+class EvalResult:
+    mode: str
+    ppl: float
+    n_windows: int
+    seq_len: int
+    n_tokens: int
+    seconds: float
+    memory: MemoryStats
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["memory"] = self.memory.to_dict()
+        return d
+
+
+def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfig, mode: str = "float", *,
+                       scheme: QuantScheme | None = None, targets: Sequence[str] | None = None,
+                       layers: range | None = None, calib_windows: torch.Tensor | None = None,
+                       calib_batch_size: int = 1, params_dir: str | Path | None = None) -> EvalResult:
+    """Perplexity of ``windows`` ``[n, S]`` with the model run layer by layer.
+
+    ``mode``: 'float'; 'rtn' (``quantize_block`` on ``layers``, no learning; static activation
+    specs observed on ``calib_windows`` flowing through the FLOAT layers); 'ptq' (the same
+    wrappers with the parameters saved in ``params_dir``, i.e. OUTPUT/ptq_params). Layers
+    outside ``layers`` stay float.
+    """
+    if mode not in MODES:
+        raise ConfigError(f"evaluation mode {mode!r} is unknown; valid: {', '.join(MODES)}")
+    cfg.check()
+    layers = layers if layers is not None else layer_range(adapter)
+    if mode != "float":
+        if scheme is None or targets is None:
+            raise ConfigError(f"evaluation mode {mode!r} needs a scheme and quant targets")
+        targets = scheme.check_targets(targets)
+    pdir = None
+    if mode == "ptq":
+        if params_dir is None:
+            raise ConfigError("evaluation mode 'ptq' needs params_dir (OUTPUT/ptq_params)")
+        pdir = Path(params_dir)
+        meta = _read_meta(pdir)
+        if meta.get("scheme_fingerprint") != scheme.fingerprint() or meta.get("targets") != list(targets):
+            raise ParamsMismatchError(f"{pdir}: parameters were learned for scheme {meta.get('scheme')!r} "
+                                      f"targets {meta.get('targets')}, not {scheme.name!r} {list(targets)}")
+    dev = adapter.device
+    devmod.reset_peak_memory(dev)
+    t0 = time.perf_counter()
+
+    needs_calib = mode == "rtn" and scheme_has_static(scheme, targets)
+    if needs_calib and calib_windows is None:
+        raise ConfigError(f"scheme {scheme.name!r} has static activation specs (dynamic: false): "
+                          "RTN evaluation needs calibration windows")
+    stream = embed_stream(adapter, windows, cfg.batch_size)
+    calib = embed_stream(adapter, calib_windows, calib_batch_size) if needs_calib else None
+    mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=stream.nbytes + (calib.nbytes if calib else 0))
+
+    for i in _tqdm(range(adapter.num_layers), desc=f"ppl[{mode}] layers", disable=not adapter.run.progress):
+        block = adapter.block(i, sharded=cfg.sharded)
+        quant = mode != "float" and i in layers
+        if quant:
+            adapter.quantize_block(block, scheme, targets)
+            if mode == "rtn":
+                if calib is not None:
+                    # the next layer's calibration inputs come from the float layer (quantizers off);
+                    # the observe pass runs on the same float inputs
+                    adapter.set_quant_enabled(block, False)
+                    next_calib = adapter.do_block_forward(block, calib.hidden, calib.state)
+                    observe_static(adapter, block, calib, i)
+                    calib = Stream(next_calib, calib.state)
+            else:
+                for unit in adapter.iter_ptq_units(block, i, targets):
+                    load_unit_params(unit, pdir)
+                finish_static(block, i)
+            adapter.set_quant_enabled(block, True)
+        elif calib is not None:
+            calib = Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
+        mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
+        stream = Stream(adapter.do_block_forward(block, stream.hidden, stream.state, progress=f"layer {i}"),
+                        stream.state)
+        adapter.release_block(block)
+
+    acc = NllAccumulator()
+    for h, ids in zip(stream.hidden, batches(windows, cfg.batch_size)):
+        acc.update(adapter.do_head_forward(h), ids)
+    devmod.synchronize(dev)
+    mem.peak_memory_bytes = devmod.peak_memory_bytes(dev)
+    return EvalResult(mode=mode, ppl=acc.ppl, n_windows=int(windows.shape[0]), seq_len=int(windows.shape[1]),
+                      n_tokens=acc.count, seconds=time.perf_counter() - t0, memory=mem)
+
+
+# ----------------------------------------------------------------------------- PTQ
+@dataclass
+class PtqResult:
+    units: list[UnitResult] = field(default_factory=list)
+    params_dir: str = ""
+    seconds: float = 0.0
+    memory: MemoryStats | None = None
+
+
+def _unit_stats_path(params_dir: Path, unit) -> Path:
+    return params_dir / f"{unit.file_stem}.json"
+
+
+def _resumed_result(params_dir: Path, unit) -> UnitResult:
+    """The stats an earlier run saved for ``unit`` (its .pt exists)."""
+    try:
+        d = json.loads(_unit_stats_path(params_dir, unit).read_text(encoding="utf-8"))
+        r = UnitResult(**d)
+    except (OSError, ValueError, TypeError):
+        r = UnitResult(name=unit.name, kind=unit.kind, layer=unit.layer_idx, loss_before=None, loss_after=None,
+                       seconds=0.0, n_calls=0, n_params=0, best_epoch=0)
+    r.resumed = True
+    return r
+
+
+def prepare_params_dir(adapter: BaseModel, output_dir: str | Path, scheme: QuantScheme,
+                       targets: Sequence[str], cfg: PtqConfig, create: bool = True) -> Path:
+    """Check (and, with ``create``, write) OUTPUT/ptq_params/meta.json; returns the folder.
+    With ``create=False`` nothing is written: the caller validates before doing any work."""
+    pdir = Path(output_dir) / PARAMS_DIR
+    meta = params_meta(adapter, scheme, targets, cfg)
+    exists = check_params_dir(pdir, meta)
+    if create and not exists:
+        atomic_write_json(meta, pdir / META_NAME)
+    return pdir
+
+
+def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig,
+                      output_dir: str | Path, *, layers: range | None = None,
+                      calib_windows: torch.Tensor | None = None,
+                      on_unit_done: Callable[[UnitResult], None] | None = None) -> PtqResult:
+    """Learn clipping factors for every unit of ``layers`` and save them under OUTPUT/ptq_params.
+
+    Per layer i (CPU staging): build it, ``quantize_block``, run it once with quantizers OFF over
+    the float calibration inputs X_i while capturing every unit's calls (this is the float
+    layer, bit for bit, and its output is X_{i+1}); observe static activation ranges; then per
+    unit: move it to the compute device, ``solve_unit``, save, move it back. ``on_unit_done``
+    is called after each unit is saved (progress reporting; tests use it to interrupt).
+    """
+    cfg.check()
+    targets = scheme.check_targets(parse_targets(targets))
+    layers = layers if layers is not None else layer_range(adapter)
+    pdir = prepare_params_dir(adapter, output_dir, scheme, targets, cfg)
+    if calib_windows is None:
+        calib_windows = load_calib_windows(adapter, cfg)
+    dev = adapter.device
+    devmod.reset_peak_memory(dev)
+    t0 = time.perf_counter()
+    result = PtqResult(params_dir=str(pdir))
+
+    calib = embed_stream(adapter, calib_windows, cfg.batch_size)
+    mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes)
+    last = layers.stop
+    for i in _tqdm(range(last), desc="ptq layers", disable=not adapter.run.progress):
+        block = adapter.block(i)
+        mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
+        if i not in layers:  # a float predecessor: only its output is needed
+            with _on_device(adapter, block):
+                calib = Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
+            adapter.release_block(block)
+            continue
+        adapter.quantize_block(block, scheme, targets)
+        units = list(adapter.iter_ptq_units(block, i, targets))
+        todo = {u.name for u in units if not (pdir / f"{u.file_stem}.pt").is_file()}
+        adapter.prepare_capture(block)            # every unit called as a module: hooks see it
+        with _on_device(adapter, block):
+            adapter.set_quant_enabled(block, False)   # float math, bit for bit
+            if todo:
+                calls, next_hidden = capture_unit_io([u for u in units if u.name in todo],
+                                                     lambda: adapter.do_block_forward(block, calib.hidden, calib.state))
+                observe_static(adapter, block, calib, i)
+            else:  # the whole layer was done by an earlier run: only its float output is needed
+                calls, next_hidden = {}, adapter.do_block_forward(block, calib.hidden, calib.state)
+        adapter.set_quant_enabled(block, True)
+        for unit in _tqdm(units, desc=f"layer {i} units", leave=False, disable=not adapter.run.progress):
+            if unit.name not in todo:
+                result.units.append(_resumed_result(pdir, unit))
+                continue
+            unit.module.to(dev)
+            r = timed_solve(unit, calls.pop(unit.name), epochs=cfg.epochs, lr=cfg.lr, device=dev, seed=cfg.seed)
+            # stats first, then the .pt: the .pt's existence is what marks the unit done
+            atomic_write_json(r.to_dict(), _unit_stats_path(pdir, unit))
+            atomic_save(unit.module.export_ptq_params(), pdir / f"{unit.file_stem}.pt")
+            unit.module.to("cpu")
+            result.units.append(r)
+            if on_unit_done is not None:
+                on_unit_done(r)
+        calib = Stream(next_hidden, calib.state)
+        adapter.release_block(block)
+    devmod.synchronize(dev)
+    mem.peak_memory_bytes = devmod.peak_memory_bytes(dev)
+    result.memory = mem
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+@contextlib.contextmanager
+def _on_device(adapter: BaseModel, block: nn.Module) -> Iterator[None]:
+    """Hold a CPU-staged block on the compute device for its whole-layer passes (float capture,
+    observation), so they are not CPU passes on accelerator machines; back to the host after,
+    so the solver then moves one unit at a time."""
+    dev = adapter.device
+    moved = dev.type != "cpu"
+    if moved:
+        block.to(dev)
+    try:
+        yield
+    finally:
+        if moved:
+            block.to("cpu")
+            devmod.empty_cache(dev)
+
+
+def summary_table(units: Sequence[UnitResult]) -> str:
+    """A plain-text table: one row per unit with its losses."""
+    def fmt(v: float | None) -> str:
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4e}"
+
+    head = f"{'unit':<32} {'kind':<13} {'calls':>5} {'loss_before':>12} {'loss_after':>12} {'gain':>7} {'s':>6}"
+    rows = [head, "-" * len(head)]
+    for u in units:
+        gain = "-"
+        if u.loss_before and u.loss_after is not None:
+            gain = f"{100 * (1 - u.loss_after / u.loss_before):.1f}%"
+        rows.append(f"{u.name:<32} {u.kind:<13} {u.n_calls:>5} {fmt(u.loss_before):>12} {fmt(u.loss_after):>12} "
+                    f"{gain:>7} {u.seconds:>6.2f}" + ("  (resumed)" if u.resumed else ""))
+    return "\n".join(rows)

@@ -1,0 +1,62 @@
+"""The two layer benchmarks run end to end in --smoke mode (tiny config, CPU) and report what they promise.
+
+Run in-process through their ``main(argv)`` (one torch / transformers import for both); narrowed to the
+ratio-4 layer (compressor + indexer + score-routed MoE: the most code) at a short sequence to stay fast.
+"""
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module("bench_layer"), importlib.import_module("bench_load")
+
+
+def test_bench_layer_smoke(bench, tmp_path, capsys):
+    bench_layer, _ = bench
+    out = tmp_path / "layer.json"
+    rc = bench_layer.main(["--smoke", "--layers", "3", "--seq-len", "64", "--hf-experts", "grouped_mm",
+                           "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    for field in ("ceilings:", "fp32 mapping check", "floors", "agreement", "timings", "ours-w8a8"):
+        assert field in text, field
+    res = json.loads(out.read_text())
+    assert not res["failures"], res["failures"]
+    assert res["ceilings"]["matmul"]["flop_per_s"] > 0 and res["ceilings"]["copy"]["bytes_per_s"] > 0
+    (layer,) = res["layers"]
+    assert layer["checks"]["fp32_mapping"]["ok"] and layer["checks"]["fp32_mapping"]["rel_fro"] < 1e-4
+    assert layer["checks"]["B2:hf:grouped_mm_vs_ours"]["ok"]
+    variants = {r["variant"] for r in layer["runs"]}
+    assert variants == {"ours", "hf:grouped_mm", "ours-w8a8"}, variants
+    for r in layer["runs"]:
+        assert r["median_ms"] > 0 and r["floors"]["floor_ms"] > 0
+        assert r["counts"]["moe_flops"] == 2 * 64 * (2 + 1) * 3 * 2 * 64 * 32  # tokens x (k+shared) x 3 x 2 x D x I
+        for key in ("peak_bytes", "extra_peak_bytes", "resident_bytes", "vs_floor", "tokens_per_s"):
+            assert key in r, key
+
+
+def test_bench_load_smoke(bench, tmp_path, capsys):
+    _, bench_load = bench
+    out = tmp_path / "load.json"
+    work = tmp_path / "layer"
+    rc = bench_load.main(["--smoke", "--workdir", str(work), "--bw-repeats", "2", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    for field in ("load_block -> cpu", "staging total", "page-cache read", "H2D pageable", "floor"):
+        assert field in text, field
+    res = json.loads(out.read_text())
+    w = res["write"]
+    assert w["encode_checked_against_release_tensors"] and w["file_bytes"] > 0
+    assert "torch.float8_e4m3fn" in w["stored_bytes_by_dtype"] and "torch.int8" in w["stored_bytes_by_dtype"]
+    assert res["load_block_device"]["median_ms"] > 0 and res["floors"]["floor_ms"] > 0
+    assert res["cpu_staging"]["total_median_ms"] > 0
+    assert res["load_block_device"]["decoded_bytes"] > w["file_bytes"]  # FP8 / FP4 expand on load

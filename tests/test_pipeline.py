@@ -1,0 +1,194 @@
+"""Blockwise perplexity and blockwise PTQ (amct_ext.workflow) on the random tiny checkpoint."""
+import json
+
+import pytest
+import torch
+
+from amct_ext.base import EvalConfig, PtqConfig, RunConfig
+from amct_ext.errors import ConfigError
+from amct_ext.io_utils import safe_torch_load
+from amct_ext.perplexity import perplexity
+from amct_ext.schemes import load_scheme
+from amct_ext.workflow import (PARAMS_DIR, ParamsMismatchError, evaluate_blockwise, load_calib_windows,
+                               load_eval_windows, run_blockwise_ptq)
+from models.deepseek_v4.adapter import DeepseekV4Adapter
+from models.deepseek_v4.loading import load_checkpoint_model
+
+TARGETS = ["attn-linear", "moe"]
+# small but real: layers 1..2 cover a hash-routed layer with an indexer (ratio 4) and a
+# score-routed ratio-128 layer; layer 0 runs as a float predecessor
+LAYERS = range(1, 3)
+PTQ = PtqConfig(epochs=2, lr=5e-3, n_samples=2, seq_len=64, batch_size=1, seed=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # module scope: it must be in force before the module-scoped runs are computed (results
+    # are bit-reproducible only at a fixed thread count)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_ckpt):
+    a = DeepseekV4Adapter(RunConfig(tiny_ckpt, device="cpu", dtype=torch.float32, progress=False))
+    yield a
+    a.close()
+
+
+@pytest.fixture(scope="module")
+def eval_cfg(shared_dir):
+    path = shared_dir / "data" / "wikitext-2-raw" / "wiki.test.raw"
+    if not path.is_file():
+        pytest.skip(f"{path} not available")
+    return EvalConfig(seq_len=64, max_windows=6, batch_size=3, data_path=path)
+
+
+@pytest.fixture(scope="module")
+def windows(adapter, eval_cfg):
+    return load_eval_windows(adapter, eval_cfg)
+
+
+@pytest.fixture(scope="module")
+def calib(adapter):
+    return load_calib_windows(adapter, PTQ)
+
+
+@pytest.fixture(scope="module")
+def full_run(adapter, calib, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ptq-full")
+    return out, run_blockwise_ptq(adapter, load_scheme("w8a8"), TARGETS, PTQ, out, layers=LAYERS,
+                                  calib_windows=calib)
+
+
+# ----------------------------------------------------------------------------- perplexity
+def test_blockwise_ppl_equals_whole_model(adapter, tiny_ckpt, windows, eval_cfg):
+    blockwise = evaluate_blockwise(adapter, windows, eval_cfg, "float")
+    model = load_checkpoint_model(tiny_ckpt, dtype=torch.float32)
+    whole = perplexity(model, windows, eval_cfg.batch_size, "cpu", progress=False)
+    assert blockwise.ppl == pytest.approx(whole, rel=1e-4)
+    assert blockwise.n_tokens == windows.shape[0] * (windows.shape[1] - 1)
+    mem = blockwise.memory
+    assert mem.peak_memory_bytes > 0
+    # peak working set of the loop: one layer (not the whole model) plus the hidden states
+    model_layers = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    assert 0 < mem.max_layer_bytes < model_layers
+    assert mem.hidden_bytes == windows.numel() * adapter.config.hc_mult * adapter.config.dim * 4  # fp32
+
+
+def test_rtn_changes_ppl_a_little(adapter, windows, eval_cfg):
+    f = evaluate_blockwise(adapter, windows, eval_cfg, "float").ppl
+    r = evaluate_blockwise(adapter, windows, eval_cfg, "rtn", scheme=load_scheme("w8a8"), targets=TARGETS).ppl
+    assert r != f and abs(r - f) / f < 0.05
+
+
+STATIC = {"name": "w8a8-static",
+          "weight": {"format": "int", "bits": 8, "granularity": "channel"},
+          "input": {"format": "int", "bits": 8, "granularity": "tensor", "dynamic": False}}
+
+
+def test_static_activation_specs_are_observed(adapter, windows, eval_cfg, calib, tmp_path):
+    scheme = load_scheme(STATIC)
+    with pytest.raises(ConfigError, match="calibration"):
+        evaluate_blockwise(adapter, windows, eval_cfg, "rtn", scheme=scheme, targets=TARGETS)
+    r = evaluate_blockwise(adapter, windows, eval_cfg, "rtn", scheme=scheme, targets=TARGETS,
+                           layers=range(1, 2), calib_windows=calib)
+    assert r.ppl > 1 and r.ppl == r.ppl
+    res = run_blockwise_ptq(adapter, scheme, TARGETS, PTQ, tmp_path, layers=range(1, 2), calib_windows=calib)
+    params = safe_torch_load(tmp_path / PARAMS_DIR / "layer_1_attn.pt")
+    assert any(k.endswith("input_quantizer.running_min") for k in params)
+    assert all(u.loss_after <= u.loss_before for u in res.units if u.loss_before is not None)
+    q = evaluate_blockwise(adapter, windows, eval_cfg, "ptq", scheme=scheme, targets=TARGETS,
+                           layers=range(1, 2), params_dir=tmp_path / PARAMS_DIR)
+    assert q.ppl == q.ppl and q.ppl > 1
+
+
+# ----------------------------------------------------------------------------- PTQ
+def test_ptq_never_worse_than_rtn_and_files(adapter, full_run):
+    out, res = full_run
+    pdir = out / PARAMS_DIR
+    n_exp = adapter.config.n_routed_experts
+    assert len(res.units) == len(LAYERS) * (1 + n_exp + 1)
+    for u in res.units:
+        assert u.loss_before is not None and u.loss_after <= u.loss_before, u.name
+        assert u.layer in LAYERS and not u.resumed
+    assert any(u.loss_after < u.loss_before for u in res.units)   # learning does something
+    names = sorted(p.name for p in pdir.iterdir())
+    assert "layer_1_attn.pt" in names and "layer_2_ffn_experts_7.pt" in names
+    assert "layer_2_ffn_shared_experts.pt" in names and "layer_0_attn.pt" not in names
+    assert not [n for n in names if n.endswith(".tmp") or n.startswith(".")]   # atomic writes
+    params = safe_torch_load(pdir / "layer_1_attn.pt")
+    assert params and all(isinstance(v, torch.Tensor) for v in params.values())
+    clips = [v for k, v in params.items() if k.endswith("clip")]
+    assert clips and all(((c > 0) & (c <= 1)).all() for c in clips)
+    meta = json.loads((pdir / "meta.json").read_text())
+    assert meta["targets"] == TARGETS and meta["scheme"] == "w8a8"
+    assert meta["scheme_fingerprint"] == load_scheme("w8a8").fingerprint()
+
+
+def test_resume_after_interrupt_equals_uninterrupted(adapter, calib, full_run, windows, eval_cfg, tmp_path):
+    out_full, _ = full_run
+
+    class Interrupt(Exception):
+        pass
+
+    done = []
+
+    def stop_after_13(r):
+        done.append(r.name)
+        if len(done) == 13:   # mid-way through layer 2
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        run_blockwise_ptq(adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
+                          calib_windows=calib, on_unit_done=stop_after_13)
+    pdir = tmp_path / PARAMS_DIR
+    assert len(list(pdir.glob("*.pt"))) == 13
+    res = run_blockwise_ptq(adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
+                            calib_windows=calib)
+    assert sum(u.resumed for u in res.units) == 13
+    full_files = sorted(p.name for p in (out_full / PARAMS_DIR).glob("*.pt"))
+    assert full_files == sorted(p.name for p in pdir.glob("*.pt"))
+    for name in full_files:
+        a, b = safe_torch_load(out_full / PARAMS_DIR / name), safe_torch_load(pdir / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    scheme = load_scheme("w8a8")
+    ppl_full = evaluate_blockwise(adapter, windows, eval_cfg, "ptq", scheme=scheme, targets=TARGETS,
+                                  layers=LAYERS, params_dir=out_full / PARAMS_DIR).ppl
+    ppl_resumed = evaluate_blockwise(adapter, windows, eval_cfg, "ptq", scheme=scheme, targets=TARGETS,
+                                     layers=LAYERS, params_dir=pdir).ppl
+    assert ppl_full == ppl_resumed
+
+
+def test_refuse_mixing_schemes_and_targets(adapter, calib, full_run):
+    out, _ = full_run
+    before = sorted(p.name for p in (out / PARAMS_DIR).iterdir())
+    with pytest.raises(ParamsMismatchError, match="fresh --output-dir"):
+        run_blockwise_ptq(adapter, load_scheme("w4a8"), TARGETS, PTQ, out, layers=LAYERS, calib_windows=calib)
+    with pytest.raises(ParamsMismatchError, match="targets"):
+        run_blockwise_ptq(adapter, load_scheme("w8a8"), ["moe"], PTQ, out, layers=LAYERS, calib_windows=calib)
+    assert sorted(p.name for p in (out / PARAMS_DIR).iterdir()) == before
+
+
+def test_ptq_eval_refuses_other_scheme(adapter, windows, eval_cfg, full_run):
+    out, _ = full_run
+    with pytest.raises(ParamsMismatchError):
+        evaluate_blockwise(adapter, windows, eval_cfg, "ptq", scheme=load_scheme("w4a8"), targets=TARGETS,
+                           layers=LAYERS, params_dir=out / PARAMS_DIR)
+
+
+def test_sharded_rtn_eval_matches_staging(adapter, windows, eval_cfg):
+    """quantize_block replaces hooked modules; the adapter re-dispatches a sharded layer."""
+    from dataclasses import replace
+
+    scheme = load_scheme("w8a8")
+    staged = evaluate_blockwise(adapter, windows, eval_cfg, "rtn", scheme=scheme, targets=TARGETS, layers=LAYERS)
+    adapter.run.shard_devices = ["cpu", "cpu", "cpu"]
+    try:
+        sharded = evaluate_blockwise(adapter, windows, replace(eval_cfg, sharded=True), "rtn", scheme=scheme,
+                                     targets=TARGETS, layers=LAYERS)
+    finally:
+        adapter.run.shard_devices = None
+    assert sharded.ppl == staged.ppl

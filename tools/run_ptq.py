@@ -1,0 +1,288 @@
+#!/usr/bin/env python
+"""Blockwise post-training quantization of DeepSeek-V4 (learnable weight clipping), with
+Wikitext-2 perplexity of the float, RTN and PTQ models.
+
+    python tools/run_ptq.py --model tiny --output-dir out/tiny
+    python tools/run_ptq.py --model v4-flash --model-path /data/DeepSeek-V4-Flash --output-dir out/flash \\
+        --quant-target attn-linear,moe --scheme w8a8 --device npu
+
+Models
+  tiny       a random tiny checkpoint (4 layers, dim 64, 8 experts), generated once into
+             $AMCT_CACHE/tiny-v4 (default ~/.cache/amct_ext/tiny-v4) and reused.
+  tiny-trained
+             the tiny V4 trained on the Wikitext-2 validation split that ships in assets/tiny-v4
+             (4 layers, dim 128, 8 experts; perplexity means something here).
+  v4-flash / v4-pro
+             the released checkpoints: pass --model-path DIR, or --download (modelscope).
+
+Defaults for --model tiny (chosen so the whole run, PPL included, takes well under two minutes
+on 2 CPU cores): 8 calibration windows x 128 tokens, 2 epochs, lr 5e-3, fp32 compute,
+PPL on the first 32 test windows of 128 tokens (float + RTN + PTQ), 1 intra-op thread.
+For v4-*: 128 x 2048 calibration tokens, bf16, PPL off unless --eval-ppl (then every window).
+
+Outputs (OUTPUT = --output-dir)
+  OUTPUT/ptq_params/meta.json          scheme fingerprint, targets, model, solver settings
+  OUTPUT/ptq_params/layer_{i}_{unit}.pt learned parameters of each unit (+ .json: its losses)
+  OUTPUT/report.json                   PPLs, per-unit losses, wall time, peak memory
+An interrupted run resumes: rerun the same command (finished units are skipped). An output
+folder holding parameters of another scheme / targets / model is refused.
+
+Errors in the input (missing checkpoint, bad config, impossible sequence length, unknown
+scheme or target, mismatched output folder) print one line `error: ...` and exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from amct_ext.errors import AmctError, CheckpointError, ConfigError  # noqa: E402
+
+MODELS = ("tiny", "tiny-trained", "v4-flash", "v4-pro")
+TRAINED_TINY = REPO / "assets" / "tiny-v4"   # trained on the Wikitext-2 validation split (tools/train_tiny.py)
+MODELSCOPE_IDS = {"v4-flash": "deepseek-ai/DeepSeek-V4-Flash", "v4-pro": "deepseek-ai/DeepSeek-V4-Pro"}
+DEFAULT_EVAL_PATH = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+
+# per-model defaults for options left unset on the command line
+DEFAULTS = {
+    "tiny": dict(calib_samples=8, seq_len=128, eval_windows=32, eval_ppl=True, dtype="fp32", threads=1,
+                 batch_size=1, eval_batch_size=8),
+    "tiny-trained": dict(calib_samples=16, seq_len=256, eval_windows=64, eval_ppl=True, dtype="fp32", threads=1,
+                         batch_size=1, eval_batch_size=8),
+    "v4": dict(calib_samples=128, seq_len=2048, eval_windows=None, eval_ppl=False, dtype="bf16", threads=None,
+               batch_size=1, eval_batch_size=1),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("AMCT_CACHE") or Path.home() / ".cache" / "amct_ext")
+
+
+# ----------------------------------------------------------------------------- model resolution
+def tiny_checkpoint() -> Path:
+    """The cached random tiny checkpoint; generated atomically (temp folder, then rename)."""
+    target = cache_root() / "tiny-v4"
+    if (target / "config.json").is_file() and (target / "model.safetensors.index.json").is_file():
+        return target
+    from models.deepseek_v4.tiny import make_tiny_checkpoint
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-v4.", dir=target.parent))
+    try:
+        make_tiny_checkpoint(tmp, fmt="bf16", seed=0)
+        if target.exists():          # an incomplete earlier attempt
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def download_checkpoint(model: str, dest: Path | None) -> Path:
+    try:
+        from modelscope import snapshot_download  # imported lazily: optional dependency
+    except ImportError:
+        raise CheckpointError(f"--download needs modelscope (pip install modelscope), which is not installed; "
+                              f"or download {MODELSCOPE_IDS[model]} yourself and pass --model-path DIR") from None
+    dest = dest or cache_root() / model
+    try:
+        return Path(snapshot_download(MODELSCOPE_IDS[model], local_dir=str(dest)))
+    except Exception as e:  # offline, auth, disk: one line
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"downloading {MODELSCOPE_IDS[model]} with modelscope failed ({first}); "
+                              f"are you offline? download it elsewhere and pass --model-path DIR") from None
+
+
+def resolve_model_path(args) -> Path:
+    if args.model == "tiny":
+        return Path(args.model_path) if args.model_path else tiny_checkpoint()
+    if args.model == "tiny-trained":
+        return Path(args.model_path) if args.model_path else TRAINED_TINY
+    if args.download:
+        return download_checkpoint(args.model, Path(args.model_path) if args.model_path else None)
+    if not args.model_path:
+        raise ConfigError(f"--model {args.model} needs --model-path DIR (the checkpoint folder) or --download")
+    path = Path(args.model_path)
+    if not path.is_dir():
+        raise CheckpointError(f"--model-path {path} does not exist or is not a folder")
+    return path
+
+
+def check_weights_present(path: Path) -> None:
+    has_index = (path / "model.safetensors.index.json").is_file()
+    has_single = (path / "model.safetensors").is_file()
+    if not (has_index or has_single):
+        raise CheckpointError(f"{path}: no weights (neither model.safetensors.index.json nor model.safetensors); "
+                              f"download the checkpoint there or use --download")
+
+
+# ----------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=MODELS, default="tiny")
+    ap.add_argument("--model-path", default=None, help="checkpoint folder (config.json, shards, tokenizer)")
+    ap.add_argument("--download", action="store_true", help="fetch v4-flash / v4-pro with modelscope")
+    ap.add_argument("--quant-target", default="attn-linear,moe", help="comma list of attn-linear, attn-cache, moe")
+    ap.add_argument("--scheme", default="w8a8", help="built-in scheme name or a .json/.yaml scheme file")
+    ap.add_argument("--calib-data", default=None, help="calibration text (default: ../shared/data/wikitext-2/valid.txt)")
+    ap.add_argument("--calib-samples", type=int, default=None)
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per calibration and evaluation window")
+    ap.add_argument("--eval-data", default=None, help="wikitext-2-raw test file (default: ../shared/data/wikitext-2-raw/wiki.test.raw)")
+    ap.add_argument("--eval-windows", type=int, default=None, help="evaluate the first N windows (default: tiny 32, else all)")
+    ap.add_argument("--eval-ppl", action=argparse.BooleanOptionalAction, default=None,
+                    help="float / RTN / PTQ perplexity (default: on for tiny, off otherwise)")
+    ap.add_argument("--no-ptq", action="store_true", help="skip learning (PPL of float and RTN only)")
+    ap.add_argument("--device", default="auto", help="auto | npu | cuda | cpu (or cuda:1, npu:2)")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="compute dtype (default: tiny fp32, V4 bf16)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: tiny 1, else torch's)")
+    ap.add_argument("--sharded-eval", action="store_true", help="evaluate with layers spread over every device")
+    ap.add_argument("--start-layer", type=int, default=None, help="first layer to quantize")
+    ap.add_argument("--end-layer", type=int, default=None, help="layers [start, end) are quantized (end exclusive)")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=None, help="calibration windows per forward")
+    ap.add_argument("--eval-batch-size", type=int, default=None)
+    ap.add_argument("--output-dir", required=True)
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    return ap
+
+
+def _default(args, name: str):
+    value = getattr(args, name)
+    if value is not None:
+        return value
+    return DEFAULTS[args.model if args.model in DEFAULTS else "v4"][name]
+
+
+def run(args) -> int:
+    import torch
+
+    from amct_ext import device as devmod
+    from amct_ext.base import EvalConfig, PtqConfig, RunConfig
+    from amct_ext.calibration import DEFAULT_CALIBRATION_PATH, refuse_test_split
+    from amct_ext.errors import DataError
+    from amct_ext.io_utils import atomic_write_json
+    from amct_ext.schemes import load_scheme, parse_targets
+    from amct_ext.workflow import (PARAMS_DIR, check_seq_len, evaluate_blockwise, layer_range, load_calib_windows,
+                                   load_eval_windows, prepare_params_dir, run_blockwise_ptq, summary_table)
+    from models.deepseek_v4.adapter import DeepseekV4Adapter
+
+    t_start = time.perf_counter()
+    threads = _default(args, "threads")
+    if threads:
+        torch.set_num_threads(threads)
+
+    # ---- validate everything before writing anything
+    scheme = load_scheme(args.scheme)
+    targets = scheme.check_targets(parse_targets(args.quant_target))
+    model_path = resolve_model_path(args)
+    check_weights_present(model_path)
+    dtype_name = _default(args, "dtype")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    run_cfg = RunConfig(model_path=model_path, device=args.device, dtype=dtype, progress=not args.quiet)
+    seq_len = _default(args, "seq_len")
+    eval_ppl = _default(args, "eval_ppl")
+    ptq_cfg = PtqConfig(epochs=args.epochs, lr=args.lr, n_samples=_default(args, "calib_samples"), seq_len=seq_len,
+                        batch_size=_default(args, "batch_size"), seed=args.seed,
+                        calib_path=args.calib_data or DEFAULT_CALIBRATION_PATH)
+    ptq_cfg.check()
+    eval_path = args.eval_data or (DEFAULT_EVAL_PATH if DEFAULT_EVAL_PATH.is_file() else None)
+    eval_cfg = EvalConfig(seq_len=seq_len, max_windows=_default(args, "eval_windows"),
+                          batch_size=_default(args, "eval_batch_size"), data_path=eval_path,
+                          sharded=args.sharded_eval)
+    eval_cfg.check()
+    calib_path = Path(ptq_cfg.calib_path)
+    if not calib_path.is_file():
+        raise DataError(f"calibration text not found: {calib_path} (pass --calib-data FILE)")
+    refuse_test_split(calib_path, "calibration")
+    if eval_ppl and eval_path is not None and not Path(eval_path).is_file():
+        raise DataError(f"evaluation text not found: {eval_path} (pass --eval-data wiki.test.raw)")
+
+    out = Path(args.output_dir)
+    with DeepseekV4Adapter(run_cfg) as adapter:
+        check_seq_len(adapter, seq_len, "--seq-len")
+        layers = layer_range(adapter, args.start_layer, args.end_layer)
+        if not args.no_ptq:
+            prepare_params_dir(adapter, out, scheme, targets, ptq_cfg, create=False)
+        calib = load_calib_windows(adapter, ptq_cfg)
+        windows = load_eval_windows(adapter, eval_cfg) if eval_ppl else None
+
+        # ---- work
+        ppl = {"float": None, "rtn": None, "quant": None}
+        peaks = []
+        evals = {}
+        if eval_ppl:
+            for mode in ("float", "rtn"):
+                r = evaluate_blockwise(adapter, windows, eval_cfg, mode, scheme=scheme, targets=targets,
+                                       layers=layers, calib_windows=calib, calib_batch_size=ptq_cfg.batch_size)
+                ppl[mode] = r.ppl
+                evals[mode] = r.to_dict()
+                peaks.append(r.memory.peak_memory_bytes)
+                print(f"ppl[{mode}] = {r.ppl:.4f}  ({r.n_windows} windows x {r.seq_len}, {r.seconds:.1f} s)", flush=True)
+        units = []
+        if not args.no_ptq:
+            res = run_blockwise_ptq(adapter, scheme, targets, ptq_cfg, out, layers=layers, calib_windows=calib)
+            units = res.units
+            peaks.append(res.memory.peak_memory_bytes)
+            print(summary_table(units), flush=True)
+            if eval_ppl:
+                r = evaluate_blockwise(adapter, windows, eval_cfg, "ptq", scheme=scheme, targets=targets,
+                                       layers=layers, params_dir=out / PARAMS_DIR)
+                ppl["quant"] = r.ppl
+                evals["ptq"] = r.to_dict()
+                peaks.append(r.memory.peak_memory_bytes)
+                print(f"ppl[ptq] = {r.ppl:.4f}  ({r.seconds:.1f} s)", flush=True)
+
+        report = {
+            "model": args.model, "model_path": str(model_path), "scheme": scheme.name,
+            "scheme_fingerprint": scheme.fingerprint(), "quant_target": list(targets),
+            "layers": [layers.start, layers.stop], "device": str(adapter.device), "dtype": dtype_name,
+            "threads": torch.get_num_threads(),
+            "calibration": {"path": str(calib_path), "samples": ptq_cfg.n_samples, "seq_len": seq_len,
+                            "epochs": ptq_cfg.epochs, "lr": ptq_cfg.lr, "seed": ptq_cfg.seed},
+            "eval": None if not eval_ppl else {"path": str(eval_path), "windows": int(windows.shape[0]),
+                                               "seq_len": seq_len},
+            "ppl": ppl,
+            "units": [{"name": u.name, "kind": u.kind, "layer": u.layer, "loss_before": u.loss_before,
+                       "loss_after": u.loss_after, "seconds": u.seconds, "n_calls": u.n_calls,
+                       "resumed": u.resumed} for u in units],
+            "evaluations": evals,
+            "wall_s": time.perf_counter() - t_start,
+            "peak_memory_bytes": max(peaks) if peaks else devmod.peak_memory_bytes(adapter.device),
+            "peak_memory_note": ("process peak RSS (cpu)" if adapter.device.type == "cpu"
+                                 else f"{adapter.device.type} allocator peak"),
+        }
+    atomic_write_json(report, out / "report.json")
+    print(f"wrote {out / 'report.json'}  (wall {report['wall_s']:.1f} s, peak memory "
+          f"{report['peak_memory_bytes'] / 2**20:.0f} MiB)", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    # transformers' config base class warns about rope_scaling on every load: not the user's concern
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\..*")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except AmctError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: rerun the same command to resume (finished units are kept)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
