@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""Quantization-quality table of the trained tiny DeepSeek-V4 (assets/tiny-v4).
+
+For every built-in scheme and quant target it runs `tools/run_ptq.py --model tiny-trained`
+(float, direct RTN and blockwise PTQ perplexity on the same Wikitext-2 test windows) and writes
+
+    OUT/quality.json       every report, keyed "scheme|targets"
+    OUT/quality.md         the table (markdown), pasted into benchmarks/RESULTS.md
+    OUT/unit_errors.png    per-unit reconstruction error (before / after PTQ) of one scheme
+    OUT/unit_errors.md     the same numbers as a table
+
+    python benchmarks/quality_table.py --out benchmarks/quality [--eval-windows 64] [--seq-len 256]
+
+Finished runs are kept in OUT/runs/<scheme>_<targets>/report.json and skipped on a rerun.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from amct_ext.io_utils import atomic_write, atomic_write_json  # noqa: E402
+
+SCHEMES = ("w8a8", "w4a16-g128", "w4a8", "fp8", "mxfp8", "mxfp4")
+TARGETS = ("attn-linear", "moe", "attn-linear,moe")
+CACHE_RUNS = (("kv8", "attn-cache"), ("kv8-fp8", "attn-cache"), ("w8a8", "attn-linear,attn-cache,moe"))
+PLOT_RUN = ("w4a16-g128", "attn-linear,moe")
+
+
+def run_one(scheme: str, targets: str, out: Path, args) -> dict:
+    from tools.run_ptq import main as run_ptq
+
+    run_dir = out / "runs" / f"{scheme}_{targets.replace(',', '+')}"
+    report = run_dir / "report.json"
+    if not report.is_file():
+        argv = ["--model", "tiny-trained", "--scheme", scheme, "--quant-target", targets,
+                "--output-dir", str(run_dir), "--eval-windows", str(args.eval_windows),
+                "--seq-len", str(args.seq_len), "--calib-samples", str(args.calib_samples),
+                "--epochs", str(args.epochs), "--quiet"]
+        rc = run_ptq(argv)
+        if rc != 0:
+            raise SystemExit(f"run_ptq failed for {scheme} / {targets}")
+    return json.loads(report.read_text())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "quality"))
+    ap.add_argument("--eval-windows", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--calib-samples", type=int, default=16)
+    ap.add_argument("--epochs", type=int, default=2)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    runs = [(s, t) for s in SCHEMES for t in TARGETS] + list(CACHE_RUNS)
+    reports: dict[str, dict] = {}
+    start = time.time()
+    for scheme, targets in runs:
+        t0 = time.time()
+        reports[f"{scheme}|{targets}"] = run_one(scheme, targets, out, args)
+        ppl = reports[f"{scheme}|{targets}"]["ppl"]
+        print(f"{scheme:12s} {targets:28s} float {ppl['float']:.3f}  rtn {ppl['rtn']:.3f}  "
+              f"ptq {ppl['quant']:.3f}  ({time.time() - t0:.0f} s)", flush=True)
+    atomic_write_json(reports, out / "quality.json")
+
+    any_report = next(iter(reports.values()))
+    float_ppl = any_report["ppl"]["float"]
+    lines = [
+        f"Float perplexity: **{float_ppl:.3f}** ({any_report['eval']['windows']} windows x "
+        f"{any_report['eval']['seq_len']} tokens of wiki.test.raw; calibration "
+        f"{args.calib_samples} x {args.seq_len} tokens of valid.txt, {args.epochs} epochs).",
+        "",
+        "| scheme | targets | RTN PPL | RTN vs float | PTQ PPL | PTQ vs float | PTQ vs RTN |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for (scheme, targets) in runs:
+        p = reports[f"{scheme}|{targets}"]["ppl"]
+        rel = lambda a, b: f"{100 * (a / b - 1):+.2f} %"  # noqa: E731
+        lines.append(f"| {scheme} | {targets} | {p['rtn']:.3f} | {rel(p['rtn'], p['float'])} | {p['quant']:.3f} | "
+                     f"{rel(p['quant'], p['float'])} | {rel(p['quant'], p['rtn'])} |")
+    atomic_write(out / "quality.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+
+    units = reports[f"{PLOT_RUN[0]}|{PLOT_RUN[1]}"]["units"]
+    rows = ["| unit | kind | MSE before (RTN) | MSE after (PTQ) | change |", "| --- | --- | ---: | ---: | ---: |"]
+    for u in sorted(units, key=lambda u: -u["loss_before"]):
+        change = 100 * (u["loss_after"] / u["loss_before"] - 1) if u["loss_before"] else 0.0
+        rows.append(f"| {u['name']} | {u['kind']} | {u['loss_before']:.3e} | {u['loss_after']:.3e} | {change:+.1f} % |")
+    atomic_write(out / "unit_errors.md", lambda tmp: Path(tmp).write_text("\n".join(rows) + "\n"))
+    plot_units(units, out / "unit_errors.png", f"{PLOT_RUN[0]} on {PLOT_RUN[1]}: per-unit reconstruction MSE")
+    print(f"done in {time.time() - start:.0f} s; wrote {out}/quality.md, unit_errors.md, unit_errors.png")
+    return 0
+
+
+def plot_units(units: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [u["name"].replace("layers.", "L").replace(".ffn.experts.", ".e").replace(".ffn.shared_experts", ".shared")
+             for u in units]
+    before = [u["loss_before"] for u in units]
+    after = [u["loss_after"] for u in units]
+    fig, ax = plt.subplots(figsize=(max(8, len(units) * 0.28), 4.5))
+    x = range(len(units))
+    ax.bar([i - 0.2 for i in x], before, width=0.4, label="RTN (before)")
+    ax.bar([i + 0.2 for i in x], after, width=0.4, label="PTQ (after)")
+    ax.set_yscale("log")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(names, rotation=90, fontsize=7)
+    ax.set_ylabel("unit output MSE vs float")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

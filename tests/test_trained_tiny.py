@@ -1,0 +1,103 @@
+"""Regression tests on the trained tiny DeepSeek-V4 shipped in assets/tiny-v4.
+
+The recorded perplexity comes from `python benchmarks/quality_table.py` settings shrunk for CI:
+the first 24 windows of 256 tokens of wiki.test.raw, fp32 on CPU (see benchmarks/RESULTS.md)."""
+import json
+
+import pytest
+import torch
+from transformers import DeepseekV4ForCausalLM as HFDeepseekV4
+
+from amct_ext.base import EvalConfig, PtqConfig, RunConfig
+from amct_ext.schemes import load_scheme
+from amct_ext.workflow import evaluate_blockwise, load_calib_windows, load_eval_windows, run_blockwise_ptq
+from models.deepseek_v4 import load_checkpoint_model
+from models.deepseek_v4.adapter import DeepseekV4Adapter
+from models.deepseek_v4.release_format import write_release_checkpoint
+from tests.conftest import REPO, SHARED
+
+TRAINED = REPO / "assets" / "tiny-v4"
+EVAL = dict(seq_len=256, max_windows=24, batch_size=8, data_path=SHARED / "data" / "wikitext-2-raw" / "wiki.test.raw")
+RECORDED_FLOAT_PPL = 282.72  # measured on these 24 windows when the checkpoint was committed (2026-11-29)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny ops: one intra-op thread is faster and keeps results independent of the core count
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    return DeepseekV4Adapter(RunConfig(model_path=TRAINED, device="cpu", dtype=torch.float32, progress=False))
+
+
+@pytest.fixture(scope="module")
+def windows(adapter):
+    return load_eval_windows(adapter, EvalConfig(**EVAL))
+
+
+@pytest.fixture(scope="module")
+def float_ppl(adapter, windows):
+    return evaluate_blockwise(adapter, windows, EvalConfig(**EVAL), "float").ppl
+
+
+def test_checkpoint_is_small_and_official(shared_dir):
+    files = list(TRAINED.iterdir())
+    assert sum(f.stat().st_size for f in files) <= 16 * 2**20
+    cfg = json.loads((TRAINED / "config.json").read_text())
+    assert cfg["model_type"] == "deepseek_v4" and "hidden_size" in cfg and "compress_ratios" in cfg
+    assert sorted(set(cfg["compress_ratios"][: cfg["num_hidden_layers"]])) == [0, 4, 128]
+    assert cfg["num_hash_layers"] >= 1 and cfg["hc_mult"] == 4 and cfg["num_hidden_layers"] >= 4
+    assert (TRAINED / "tokenizer.json").is_file() and (TRAINED / "model.safetensors.index.json").is_file()
+
+
+def test_ours_and_transformers_agree_on_trained_weights():
+    ours = load_checkpoint_model(TRAINED, dtype=torch.float32)
+    theirs, info = HFDeepseekV4.from_pretrained(TRAINED, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    ids = torch.randint(2, 4096, (2, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(ids) - theirs.eval()(ids).logits).abs().max().item()
+    print(f"\ntrained tiny: max|ours - transformers| = {diff:.2e}")
+    assert diff <= 1e-4
+
+
+def test_float_ppl_matches_record(float_ppl):
+    print(f"\nfloat PPL {float_ppl:.3f} (recorded {RECORDED_FLOAT_PPL})")
+    assert abs(float_ppl / RECORDED_FLOAT_PPL - 1) <= 0.005
+
+
+def test_fp8_copy_evaluates_close(tmp_path, adapter, windows, float_ppl):
+    """An FP8 (block 128) / FP4 (experts) copy written by the project's own release writer."""
+    model = load_checkpoint_model(TRAINED, dtype=torch.float32)
+    write_release_checkpoint(model.state_dict(), model.config, tmp_path, fmt="fp8")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((TRAINED / name).read_bytes())
+    fp8 = DeepseekV4Adapter(RunConfig(model_path=tmp_path, device="cpu", dtype=torch.float32, progress=False))
+    ppl = evaluate_blockwise(fp8, windows, EvalConfig(**EVAL), "float").ppl
+    print(f"\nFP8/FP4 copy PPL {ppl:.3f} vs BF16 {float_ppl:.3f}")
+    assert abs(ppl / float_ppl - 1) <= 0.05
+
+
+def test_w8a8_rtn_within_2_percent(adapter, windows, float_ppl):
+    ppl = evaluate_blockwise(adapter, windows, EvalConfig(**EVAL), "rtn", scheme=load_scheme("w8a8"),
+                             targets=["attn-linear", "moe"]).ppl
+    print(f"\nw8a8 RTN PPL {ppl:.3f} vs float {float_ppl:.3f}")
+    assert abs(ppl / float_ppl - 1) <= 0.02
+
+
+def test_w4a16_ptq_not_worse_than_rtn(adapter, windows, tmp_path):
+    scheme, targets = load_scheme("w4a16-g128"), ["attn-linear", "moe"]
+    cfg = PtqConfig(epochs=2, lr=5e-3, n_samples=8, seq_len=256, batch_size=1, seed=0)
+    calib = load_calib_windows(adapter, cfg)
+    run_blockwise_ptq(adapter, scheme, targets, cfg, tmp_path, calib_windows=calib)
+    ecfg = EvalConfig(**EVAL)
+    rtn = evaluate_blockwise(adapter, windows, ecfg, "rtn", scheme=scheme, targets=targets).ppl
+    ptq = evaluate_blockwise(adapter, windows, ecfg, "ptq", scheme=scheme, targets=targets,
+                             params_dir=tmp_path / "ptq_params").ppl
+    print(f"\nw4a16-g128: RTN {rtn:.3f}, PTQ {ptq:.3f}")
+    assert ptq <= rtn
