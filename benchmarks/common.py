@@ -163,6 +163,7 @@ def build_block(config: DeepseekV4Config, layer_id: int, device: torch.device, s
     with torch.device(device):
         block = Block(layer_id, config, dtype)
     init_block_weights_device(block, config, seed)
+    block.ffn.pack_experts()  # what loading.load_block does: the grouped-GEMM expert path
     return block.eval()
 
 
@@ -325,9 +326,25 @@ class HFCaller:
         self.mask = create_sliding_window_causal_mask(**kw)
         self.input_ids = input_ids
 
+    autocast = False  # set when the installed transformers mixes fp32 activations with bf16 weights
+
     def __call__(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return layer(x, position_embeddings=self.position_embeddings, position_ids=self.position_ids,
-                     attention_mask=self.mask, input_ids=self.input_ids)
+        def call():
+            return layer(x, position_embeddings=self.position_embeddings, position_ids=self.position_ids,
+                         attention_mask=self.mask, input_ids=self.input_ids)
+
+        if not self.autocast:
+            try:
+                return call()
+            except RuntimeError as e:
+                # transformers 5.17 keeps the hyper-connection output in fp32 and then feeds a bf16
+                # linear; its own bf16 models run under autocast. Do the same, once, and say so.
+                if "dtype" not in str(e) or x.dtype != torch.bfloat16:
+                    raise
+                print(f"transformers layer: {e}; retrying under bf16 autocast", flush=True)
+                HFCaller.autocast = True
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+            return call()
 
 
 def set_experts_impl(hf_cfg, impl: str) -> None:

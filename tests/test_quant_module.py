@@ -175,3 +175,14 @@ def test_activation_modes(model, layer_inputs):
     with torch.no_grad():
         both = q(xs[0], 0, ids)
     assert not torch.equal(weights_only, both)
+
+
+def test_wrapping_keeps_eval_mode(model):
+    """New wrapper modules start in training mode; in an eval block that would disable the
+    fake-quant weight cache and re-quantize every weight on every forward."""
+    block = copy.deepcopy(model.layers[1]).eval()
+    q = quantize_block(block, load_scheme("w8a8"), ALL)
+    assert not any(m.training for m in q.modules())
+    lin = q.ffn.experts[0].w1
+    with torch.no_grad():
+        assert lin.quantized_weight() is lin.quantized_weight()  # cached

@@ -272,8 +272,8 @@ class Indexer(nn.Module):
         if n_entries == 0:
             return torch.empty(bsz, seqlen, 0, dtype=torch.long, device=x.device)
         weights = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)  # [B, S, Ih]
-        logits = self.score_matmul(q.float(), kc.float().unsqueeze(1))  # [B, S, Ih, Nc]
-        score = (logits.relu() * weights.unsqueeze(-1)).sum(dim=2)    # [B, S, Nc]
+        logits = self.score_matmul(q.float(), kc.float().unsqueeze(1)).relu()   # [B, S, Ih, Nc]
+        score = torch.matmul(weights.unsqueeze(-2), logits).squeeze(-2)          # sum_h w[h] relu(.)[h]: [B, S, Nc]
         allowed = causal_entry_mask(seqlen, n_entries, self.ratio, x.device)  # [S, Nc]
         score = score.masked_fill(~allowed, float("-inf"))
         k = min(self.topk, n_entries)
@@ -387,26 +387,40 @@ class Attention(nn.Module):
         win_allowed = torch.cat((first.unsqueeze(0), band.expand(n_blocks - 1, w, 2 * w)))
         win_allowed = win_allowed.view(1, n_blocks, w, 1, 2 * w)
 
-        logits = self.qk_matmul(qb, keys).float().view(bsz, n_blocks, w, n_heads, 2 * w) * self.softmax_scale
-        logits = logits.masked_fill(~win_allowed, float("-inf"))
-        has_comp = comp_kv is not None and comp_kv.shape[1] > 0
-        if has_comp:
-            n_entries = comp_kv.shape[1]
-            comp_logits = self.qk_matmul(qb.view(bsz, n_blocks * w * n_heads, dh), comp_kv).float()
-            comp_logits = comp_logits.view(bsz, n_blocks, w, n_heads, n_entries) * self.softmax_scale
-            allowed = F.pad(comp_allowed, (0, 0, 0, pad)).view(bsz, n_blocks, w, 1, n_entries)
-            logits = torch.cat((logits, comp_logits.masked_fill(~allowed, float("-inf"))), dim=-1)
+        # one softmax over [window | compressed | sink], computed per part: no concatenated copy of
+        # the logits, and (without autograd) in-place fp32 ops, one S x H x Nc buffer per part
+        inplace = not torch.is_grad_enabled()
 
+        def scaled_masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+            if inplace:
+                return logits.mul_(self.softmax_scale).masked_fill_(~allowed, float("-inf"))
+            return (logits * self.softmax_scale).masked_fill(~allowed, float("-inf"))
+
+        def exp_shifted(logits: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+            return logits.sub_(peak).exp_() if inplace else torch.exp(logits - peak)
+
+        def normalized(e: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+            return (e.div_(denom) if inplace else e / denom).to(q.dtype)
+
+        win = scaled_masked(self.qk_matmul(qb, keys).float().view(bsz, n_blocks, w, n_heads, 2 * w), win_allowed)
         sink = self.attn_sink.float().view(1, 1, 1, n_heads, 1)
-        peak = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
-        probs = torch.exp(logits - peak)
-        probs = probs / (probs.sum(dim=-1, keepdim=True) + torch.exp(sink - peak))
-        probs = probs.to(q.dtype).view(bsz, n_blocks, w * n_heads, -1)
-
-        out = self.pv_matmul(probs[..., : 2 * w], keys)                  # [B, nb, W*H, Dh]
-        if has_comp:
-            comp_out = self.pv_matmul(probs[..., 2 * w:].reshape(bsz, n_blocks * w * n_heads, -1), comp_kv)
-            out = out + comp_out.view(bsz, n_blocks, w * n_heads, dh)
+        peak = torch.maximum(win.amax(dim=-1, keepdim=True), sink)
+        comp = None
+        if comp_kv is not None and comp_kv.shape[1] > 0:
+            n_entries = comp_kv.shape[1]
+            comp = self.qk_matmul(qb.view(bsz, n_blocks * w * n_heads, dh), comp_kv).float()
+            allowed = F.pad(comp_allowed, (0, 0, 0, pad)).view(bsz, n_blocks, w, 1, n_entries)
+            comp = scaled_masked(comp.view(bsz, n_blocks, w, n_heads, n_entries), allowed)
+            peak = torch.maximum(peak, comp.amax(dim=-1, keepdim=True))
+        win = exp_shifted(win, peak)
+        denom = win.sum(dim=-1, keepdim=True) + torch.exp(sink - peak)
+        if comp is not None:
+            comp = exp_shifted(comp, peak)
+            denom = denom + comp.sum(dim=-1, keepdim=True)
+        out = self.pv_matmul(normalized(win, denom).view(bsz, n_blocks, w * n_heads, 2 * w), keys)  # [B,nb,W*H,Dh]
+        if comp is not None:
+            comp_probs = normalized(comp, denom).view(bsz, n_blocks * w * n_heads, -1)
+            out = out + self.pv_matmul(comp_probs, comp_kv).view(bsz, n_blocks, w * n_heads, dh)
         return out.view(bsz, n_blocks * w, n_heads, dh)[:, :seqlen]
 
 

@@ -361,7 +361,9 @@ def quantize_block(block: Block, scheme: QuantScheme, targets: list[str] | str) 
     for module in block.modules():
         if isinstance(module, ActivationQuantizer) and not module.is_identity:
             module.mode = "observe" if module.is_static else "quant"
-    return block
+    # new wrapper modules start in training mode; an eval block must stay eval (QuantLinear caches
+    # its fake-quant weight only in eval mode -- otherwise every forward re-quantizes every weight)
+    return block.train(block.training)
 
 
 def iter_block_ptq_units(block: Block, layer_idx: int, targets: list[str] | str) -> Iterator[PtqUnit]:

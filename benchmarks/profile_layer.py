@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""Kernel-level profile of one V4-Flash-shaped layer forward (ours, optionally w8a8), to see what
+bounds it. Prints torch.profiler's table sorted by device time.
+
+    python benchmarks/profile_layer.py --device cuda --layer 4 --batch 1 --seq-len 4096 [--w8a8]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common as C  # noqa: E402
+from amct_ext import device as D  # noqa: E402
+from models.deepseek_v4 import DeepseekV4Config  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--layer", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--w8a8", action="store_true")
+    ap.add_argument("--rows", type=int, default=30)
+    args = ap.parse_args(argv)
+    dev = D.resolve_device(args.device)
+    config = DeepseekV4Config.from_dict(C.flash_config_dict(args.config)[0])
+    block = C.build_block(config, args.layer, dev)
+    if args.w8a8:
+        from amct_ext.schemes import load_scheme
+        from models.deepseek_v4.quant_module import quantize_block
+
+        quantize_block(block, load_scheme("w8a8"), ["attn-linear", "moe"])
+    x = torch.randn(args.batch, args.seq_len, config.hc_mult, config.dim, device=dev, dtype=torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), device=dev)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.inference_mode():
+        for _ in range(2):
+            block(x, 0, ids)
+        D.synchronize(dev)
+        with torch.profiler.profile(activities=activities) as prof:
+            block(x, 0, ids)
+            D.synchronize(dev)
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
