@@ -151,6 +151,9 @@ def reset_peak_memory(device: str | torch.device | None = None) -> None:
     (``ru_maxrss``) cannot be reset, so cpu peaks are always "since process start"."""
     dev = _as_device(device)
     if dev.type in ("npu", "cuda"):
+        # the allocator of a device the process has not used yet refuses the reset ("Invalid
+        # device argument", seen on CUDA): touch it first
+        torch.empty(1, device=dev)
         _accel_module(dev.type).reset_peak_memory_stats(dev)
 
 
