@@ -25,6 +25,7 @@ Configuration travels in small explicit dataclasses (``RunConfig``, ``PtqConfig`
 """
 from __future__ import annotations
 
+import abc
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +111,7 @@ def batches(windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------ adapter
-class BaseModel:
+class BaseModel(abc.ABC):
     """Adapter skeleton. Subclasses implement the hooks marked abstract below."""
 
     #: the compute device (PTQ units move here; the stem lives here)
@@ -125,18 +126,19 @@ class BaseModel:
 
     # ------------------------------------------------------------------ abstract hooks
     @property
+    @abc.abstractmethod
     def num_layers(self) -> int:
         """Number of decoder layers of the main forward."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def empty_weights_model(self) -> nn.Module:
         """The whole model with every parameter and buffer on the meta device."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def load_embed_state_dict(self) -> None:
         """Load the stem (embedding, final norm, head, ...) into the skeleton, on ``self.device``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def block(self, layer_idx: int, sharded: bool = False) -> nn.Module:
         """Build decoder layer ``layer_idx`` with its weights.
 
@@ -144,34 +146,33 @@ class BaseModel:
         ``sharded=True``: its tensors placed on their target devices as they are read.
         The caller releases it with :meth:`release_block` after use.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def do_embedding_forward(self, samples: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Token samples (each ``[B, S]``) -> the inputs of layer 0, one per sample.
 
         Must set ``self.sample_state`` to one kwargs dict per sample (what
         :meth:`do_block_forward` passes to every layer besides the hidden state)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def do_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last layer's output for one sample -> fp32 logits ``[B, S, V]`` (every position)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def iter_ptq_units(self, block: nn.Module, layer_idx: int, targets: Sequence[str]) -> Iterator[PtqUnit]:
         """The PTQ units of a quantized layer, in a deterministic order."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def quantize_block(self, block: nn.Module, scheme: Any, targets: Sequence[str]) -> nn.Module:
         """Wrap ``block``'s quantizable modules for ``scheme`` / ``targets`` (in place)."""
-        raise NotImplementedError
 
     def prepare_capture(self, block: nn.Module) -> None:
         """Make every PTQ unit of ``block`` run as its own module call, so forward hooks see
         its inputs (turn off fused paths that bypass the unit modules). Default: nothing."""
 
+    @abc.abstractmethod
     def set_quant_enabled(self, module: nn.Module, enabled: bool) -> None:
         """Switch every quantizer inside ``module`` off (bit-identical float math) or on."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ provided
     def block_device(self, block: nn.Module) -> torch.device:

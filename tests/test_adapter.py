@@ -12,22 +12,14 @@ from amct_ext.errors import ConfigError, QuantConfigError
 from models.deepseek_v4.adapter import DeepseekV4Adapter
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # module scope: it must be in force before the module-scoped runs are computed (results
-    # are bit-reproducible only at a fixed thread count)
-    # tiny tensors gain nothing from intra-op threads, and on a busy 2-core box they cost 10x
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
-def adapter(tiny_ckpt):
-    a = DeepseekV4Adapter(RunConfig(tiny_ckpt, device="cpu", dtype=torch.float32, progress=False))
-    yield a
-    a.close()
+def adapter(tiny_adapter):
+    return tiny_adapter
 
 
 def samples(n=2, seq=24, seed=0):

@@ -21,29 +21,19 @@ LAYERS = range(1, 3)
 PTQ = PtqConfig(epochs=2, lr=5e-3, n_samples=2, seq_len=64, batch_size=1, seed=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # module scope: it must be in force before the module-scoped runs are computed (results
-    # are bit-reproducible only at a fixed thread count)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
-def adapter(tiny_ckpt):
-    a = DeepseekV4Adapter(RunConfig(tiny_ckpt, device="cpu", dtype=torch.float32, progress=False))
-    yield a
-    a.close()
+def adapter(tiny_adapter):
+    return tiny_adapter
 
 
 @pytest.fixture(scope="module")
-def eval_cfg(shared_dir):
-    path = shared_dir / "data" / "wikitext-2-raw" / "wiki.test.raw"
-    if not path.is_file():
-        pytest.skip(f"{path} not available")
-    return EvalConfig(seq_len=64, max_windows=6, batch_size=3, data_path=path)
+def eval_cfg(wiki_test_raw):
+    return EvalConfig(seq_len=64, max_windows=6, batch_size=3, data_path=wiki_test_raw)
 
 
 @pytest.fixture(scope="module")

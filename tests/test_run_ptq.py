@@ -33,9 +33,7 @@ def run_cli(args, env_extra=None):
                           cwd=REPO, timeout=300)
 
 
-def test_end_to_end_tiny(tmp_path, shared_dir):
-    if not (shared_dir / "data" / "wikitext-2-raw" / "wiki.test.raw").is_file():
-        pytest.skip("wikitext test split not available")
+def test_end_to_end_tiny(tmp_path, wiki_test_raw):
     out = tmp_path / "out"
     # no --model-path: the tiny checkpoint is generated into $AMCT_CACHE and reused
     proc = run_cli(["--model", "tiny", "--output-dir", str(out), "--end-layer", "2", *FAST],

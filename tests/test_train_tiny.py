@@ -10,7 +10,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 VALID = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 
-pytestmark = pytest.mark.skipif(not VALID.is_file(), reason="shared wikitext-2 valid.txt not available")
 
 
 def _load_tool():
@@ -59,12 +58,8 @@ def small_config(out=None, steps=30, **kw):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # 2 cores shared with other jobs: OpenMP threads then spin against each other; one thread is faster
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,8 @@ RECORDED_FLOAT_PPL = 282.72  # measured on these 24 windows when the checkpoint 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny ops: one intra-op thread is faster and keeps results independent of the core count
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
