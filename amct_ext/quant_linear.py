@@ -51,9 +51,14 @@ class QuantLinear(nn.Module):
         return cls(linear.weight, linear.bias, weight_spec, act_spec, cache_weight)
 
     # ------------------------------------------------------------------ weight cache
+    # Bumped by every invalidation anywhere: lets a container that derived something from many
+    # QuantLinears (the stacked fake-quant experts of an MoE) check its validity with one int.
+    generation = 0
+
     def invalidate_cache(self) -> None:
         self._cached_weight = None
         self._cache_key = None
+        QuantLinear.generation += 1
 
     def _can_cache(self) -> bool:
         if not self.cache_weight or self.training or self.weight_quantizer.is_identity:

@@ -564,17 +564,22 @@ class MoE(nn.Module):
         return e.w1.weight.requires_grad or e.w2.weight.requires_grad or e.w3.weight.requires_grad
 
     def _can_group(self, flat: torch.Tensor) -> bool:
-        """Packed weights still back every expert, and every expert computes the float function."""
+        """Packed weights still back every expert, and every expert computes the float function.
+
+        Runs every forward, so it reads the module dicts directly (no nn.Module __getattr__):
+        ~0.3 ms of host time for 256 experts instead of a few ms."""
         if not self.grouped or self._packed is None or self._packed[0].device != flat.device:
             return False
         if torch.is_grad_enabled() and self._packed_requires_grad():
             return False  # the stacks are plain tensors: training must reach the expert parameters
-        for expert, (p1, p3, p2) in zip(self.experts, self._packed[2]):
-            if getattr(expert, "quantized", False):
+        current = []
+        for expert in self.experts:
+            if type(expert) is not Expert and getattr(expert, "quantized", False):
                 return False
-            if (expert.w1.weight.data_ptr(), expert.w3.weight.data_ptr(), expert.w2.weight.data_ptr()) != (p1, p3, p2):
-                return False
-        return True
+            mods = expert._modules
+            current.append((mods["w1"]._parameters["weight"].data_ptr(), mods["w3"]._parameters["weight"].data_ptr(),
+                            mods["w2"]._parameters["weight"].data_ptr()))
+        return current == self._packed[2]
 
     def route_grouped(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Same math as ``route`` + ``Expert.forward``, as two grouped GEMMs over sorted slots."""

@@ -277,57 +277,67 @@ class QuantV4MoE(MoE):
     experts: the experts' cached fake-quant weights are stacked once, and the per-token input
     quantization runs over all sorted rows at once -- the same numbers as each expert quantizing
     its own rows, because per-token scales depend on the row alone. Other input specs (static or
-    per-tensor scales differ per expert) take the per-expert loop."""
+    per-tensor scales differ per expert) take the per-expert loop.
 
-    _stacks: tuple | None = None
+    The decision and the stacks form a plan, rebuilt only when some QuantLinear invalidated its
+    cache (``QuantLinear.generation``: clip loaded or learned, quantizers switched, module moved)
+    or the expert list changed -- not on every forward (256 experts x 3 checks cost milliseconds
+    of host time)."""
+
+    _plan: tuple | None = None
 
     @classmethod
     def from_float(cls, moe: MoE) -> "QuantV4MoE":
         q = _rebind(cls, moe)
-        q._stacks = None
+        q._plan = None
         return q
 
-    def _quantized_experts(self) -> list["QuantV4Expert"]:
-        return [e for e in self.experts if getattr(e, "quantized", False)]
+    def _current_plan(self, flat: torch.Tensor) -> tuple:
+        """(generation, experts list, quantized?, groupable?, stacks or None)."""
+        plan = self._plan
+        if plan is not None and plan[0] == QuantLinear.generation and plan[1] is self.experts:
+            return plan
+        experts = list(self.experts)
+        quantized = any(getattr(e, "quantized", False) for e in experts)
+        stacks, groupable = None, False
+        if quantized and all(isinstance(e, QuantV4Expert) and e.quantized for e in experts):
+            w = experts[0].w1.weight
+            groupable = _grouped_mm_supported(w) and all(
+                _row_wise(getattr(e, proj).input_quantizer.spec)
+                and getattr(e, proj).input_quantizer.spec == getattr(experts[0], proj).input_quantizer.spec
+                for e in experts for proj in ("w1", "w3", "w2"))
+            groupable = groupable and experts[0].w1.input_quantizer.spec == experts[0].w3.input_quantizer.spec
+            if groupable:
+                with torch.no_grad():
+                    w13 = torch.stack([torch.cat((e.w1.quantized_weight(), e.w3.quantized_weight())) for e in experts])
+                    w2 = torch.stack([e.w2.quantized_weight() for e in experts])
+                stacks = (w13, w2)
+        # building the stacks filled the QuantLinear caches; read the generation afterwards
+        self._plan = (QuantLinear.generation, self.experts, quantized, groupable, stacks)
+        return self._plan
 
     def _can_group(self, flat: torch.Tensor) -> bool:
-        if not self._quantized_experts():
+        if not self.grouped:
+            return False
+        _, _, quantized, groupable, stacks = self._current_plan(flat)
+        if not quantized:
             return super()._can_group(flat)
-        if not self.grouped or torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             return False  # the stacked fake-quant weights are detached: gradients need the loop
-        experts = list(self.experts)
-        if not all(isinstance(e, QuantV4Expert) and e.quantized for e in experts):
-            return False
-        w = experts[0].w1.weight
-        if w.device != flat.device or not _grouped_mm_supported(w):
-            return False
-        for role, proj in (("w1", "w1"), ("w1", "w3"), ("w2", "w2")):
-            spec = getattr(experts[0], proj).input_quantizer.spec
-            if getattr(experts[0], role).input_quantizer.spec != spec or not _row_wise(spec):
-                return False
-            if any(getattr(e, proj).input_quantizer.spec != spec for e in experts):
-                return False
-        return True
+        return groupable and stacks[0].device == flat.device
 
     def grouped_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self._quantized_experts():
-            return super().grouped_weights()
-        parts = [(e.w1.quantized_weight(), e.w3.quantized_weight(), e.w2.quantized_weight()) for e in self.experts]
-        key = [tuple(id(t) for t in p) for p in parts]
-        if self._stacks is None or self._stacks[0] != key:
-            w13 = torch.stack([torch.cat((p[0], p[1])) for p in parts])
-            w2 = torch.stack([p[2] for p in parts])
-            # keep the source tensors referenced so their ids cannot be reused while cached
-            self._stacks = (key, w13.detach(), w2.detach(), parts)
-        return self._stacks[1], self._stacks[2]
+        plan = self._plan
+        return plan[4] if plan is not None and plan[2] else super().grouped_weights()
 
     def grouped_rows(self, rows: torch.Tensor, projection: str) -> torch.Tensor:
-        if not self._quantized_experts():
+        plan = self._plan
+        if plan is None or not plan[2]:
             return rows
         return getattr(self.experts[0], projection).input_quantizer(rows)
 
     def _apply(self, fn, *args, **kwargs):
-        self._stacks = None
+        self._plan = None
         return super()._apply(fn, *args, **kwargs)
 
 
