@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--calib-data", default=None, help="calibration text (default: ../shared/data/wikitext-2/valid.txt)")
     ap.add_argument("--calib-samples", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per calibration and evaluation window")
-    ap.add_argument("--eval-data", default=None, help="wikitext-2-raw test file (default: ../shared/data/wikitext-2-raw/wiki.test.raw)")
+    ap.add_argument("--eval-data", "--data-path", dest="eval_data", default=None, help="wikitext-2-raw test file (default: ../shared/data/wikitext-2-raw/wiki.test.raw)")
     ap.add_argument("--eval-windows", type=int, default=None, help="evaluate the first N windows (default: tiny 32, else all)")
     ap.add_argument("--eval-ppl", action=argparse.BooleanOptionalAction, default=None,
                     help="float / RTN / PTQ perplexity (default: on for tiny, off otherwise)")
