@@ -240,7 +240,9 @@ def run_layer(args, dev, config, hf_cfg, layer_id, entry, results, quantize_bloc
             blk32 = C.build_block(config, layer_id, dev, seed=args.seed + layer_id, dtype=torch.float32)
             hf32, _ = C.build_hf_layer(blk32, hf_cfg, layer_id, dev, all_fp32=True)
             x, ids = make_inputs(config, 1, args.fp32_check_seq, dev, args.seed + 100, torch.float32)
-            C.set_experts_impl(hf_cfg, args.hf_experts[0] if args.hf_experts else "eager")
+            # the per-expert reference loop: transformers' grouped_mm experts deviate in fp32 at 256
+            # experts on CUDA (casebook S5), which would blame our mapping for their kernel
+            C.set_experts_impl(hf_cfg, "eager")
             with inf():
                 cmp = C.compare(C.HFCaller(hf_cfg, x, ids)(hf32, x), blk32(x, 0, ids), x)
         except Exception as e:
