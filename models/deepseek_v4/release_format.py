@@ -9,7 +9,6 @@ Storage rules (spec §3) for ``fmt="fp8"``:
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -86,6 +85,3 @@ def write_release_checkpoint(state_dict: dict[str, torch.Tensor], config: Deepse
     save_sharded(tensors, out_dir, n_shards)
     return out_dir
 
-
-def read_json(path: str | os.PathLike) -> dict:
-    return json.loads(Path(path).read_text())

@@ -76,11 +76,8 @@ def init_block_weights(block: Block, config: DeepseekV4Config, generator: torch.
 
     for name, p in block.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf == "weight" and p.dim() == 2:
-            if name.endswith("gate.weight"):
-                normal(p, 1.0 / math.sqrt(p.shape[1]))
-            else:
-                normal(p, 1.0 / math.sqrt(p.shape[1]))
+        if leaf == "weight" and p.dim() == 2:  # linears and the router: unit-variance outputs
+            normal(p, 1.0 / math.sqrt(p.shape[1]))
         elif leaf == "weight":  # RMSNorm
             normal(p, 0.1, 1.0)
         elif leaf in ("hc_attn_fn", "hc_ffn_fn"):
