@@ -162,11 +162,7 @@ def free(device):
 def main(argv=None) -> int:
     args = parse_args(argv)
     dev = D.resolve_device(args.device)
-    cfg_dict, cfg_src = (C.tiny_config_dict(), "tiny_config()") if args.smoke else C.flash_config_dict(args.config)
-    if args.override:
-        cfg_dict = C.apply_overrides(cfg_dict, args.override)
-        cfg_src += f" with overrides {args.override}"
-    config = C.our_config(cfg_dict)
+    cfg_dict, cfg_src, config = C.bench_config(args)
     hf_cfg = C.hf_config(cfg_dict) if args.hf_experts or args.fp32_check else None
     deadline = C.Deadline(args.time_budget)
     results: dict = {"env": C.environment(dev), "config_source": cfg_src, "args": vars(args),

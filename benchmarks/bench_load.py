@@ -180,11 +180,7 @@ def h2d_bw(dev: torch.device, nbytes: int, repeats: int, pinned: bool) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     dev = D.resolve_device(args.device)
-    cfg_dict, cfg_src = (C.tiny_config_dict(), "tiny_config()") if args.smoke else C.flash_config_dict(args.config)
-    if args.override:
-        cfg_dict = C.apply_overrides(cfg_dict, args.override)
-        cfg_src += f" with overrides {args.override}"
-    config = C.our_config(cfg_dict)
+    cfg_dict, cfg_src, config = C.bench_config(args)
     kind = C.layer_kind(config, args.layer)
     deadline = C.Deadline(args.time_budget)
     results: dict = {"env": C.environment(dev), "config_source": cfg_src, "args": vars(args),

@@ -490,3 +490,13 @@ class Deadline:
 
     def spent(self) -> bool:
         return self.seconds is not None and self.elapsed() > self.seconds
+
+
+def bench_config(args) -> tuple[dict[str, Any], str, DeepseekV4Config]:
+    """(config.json dict, where it came from, our config) for a benchmark's --smoke / --config /
+    --override arguments."""
+    cfg_dict, cfg_src = (tiny_config_dict(), "tiny_config()") if args.smoke else flash_config_dict(args.config)
+    if args.override:
+        cfg_dict = apply_overrides(cfg_dict, args.override)
+        cfg_src += f" with overrides {args.override}"
+    return cfg_dict, cfg_src, our_config(cfg_dict)

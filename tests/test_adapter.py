@@ -12,9 +12,7 @@ from amct_ext.errors import ConfigError, QuantConfigError
 from models.deepseek_v4.adapter import DeepseekV4Adapter
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

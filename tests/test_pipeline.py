@@ -21,9 +21,7 @@ LAYERS = range(1, 3)
 PTQ = PtqConfig(epochs=2, lr=5e-3, n_samples=2, seq_len=64, batch_size=1, seed=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

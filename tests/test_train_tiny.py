@@ -57,9 +57,7 @@ def small_config(out=None, steps=30, **kw):
     return tt.TrainConfig(**base)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,7 @@ EVAL = dict(seq_len=256, max_windows=24, batch_size=8, data_path=SHARED / "data"
 RECORDED_FLOAT_PPL = 282.72  # measured on these 24 windows when the checkpoint was committed (2026-11-29)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
