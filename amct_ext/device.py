@@ -131,6 +131,42 @@ def _as_device(device: str | torch.device | None) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device(device)
 
 
+# ----------------------------------------------------------------------------- fast paths
+# AMCT_FAST_PATHS=0 makes every model run its plain torch paths (e.g. to compare the two)
+FAST_PATHS_ENV = "AMCT_FAST_PATHS"
+
+
+def _fast_paths_allowed() -> bool:
+    return os.environ.get(FAST_PATHS_ENV, "1") != "0"
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def fast_paths_enabled(device: str | torch.device) -> bool:
+    """Whether models may take their fast paths (fused kernels from torch, fp32-output GEMMs)
+    on ``device``: CUDA, unless switched off."""
+    return _as_device(device).type == "cuda" and _fast_paths_allowed()
+
+
+def fused_kernels_enabled(device: str | torch.device) -> bool:
+    """Whether the project's Triton kernels may run on ``device``: CUDA with Triton installed.
+    NPUs and CPUs use the torch paths."""
+    return fast_paths_enabled(device) and _triton_importable()
+
+
+def fp32_out_gemm_supported(device: str | torch.device) -> bool:
+    """Whether bf16 GEMMs with fp32 output (``torch.mm(a, b, out_dtype=torch.float32)``) run on
+    ``device``; seen on CUDA with torch 2.11, absent on CPU (amct_ext/exact_gemm.py)."""
+    return fast_paths_enabled(device)
+
+
 # ----------------------------------------------------------------------------- memory / sync
 def empty_cache(device: str | torch.device | None = None) -> None:
     """Return cached allocator blocks to the driver; a no-op on cpu."""

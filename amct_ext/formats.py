@@ -32,6 +32,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import device, fused_quant
 from .errors import AmctError, QuantConfigError
 from .schemes import MX_BLOCK_SIZE, TensorSpec
 
@@ -77,6 +78,13 @@ def _ste(y: torch.Tensor, y_q: torch.Tensor) -> torch.Tensor:
     if y.requires_grad:
         return y + (y_q - y).detach()
     return y_q
+
+
+def _div_const(t: torch.Tensor, c: float) -> torch.Tensor:
+    """``t / c`` as an IEEE division on every backend. (torch on CUDA turns a division by a Python
+    number into a multiplication by its reciprocal, which differs from CPU in the last bit of
+    some scales; a 0-dim tensor on t's device keeps it a true division -- casebook O2.)"""
+    return t / torch.full((), c, dtype=t.dtype, device=t.device)
 
 
 def _nonzero_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -217,9 +225,9 @@ def int_qparams_from_range(xmin: torch.Tensor, xmax: torch.Tensor, bits: int,
     qmin, qmax = _int_range(bits, symmetric)
     if symmetric:
         amax = torch.maximum(xmin.abs(), xmax.abs())
-        return _nonzero_scale(amax / qmax), None
+        return _nonzero_scale(_div_const(amax, qmax)), None
     lo, hi = torch.clamp(xmin, max=0), torch.clamp(xmax, min=0)
-    scale = _nonzero_scale((hi - lo) / qmax)
+    scale = _nonzero_scale(_div_const(hi - lo, qmax))
     zp = torch.clamp(_round(-lo / scale), qmin, qmax)
     return scale, zp
 
@@ -326,7 +334,7 @@ def _fp8_block_scale(xv, lay, clip_v):
     amax = xv.abs().amax(dim=lay.reduce_dims, keepdim=True)
     if clip_v is not None:
         amax = amax * clip_v
-    return _nonzero_scale(amax / FP8_E4M3_MAX)
+    return _nonzero_scale(_div_const(amax, FP8_E4M3_MAX))
 
 
 def _fq_fp8(x, spec, clip):
@@ -507,6 +515,13 @@ def _need(spec: TensorSpec, formats: tuple[str, ...]) -> None:
         raise QuantConfigError(f"expected a TensorSpec of format {'/'.join(formats)}, got {got}")
 
 
+def _fused_int_token(x: torch.Tensor, spec: TensorSpec, clip) -> bool:
+    """Dynamic symmetric per-token int without clip, on a device with the fused kernels, no autograd."""
+    return (spec.format == "int" and spec.symmetric and spec.granularity == "token" and clip is None
+            and isinstance(x, torch.Tensor) and x.is_floating_point() and device.fused_kernels_enabled(x.device)
+            and not (torch.is_grad_enabled() and x.requires_grad) and fused_quant.fused_int_token_supported(x))
+
+
 def fake_quant(x: torch.Tensor, spec: TensorSpec | None, clip=None) -> torch.Tensor:
     """Fake-quantize ``x`` per ``spec`` (see the per-format functions for the math).
 
@@ -516,6 +531,12 @@ def fake_quant(x: torch.Tensor, spec: TensorSpec | None, clip=None) -> torch.Ten
     """
     if spec is None or spec.is_identity:
         return x
+    if _fused_int_token(x, spec, clip):
+        # the same numbers in one pass (amct_ext/fused_quant.py); non-finite inputs still refused
+        out, n_bad = fused_quant.fake_quant_int_token(x, spec.bits)
+        if int(n_bad.item()):
+            raise NonFiniteInputError(f"input of shape {tuple(x.shape)} contains NaN or Inf; refusing to quantize it")
+        return out
     _check_input(x)
     if spec.format == "int":
         return _fq_int(x, spec, clip)
@@ -562,7 +583,7 @@ def qparams_from_range(spec: TensorSpec, xmin: torch.Tensor, xmax: torch.Tensor)
     if spec.format == "int":
         return int_qparams_from_range(xmin, xmax, spec.bits, spec.symmetric)
     if spec.format == "fp8":
-        return _nonzero_scale(torch.maximum(xmin.abs(), xmax.abs()) / FP8_E4M3_MAX), None
+        return _nonzero_scale(_div_const(torch.maximum(xmin.abs(), xmax.abs()), FP8_E4M3_MAX)), None
     raise QuantConfigError(f"format {spec.format!r} has no static scales (MX scales are always per block of the current tensor)")
 
 

@@ -25,7 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from amct_ext.device import fast_paths_enabled, fused_kernels_enabled
+from amct_ext.exact_gemm import SplitWeightCache, linear_fp32, matmul_fp32
+
 from .configuration import DeepseekV4Config
+from .fused_attention import fused_index_score, fused_sparse_attention
+from .fused_hc import hc_mix, hc_weights
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -41,6 +46,17 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
         return (self.weight * xf).to(x.dtype)
+
+
+def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dim, fp32 math, x's dtype out (no weight).
+
+    With the fast paths on, one fused ``F.rms_norm`` kernel (same formula, fp32 inside) instead of
+    four passes over an fp32 copy: this runs on the [B, S, H, Dh] queries, the largest activation."""
+    if fast_paths_enabled(x.device) and x.dtype != torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), eps=eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class Linear(nn.Linear):
@@ -61,6 +77,23 @@ class Linear(nn.Linear):
 
     def reset_parameters(self) -> None:
         pass
+
+    @property
+    def split_cache(self) -> SplitWeightCache:
+        """bf16 split of an fp32 weight for ``linear_fp32`` (made on first use)."""
+        cache = self.__dict__.get("_split_cache")
+        if cache is None:
+            cache = self.__dict__["_split_cache"] = SplitWeightCache()
+        return cache
+
+
+def island_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An fp32-island projection: ``linear(x.float())`` in fp32. A plain unhooked ``Linear`` goes
+    through ``linear_fp32`` (exact bf16 tensor-core GEMMs where the backend has them); a wrapper
+    (e.g. a QuantLinear) or a hooked module is called as a module, on the fp32 input."""
+    if type(linear) is Linear and not linear._forward_hooks and not linear._forward_pre_hooks:
+        return linear_fp32(x, linear.weight, linear.split_cache)
+    return linear(x.float())
 
 
 class Embedding(nn.Embedding):
@@ -124,7 +157,8 @@ def _rope_table(freqs: tuple[float, ...], length: int, device: str) -> tuple[tor
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+               inplace: bool = False) -> torch.Tensor:
     """Rotate the last R channels of x as interleaved pairs (x0, x1), (x2, x3), ... by pos * f_i.
 
     x [..., S, (heads,) C]; cos / sin [S, R/2] are broadcast over batch and heads (``x`` must have
@@ -142,6 +176,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     pairs = rope.float().unflatten(-1, (-1, 2))
     a, b = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    if inplace and not (torch.is_grad_enabled() and x.requires_grad):
+        # the caller owns x: write the R rotated channels back instead of copying all C of them
+        rope.copy_(rotated)
+        return x
     return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
 
 
@@ -226,9 +264,9 @@ class Compressor(nn.Module):
         n = seqlen // r
         if n == 0:
             return x.new_zeros(bsz, 0, d)
-        xs = x[:, : n * r].float()
-        kv = self.wkv(xs).view(bsz, n, r, -1)                       # [B, n, r, c*d]
-        score = self.wgate(xs).view(bsz, n, r, -1) + self.ape        # [B, n, r, c*d]
+        xs = x[:, : n * r]
+        kv = island_linear(self.wkv, xs).view(bsz, n, r, -1)         # [B, n, r, c*d] fp32
+        score = island_linear(self.wgate, xs).view(bsz, n, r, -1) + self.ape  # [B, n, r, c*d]
         if self.overlap:
             # rows r..2r: the block's own tokens, channels [d:]; rows 0..r: the previous block's
             # tokens, channels [:d]; block 0 has no predecessor (kv 0, score -inf).
@@ -272,10 +310,21 @@ class Indexer(nn.Module):
         if n_entries == 0:
             return torch.empty(bsz, seqlen, 0, dtype=torch.long, device=x.device)
         weights = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)  # [B, S, Ih]
-        logits = self.score_matmul(q.float(), kc.float().unsqueeze(1)).relu()   # [B, S, Ih, Nc]
-        score = torch.matmul(weights.unsqueeze(-2), logits).squeeze(-2)          # sum_h w[h] relu(.)[h]: [B, S, Nc]
-        allowed = causal_entry_mask(seqlen, n_entries, self.ratio, x.device)  # [S, Nc]
-        score = score.masked_fill(~allowed, float("-inf"))
+        plain = type(self.score_matmul) is Matmul and not self.score_matmul._forward_hooks
+        if plain and fused_kernels_enabled(x.device) and q.dtype in (torch.bfloat16, torch.float16) \
+                and not (torch.is_grad_enabled() and (q.requires_grad or kc.requires_grad)) \
+                and self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0:
+            score = fused_index_score(q, kc, weights, self.ratio)          # [B, S, Nc], -inf = not yet
+        else:
+            if plain:
+                # bf16 q and entries: their products are exact in fp32 (exact_gemm.matmul_fp32)
+                logits = matmul_fp32(q.reshape(bsz, seqlen * self.n_heads, -1), kc.transpose(1, 2))
+                logits = logits.view(bsz, seqlen, self.n_heads, n_entries).relu_()     # [B, S, Ih, Nc]
+            else:  # a quantization wrapper sees the fp32 operands
+                logits = self.score_matmul(q.float(), kc.float().unsqueeze(1)).relu()
+            score = torch.matmul(weights.unsqueeze(-2), logits).squeeze(-2)      # sum_h w[h] relu(.)[h]: [B, S, Nc]
+            allowed = causal_entry_mask(seqlen, n_entries, self.ratio, x.device)  # [S, Nc]
+            score = score.masked_fill(~allowed, float("-inf"))
         k = min(self.topk, n_entries)
         idx = score.topk(k, dim=-1).indices                           # [B, S, k]
         # a query with fewer than k allowed entries still gets k picks: mark the extra ones "no key"
@@ -340,33 +389,61 @@ class Attention(nn.Module):
         cos, sin = self.rope(seqlen, x.device)
         qr = self.q_norm(self.wq_a(x))                                  # [B, S, q_lora]
         q = self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.head_dim)
-        q = (q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        q = head_rms_norm(q, self.eps)                                  # per-head RMS, no weight
         kv = self.kv_norm(self.wkv(x))                                  # [B, S, Dh], keys == values
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(kv, cos, sin)
+        q = apply_rope(q, cos, sin, inplace=True)                       # q, kv: fresh tensors of this call
+        kv = apply_rope(kv, cos, sin, inplace=True)
 
-        comp_kv, comp_allowed = None, None
+        comp_kv, comp_idx = None, None
         if self.ratio:
             comp_kv = self.compressor(x)                                # [B, Nc, Dh]
-            n_entries = comp_kv.shape[1]
             if self.ratio == 4:
-                picks = self.indexer(x, qr)                             # [B, S, k], -1 = no key
-                comp_allowed = torch.zeros(bsz, seqlen, n_entries + 1, dtype=torch.bool, device=x.device)
-                comp_allowed.scatter_(-1, torch.where(picks < 0, n_entries, picks), True)
-                comp_allowed = comp_allowed[..., :n_entries]
-            else:
-                comp_allowed = causal_entry_mask(seqlen, n_entries, self.ratio, x.device).expand(bsz, -1, -1)
+                comp_idx = self.indexer(x, qr)                          # [B, S, k], -1 = no key
 
-        o = self.sparse_attention(q, kv, comp_kv, comp_allowed)           # [B, S, H, Dh]
-        o = apply_rope(o, cos, sin, inverse=True)
+        o = self.sparse_attention(q, kv, comp_kv, comp_idx)             # [B, S, H, Dh]
+        o = apply_rope(o, cos, sin, inverse=True, inplace=True)
         z = self.grouped_output(o.reshape(bsz, seqlen, self.o_groups, -1))  # [B, S, G, o_lora]
         return self.wo_b(z.flatten(2))
 
     def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, comp_kv: torch.Tensor | None,
-                         comp_allowed: torch.Tensor | None) -> torch.Tensor:
-        """softmax over {window keys} + {allowed compressed entries} + one sink logit per head.
+                         comp_idx: torch.Tensor | None) -> torch.Tensor:
+        """softmax over {window keys} + {compressed entries} + one sink logit per head; keys == values.
 
-        q [B, S, H, Dh]; kv [B, S, Dh]; comp_kv [B, Nc, Dh]; comp_allowed [B, S, Nc] bool.
+        q [B, S, H, Dh]; kv [B, S, Dh]; comp_kv [B, Nc, Dh] or None; comp_idx [B, S, k] (the
+        indexer's picks, -1 = none) or None, in which case query t sees entries j < (t + 1) // r.
+        On CUDA without autograd this is one fused Triton kernel (fused_attention.py); otherwise
+        the torch path below, which a quantization wrapper can hook into (qk_matmul / pv_matmul)."""
+        if self._use_fused_kernel(q, kv, comp_kv):
+            return fused_sparse_attention(q, kv, self.attn_sink, self.softmax_scale, self.window,
+                                          comp_kv, comp_idx, self.ratio)
+        comp_allowed = None
+        if comp_kv is not None:
+            seqlen, n_entries = q.shape[1], comp_kv.shape[1]
+            if comp_idx is not None:
+                comp_allowed = torch.zeros(q.shape[0], seqlen, n_entries + 1, dtype=torch.bool, device=q.device)
+                comp_allowed.scatter_(-1, torch.where(comp_idx < 0, n_entries, comp_idx), True)
+                comp_allowed = comp_allowed[..., :n_entries]
+            else:
+                comp_allowed = causal_entry_mask(seqlen, n_entries, self.ratio, q.device).expand(q.shape[0], -1, -1)
+        return self.sparse_attention_torch(q, kv, comp_kv, comp_allowed)
+
+    def _use_fused_kernel(self, q: torch.Tensor, kv: torch.Tensor, comp_kv: torch.Tensor | None) -> bool:
+        """The fused kernel computes the float function only: no autograd (PTQ's backward pass), no
+        quantized or hooked qk / pv matmuls, a 16-bit dtype (its dots would be TF32 in fp32)."""
+        if not fused_kernels_enabled(q.device) or q.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, kv, comp_kv)):
+            return False
+        for m in (self.qk_matmul, self.pv_matmul):
+            if type(m) is not Matmul or m._forward_hooks or m._forward_pre_hooks:
+                return False
+        dh = q.shape[-1]
+        return dh >= 16 and dh & (dh - 1) == 0
+
+    def sparse_attention_torch(self, q: torch.Tensor, kv: torch.Tensor, comp_kv: torch.Tensor | None,
+                               comp_allowed: torch.Tensor | None) -> torch.Tensor:
+        """The torch path of ``sparse_attention``; comp_allowed [B, S, Nc] bool.
+
         Query blocks of W tokens attend to the 2W keys of their own and the previous block (a banded
         window without an S x S score matrix); compressed entries are scored densely and masked.
         The single shared KV head lets the heads fold into the rows of plain batched GEMMs:
@@ -442,7 +519,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D], input_ids [N] -> (weights [N, k] fp32, indices [N, k])."""
-        z = F.linear(x.float(), self.weight.float())                     # [N, E]
+        z = linear_fp32(x, self.weight)                                  # [N, E] fp32
         if self.score_func == "softmax":
             score = z.softmax(dim=-1)
         elif self.score_func == "sigmoid":
@@ -598,9 +675,16 @@ class MoE(nn.Module):
             gate = gate.clamp(max=limit)
         h = F.silu(gate) * up * weights.flatten()[order].unsqueeze(-1)
         h = self.grouped_rows(h.to(flat.dtype), "w2")
-        y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)            # [T, D]
-        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        return out.index_add_(0, tok, y.float())
+        y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)            # [T, D], sorted slots
+        # each token sums its k rows in expert order, as ``route`` does -- by gathering them, not
+        # by index_add_ (atomics on CUDA: an arbitrary order, and slower)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=order.device)
+        rows = rank.view(-1, indices.shape[1]).sort(dim=1).values             # [N, k], expert order
+        out = y[rows[:, 0]].float()
+        for j in range(1, rows.shape[1]):
+            out += y[rows[:, j]]
+        return out
 
     # hooks of the grouped path (a quantization wrapper swaps in fake-quant weights / inputs)
     def grouped_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -623,10 +707,19 @@ def _grouped_mm_supported(weight: torch.Tensor) -> bool:
 
 # ----------------------------------------------------------------------------- Hyper-connections
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
-           sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float, fn_split: SplitWeightCache | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, S, hc, D] -> (y [B, S, D] in x's dtype, post [B, S, hc], comb [B, S, hc, hc]); fp32 math."""
-    xf = x.flatten(-2).float()                                            # [B, S, hc*D]
-    mix = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    fused = _use_fused_hc(x)
+    flat = x.flatten(-2)                                                  # [B, S, hc*D]
+    if fused:  # mean of squares inside one reduction, no fp32 copy of the stream
+        mean_sq = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.float32).square() / flat.shape[-1]
+    else:
+        mean_sq = flat.float().square().mean(-1, keepdim=True)
+    mix = linear_fp32(flat, fn, fn_split) * torch.rsqrt(mean_sq + norm_eps)
+    if fused:
+        pre, post, comb = hc_weights(mix, scale, base, hc_mult, sinkhorn_iters, hc_eps)
+        return hc_mix(x, pre.unsqueeze(-1)).squeeze(-2), post, comb
     pre, post, comb = mix.split([hc_mult, hc_mult, hc_mult * hc_mult], dim=-1)
     pre = torch.sigmoid(pre * scale[0] + base[:hc_mult]) + hc_eps
     post = 2 * torch.sigmoid(post * scale[1] + base[hc_mult:2 * hc_mult])
@@ -642,8 +735,17 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
 
 def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out[:, :, j] = post[j] * y + sum_k comb[k, j] * res[:, :, k]; fp32 math, res's dtype out."""
+    if _use_fused_hc(res, y):
+        return hc_mix(res, comb, y, post)
     out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.einsum("bskj,bskd->bsjd", comb, res.float())
     return out.to(res.dtype)
+
+
+def _use_fused_hc(*tensors: torch.Tensor) -> bool:
+    """The Triton hc mixes (fused_hc.py): CUDA with Triton, no autograd through them."""
+    if not fused_kernels_enabled(tensors[0].device):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 # ----------------------------------------------------------------------------------------- Block
@@ -666,9 +768,11 @@ class Block(nn.Module):
         self.hc_ffn_base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
         self.hc_attn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
         self.hc_ffn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        self._fn_splits: dict[int, SplitWeightCache] = {}                # bf16 splits of the hc fns
 
     def _hc_pre(self, x, fn, scale, base):
-        return hc_pre(x, fn, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
+        split = self._fn_splits.setdefault(id(fn), SplitWeightCache())
+        return hc_pre(x, fn, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps, split)
 
     def forward(self, x: torch.Tensor, start_pos: int = 0, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, hc, D] -> [B, S, hc, D]. Prefill only; input_ids [B, S] feed hash routing."""
