@@ -64,6 +64,7 @@ def interpreted_checks() -> dict:
                 errors[f"{layer}-{i}"] = (got - ref).abs().max().item()
     errors.update(_hc_checks())
     errors.update(_index_checks())
+    errors.update(_swiglu_checks())
     errors.update(_fq_checks())
     q24 = torch.randn(1, 4, 2, 24)
     try:
@@ -93,6 +94,26 @@ def _index_checks() -> dict:
         same_inf = bool(torch.equal(torch.isinf(got), torch.isinf(want)))
         finite = torch.isfinite(want)
         res[f"index-{seqlen}"] = (got[finite] - want[finite]).abs().max().item() if same_inf else float("inf")
+    return res
+
+
+def _swiglu_checks() -> dict:
+    """(child process) the clamped SwiGLU kernel against MoE.route_grouped's torch expression, fp32."""
+    import torch.nn.functional as F
+    from models.deepseek_v4.fused_moe import clamped_swiglu
+
+    g = torch.Generator().manual_seed(8)
+    res = {}
+    for limit in (0.0, 3.0):
+        h = torch.randn(37, 2 * 80, generator=g) * 4                      # I = 80: not a multiple of the block
+        w = torch.rand(37, generator=g)
+        gate, up = h[:, :80], h[:, 80:]
+        if limit > 0:
+            up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
+        want = F.silu(gate) * up * w.unsqueeze(-1)
+        got = clamped_swiglu(h, limit, w, block=32)
+        res[f"swiglu-{limit}"] = (got - want).abs().max().item()
+        res[f"swiglu-{limit}-noweight"] = (clamped_swiglu(h, limit, None, block=32) - F.silu(gate) * up).abs().max().item()
     return res
 
 
@@ -174,6 +195,11 @@ def test_index_score_kernel_equals_torch(interpreted_errors, seqlen):
     assert interpreted_errors[f"index-{seqlen}"] < 2e-5
 
 
+@pytest.mark.parametrize("case", ["swiglu-0.0", "swiglu-3.0", "swiglu-3.0-noweight"])
+def test_swiglu_kernel_equals_torch(interpreted_errors, case):
+    assert interpreted_errors[case] < 1e-5
+
+
 def test_hc_weights_kernel_equals_torch(interpreted_errors):
     assert interpreted_errors["hc-weights"] < 1e-5
 
@@ -229,6 +255,8 @@ def test_switch_and_backends(monkeypatch):
     assert not D.fp32_out_gemm_supported("cuda")
     monkeypatch.delenv(D.FAST_PATHS_ENV)
     assert D.fp32_out_gemm_supported("cuda") and not D.fp32_out_gemm_supported("cpu")
+    monkeypatch.setenv(D.FP32_ISLANDS_ENV, "strict")
+    assert not D.fp32_out_gemm_supported("cuda") and D.fused_kernels_enabled("cuda")
 
 
 def _fq_checks() -> dict:

@@ -31,6 +31,7 @@ from amct_ext.exact_gemm import SplitWeightCache, linear_fp32, matmul_fp32
 from .configuration import DeepseekV4Config
 from .fused_attention import fused_index_score, fused_sparse_attention
 from .fused_hc import hc_mix, hc_weights
+from .fused_moe import clamped_swiglu
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -669,12 +670,16 @@ class MoE(nn.Module):
         tok = order // indices.shape[1]
         xs = self.grouped_rows(flat[tok], "w1")
         h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offsets)          # [T, 2I]
-        gate, up = h[:, :inter].float(), h[:, inter:].float()
-        if limit > 0:
-            up = up.clamp(-limit, limit)
-            gate = gate.clamp(max=limit)
-        h = F.silu(gate) * up * weights.flatten()[order].unsqueeze(-1)
-        h = self.grouped_rows(h.to(flat.dtype), "w2")
+        slot_weights = weights.flatten()[order]
+        if fused_kernels_enabled(h.device) and not (torch.is_grad_enabled() and h.requires_grad):
+            h = clamped_swiglu(h, limit, slot_weights)                          # [T, I], one pass
+        else:
+            gate, up = h[:, :inter].float(), h[:, inter:].float()
+            if limit > 0:
+                up = up.clamp(-limit, limit)
+                gate = gate.clamp(max=limit)
+            h = (F.silu(gate) * up * slot_weights.unsqueeze(-1)).to(flat.dtype)
+        h = self.grouped_rows(h, "w2")
         y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)            # [T, D], sorted slots
         # each token sums its k rows in expert order, as ``route`` does -- by gathering them, not
         # by index_add_ (atomics on CUDA: an arbitrary order, and slower)
