@@ -269,6 +269,28 @@ def check_swiglu(config: DeepseekV4Config, rows: int, device, repeats: int) -> d
     return out
 
 
+def check_combine(tokens: int, k: int, dim: int, device, repeats: int) -> dict:
+    """The routed-expert combine through the kernel vs gathering and adding in torch (bit-identical)."""
+    from models.deepseek_v4.fused_moe import combine_rows
+
+    g = torch.Generator(device="cpu").manual_seed(10)
+    y = torch.randn(tokens * k, dim, generator=g).bfloat16().to(device)
+    rows = torch.randperm(tokens * k, generator=g).view(tokens, k).sort(dim=1).values.to(device)
+
+    def torch_path():
+        out = y[rows[:, 0]].float()
+        for j in range(1, k):
+            out += y[rows[:, j]]
+        return out
+
+    fused = lambda: combine_rows(y, rows)  # noqa: E731
+    with torch.inference_mode():
+        out = {"shape": [tokens, k, dim], "elements_differing": int((fused() != torch_path()).sum()),
+               "torch_time": C.time_fn(torch_path, device, repeats, 2), "fused_time": C.time_fn(fused, device, repeats, 2)}
+    out["ok"] = out["elements_differing"] == 0
+    return out
+
+
 def check_int_token(rows: int, dim: int, device, repeats: int) -> dict:
     """w8a8's activation fake quant (int8, per token, dynamic) through the kernel vs formats' torch path."""
     from amct_ext import formats
@@ -365,6 +387,10 @@ def main(argv=None) -> int:
               f"{r['fused_vs_fp64']['rel_fro']:.4e} ({r['elements_differing']} of {r['elements']} differ); torch "
               f"{r['torch_time']['median_ms']:.3f} ms, fused {r['fused_time']['median_ms']:.3f} ms "
               f"-> {'ok' if r['ok'] else 'WORSE'}")
+        out["combine"] = check_combine(tokens, cfg.n_activated_experts, cfg.dim, dev, args.repeats)
+        r = out["combine"]
+        print(f"expert combine {r['shape']}: {r['elements_differing']} elements differ; torch "
+              f"{r['torch_time']['median_ms']:.3f} ms, fused {r['fused_time']['median_ms']:.3f} ms")
         out["int_token"] = [check_int_token(rows, cfg.dim, dev, args.repeats),
                             check_int_token(rows, cfg.moe_inter_dim, dev, args.repeats)]
         for q in out["int_token"]:
@@ -383,7 +409,7 @@ def main(argv=None) -> int:
     C.write_json(args.json, out)
     bad = [r for r in out.get("layer", []) if not r["ok"]]
     bad += [a for a in out["attention"] if a.get("fused_ok") is False]
-    bad += [out[k] for k in ("hc", "index_score", "hc_weights", "swiglu") if k in out and not out[k]["ok"]]
+    bad += [out[k] for k in ("hc", "index_score", "hc_weights", "swiglu", "combine") if k in out and not out[k]["ok"]]
     bad += [q for q in out.get("int_token", []) if not q["ok"]]
     return 1 if bad else 0
 

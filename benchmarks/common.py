@@ -333,7 +333,9 @@ class HFCaller:
             return layer(x, position_embeddings=self.position_embeddings, position_ids=self.position_ids,
                          attention_mask=self.mask, input_ids=self.input_ids)
 
-        if not self.autocast:
+        # the autocast fallback is for bf16 runs only: an fp32 check after a bf16 run must stay fp32
+        # (it once did not: casebook S6)
+        if not self.autocast or x.dtype != torch.bfloat16:
             try:
                 return call()
             except RuntimeError as e:

@@ -114,6 +114,14 @@ def _swiglu_checks() -> dict:
         got = clamped_swiglu(h, limit, w, block=32)
         res[f"swiglu-{limit}"] = (got - want).abs().max().item()
         res[f"swiglu-{limit}-noweight"] = (clamped_swiglu(h, limit, None, block=32) - F.silu(gate) * up).abs().max().item()
+    # the routed-expert combine: bit-identical to gathering and adding in fp32, in order
+    from models.deepseek_v4.fused_moe import combine_rows
+    y = torch.randn(60, 70, generator=g).to(torch.bfloat16)
+    rows = torch.stack([torch.randperm(60, generator=g)[:6].sort().values for _ in range(10)])
+    want = y[rows[:, 0]].float()
+    for j in range(1, 6):
+        want += y[rows[:, j]]
+    res["combine-diff"] = int((combine_rows(y, rows, block=32) != want).sum())
     return res
 
 
@@ -198,6 +206,10 @@ def test_index_score_kernel_equals_torch(interpreted_errors, seqlen):
 @pytest.mark.parametrize("case", ["swiglu-0.0", "swiglu-3.0", "swiglu-3.0-noweight"])
 def test_swiglu_kernel_equals_torch(interpreted_errors, case):
     assert interpreted_errors[case] < 1e-5
+
+
+def test_combine_kernel_is_bit_identical(interpreted_errors):
+    assert interpreted_errors["combine-diff"] == 0
 
 
 def test_hc_weights_kernel_equals_torch(interpreted_errors):

@@ -1,4 +1,4 @@
-"""V4's clamped SwiGLU as one Triton kernel (CUDA, inference only).
+"""V4's clamped SwiGLU and the routed-expert combine as Triton kernels (CUDA, inference only).
 
 Between the two expert GEMMs, ``Expert.forward`` / ``MoE.route_grouped`` compute, per row,
 
@@ -41,6 +41,36 @@ if triton is not None:
         if HAS_W:
             y = y * tl.load(w_ptr + row)
         tl.store(out_ptr + row * I + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _combine_kernel(y_ptr, rows_ptr, out_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < D
+        r = tl.load(rows_ptr + t * K).to(tl.int64)
+        acc = tl.load(y_ptr + r * D + offs, mask=mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(1, K):
+            r = tl.load(rows_ptr + t * K + j).to(tl.int64)
+            acc += tl.load(y_ptr + r * D + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * D + offs, acc, mask=mask)
+
+
+def combine_rows(y: torch.Tensor, rows: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """out[t] = sum_j y[rows[t, j]] in fp32, j in order: y [T, D] (the experts' outputs in sorted
+    order), rows [N, k] -> [N, D] fp32. The same fp32 additions in the same order as gathering
+    and adding in torch (no multiply, so nothing to contract): bit-identical."""
+    if triton is None:
+        raise RuntimeError("combine_rows needs Triton")
+    y = y.contiguous()
+    rows = rows.contiguous()
+    n, k = rows.shape
+    dim = y.shape[1]
+    out = torch.empty(n, dim, dtype=torch.float32, device=y.device)
+    _combine_kernel[(n, triton.cdiv(dim, block))](y, rows, out, dim, K=k, BLOCK=block, num_warps=4)
+    return out
 
 
 def clamped_swiglu(h: torch.Tensor, limit: float, weights: torch.Tensor | None = None,

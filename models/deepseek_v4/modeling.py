@@ -31,7 +31,7 @@ from amct_ext.exact_gemm import SplitWeightCache, linear_fp32, matmul_fp32
 from .configuration import DeepseekV4Config
 from .fused_attention import fused_index_score, fused_sparse_attention
 from .fused_hc import hc_mix, hc_weights
-from .fused_moe import clamped_swiglu
+from .fused_moe import clamped_swiglu, combine_rows
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -195,10 +195,17 @@ def _hadamard(d: int, device: str) -> torch.Tensor:
     return h / math.sqrt(d)
 
 
+@functools.lru_cache(maxsize=8)
+def _hadamard_split(d: int, device: str) -> SplitWeightCache:
+    return SplitWeightCache()
+
+
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x @ (H_d / sqrt(d)) over the last dim, fp32 math, x's dtype out."""
-    h = _hadamard(x.shape[-1], str(x.device))
-    return (x.float() @ h).to(x.dtype)
+    """x @ (H_d / sqrt(d)) over the last dim, fp32 math, x's dtype out. H is symmetric, so this is
+    ``linear(x, H)``: an fp32 island like the others (exact_gemm.linear_fp32)."""
+    d = x.shape[-1]
+    h = _hadamard(d, str(x.device))
+    return linear_fp32(x, h, _hadamard_split(d, str(x.device))).to(x.dtype)
 
 
 class RotaryTable(nn.Module):
@@ -278,7 +285,7 @@ class Compressor(nn.Module):
         entries = (score.softmax(dim=2) * kv).sum(dim=2)              # [B, n, d] fp32
         entries = self.norm(entries.to(x.dtype))
         cos, sin = self.rope(n * r, x.device)
-        entries = apply_rope(entries, cos[::r], sin[::r])             # entry j sits at position j*r
+        entries = apply_rope(entries, cos[::r], sin[::r], inplace=True)  # entry j sits at position j*r
         if self.rotate:
             entries = hadamard_rotate(entries)
         return entries
@@ -305,7 +312,7 @@ class Indexer(nn.Module):
         bsz, seqlen, _ = x.shape
         cos, sin = self.rope(seqlen, x.device)
         q = self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.head_dim)
-        q = hadamard_rotate(apply_rope(q, cos, sin))                  # [B, S, Ih, Id]
+        q = hadamard_rotate(apply_rope(q, cos, sin, inplace=True))    # [B, S, Ih, Id]
         kc = self.compressor(x)                                       # [B, Nc, Id]
         n_entries = kc.shape[1]
         if n_entries == 0:
@@ -686,6 +693,8 @@ class MoE(nn.Module):
         rank = torch.empty_like(order)
         rank[order] = torch.arange(order.numel(), device=order.device)
         rows = rank.view(-1, indices.shape[1]).sort(dim=1).values             # [N, k], expert order
+        if fused_kernels_enabled(y.device) and not (torch.is_grad_enabled() and y.requires_grad):
+            return combine_rows(y, rows)                                        # one pass, same sums
         out = y[rows[:, 0]].float()
         for j in range(1, rows.shape[1]):
             out += y[rows[:, j]]
