@@ -40,9 +40,13 @@ class SplitWeightCache:
         self._parts: torch.Tensor | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version, weight.shape, weight.device)
+        # an inference tensor has no version counter (and is only changed inside inference mode)
+        version = 0 if weight.is_inference() else weight._version
+        key = (weight.data_ptr(), version, weight.shape, weight.device)
         if key != self._key:
-            with torch.no_grad():
+            # kept across calls: build it as a normal tensor even when the first call runs under
+            # torch.inference_mode (casebook S7)
+            with torch.inference_mode(False), torch.no_grad():
                 self._parts = split_bf16(weight.detach()).flatten(0, 1)   # [3N, K]
             self._key = key
         return self._parts

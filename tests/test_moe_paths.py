@@ -74,3 +74,20 @@ def test_grouped_fake_quant_equals_per_expert_loop(scheme, dtype):
         q.ffn._can_group = lambda flat: False
         loop = q(x, 0, ids)
     assert torch.equal(grouped, loop)
+
+
+def test_backward_after_an_inference_mode_forward():
+    """Cached tables (rope cos / sin, the Hadamard matrix, bf16 weight splits) first built under
+    torch.inference_mode must still work in a later forward that autograd records (casebook S7)."""
+    from models.deepseek_v4 import modeling
+
+    modeling._rope_table.cache_clear()
+    modeling._hadamard.cache_clear()
+    model = random_tiny_model(0, dtype=torch.float32)
+    ids = torch.randint(2, 512, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        model(ids)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model(ids).square().mean().backward()
+    assert model.layers[1].attn.indexer.wq_b.weight.grad is not None

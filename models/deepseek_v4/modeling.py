@@ -152,6 +152,11 @@ def rope_frequencies(rope_dim: int, base: float, factor: float, original_seq_len
 def _rope_table(freqs: tuple[float, ...], length: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """cos / sin of pos * f_i, [length, R/2] fp32, cached per device (never a meta tensor for a real
     device: the device is part of the key)."""
+    with torch.inference_mode(False):  # cached across calls: must not be an inference tensor (casebook S7)
+        return _rope_table_uncached(freqs, length, device)
+
+
+def _rope_table_uncached(freqs: tuple[float, ...], length: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     f = torch.tensor(freqs, dtype=torch.float64, device=device)
     pos = torch.arange(length, dtype=torch.float64, device=device)
     angles = torch.outer(pos, f)
@@ -189,10 +194,11 @@ def _hadamard(d: int, device: str) -> torch.Tensor:
     """Orthonormal Sylvester Hadamard matrix H_d / sqrt(d), fp32 (d a power of two)."""
     if d & (d - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two size, got {d}")
-    h = torch.ones(1, 1, dtype=torch.float32, device=device)
-    while h.shape[0] < d:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h / math.sqrt(d)
+    with torch.inference_mode(False):  # cached across calls: must not be an inference tensor (casebook S7)
+        h = torch.ones(1, 1, dtype=torch.float32, device=device)
+        while h.shape[0] < d:
+            h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+        return h / math.sqrt(d)
 
 
 @functools.lru_cache(maxsize=8)
