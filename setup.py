@@ -23,6 +23,7 @@ setup(
         "npu": ["torch_npu"],
         "hub": ["modelscope"],
         "plot": ["matplotlib"],
-        "test": ["pytest>=7", "pytest-timeout", "matplotlib"],
+        # triton: the CUDA fast paths' kernels; the CPU tests run them under Triton's interpreter
+        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "triton>=3.2,<4; platform_system == 'Linux'"],
     },
 )

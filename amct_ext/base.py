@@ -139,10 +139,11 @@ class BaseModel(abc.ABC):
         """Load the stem (embedding, final norm, head, ...) into the skeleton, on ``self.device``."""
 
     @abc.abstractmethod
-    def block(self, layer_idx: int, sharded: bool = False) -> nn.Module:
+    def block(self, layer_idx: int, sharded: bool = False, device: str | torch.device | None = None) -> nn.Module:
         """Build decoder layer ``layer_idx`` with its weights.
 
-        ``sharded=False``: on host memory (CPU staging; PTQ moves units to the device).
+        ``sharded=False``: on ``device``, default host memory (CPU staging: PTQ moves units to the
+        device one at a time; evaluation builds the layer on the compute device directly).
         ``sharded=True``: its tensors placed on their target devices as they are read.
         The caller releases it with :meth:`release_block` after use.
         """

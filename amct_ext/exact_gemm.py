@@ -1,19 +1,23 @@
-"""fp32 GEMMs of 16-bit activations, computed on bf16 tensor cores without losing precision.
+"""fp32 GEMMs of 16-bit activations on bf16 tensor cores: exact products, fp32 accumulation.
 
-DeepSeek-V4 keeps "fp32 islands" (the hyper-connection mixes, the compressors, the router): an
-fp32 weight applied to activations that are bf16 values. A true fp32 GEMM runs at ~7 % of the bf16
-tensor-core rate on an H200, and TF32 would round the weight to 10 bits -- not the float model.
+DeepSeek-V4 keeps "fp32 islands": the hyper-connection mixes, the compressors, the router and the
+indexer's Hadamard rotation apply an fp32 (or bf16) weight to activations that are bf16 values. A
+true fp32 GEMM runs at ~7 % of the bf16 tensor-core rate on an H200. TF32 would round the weight to
+10 bits, which is not the float model.
 
-Exact alternative: every fp32 number w is the sum of three bf16 numbers (``split_bf16``):
-hi = bf16(w), mid = bf16(w - hi), lo = bf16(w - hi - mid), with hi + mid + lo == w exactly
-(round-to-nearest leaves at most 24 - 9 - 9 = 6 significant bits for lo; only fp32 subnormals
-below bf16's range could lose bits). For a bf16 x, every product x * part has at most 16
-significant bits and is exact in fp32, and a bf16 GEMM with fp32 output accumulates in fp32. So
-``x @ hi + x @ mid + x @ lo`` is the fp32 GEMM up to the order of the fp32 additions -- the same
-rounding class as any fp32 GEMM -- at three bf16 GEMMs' cost.
+Every fp32 number w is the sum of three bf16 numbers (``split_bf16``): hi = bf16(w),
+mid = bf16(w - hi), lo = bf16(w - hi - mid), with hi + mid + lo == w exactly. Round-to-nearest leaves
+at most 24 - 9 - 9 = 6 significant bits for lo; only fp32 subnormals could lose bits, and weights
+beyond bf16's range are refused. For a bf16 x, every product x * part has at most 16 significant
+bits and is exact in fp32, so ``x @ hi + x @ mid + x @ lo`` with fp32 output costs three bf16 GEMMs.
 
-Used only where ``amct_ext.device.fp32_out_gemm_supported`` says the backend has bf16 GEMMs with
-fp32 output (``torch.mm(..., out_dtype=torch.float32)``: CUDA); elsewhere the plain fp32 GEMM runs.
+What is not exact is the accumulation. Hopper's tensor cores add the products in fp32 less exactly
+than IEEE arithmetic. At V4-Flash shapes the result is 4.4e-6 from float64, against 0.4-1.1e-6
+for a true fp32 GEMM (casebook N1). Whole bf16 layers are nevertheless no further from the fp32
+layer with this path than without it (benchmarks/RESULTS.md §4.1).
+
+Used only where ``amct_ext.device.fp32_out_gemm_supported`` allows it: CUDA, fast paths on, and
+not ``AMCT_FP32_ISLANDS=strict``. Elsewhere the plain fp32 GEMM runs.
 """
 from __future__ import annotations
 
@@ -22,9 +26,17 @@ import torch
 from . import device as D
 
 
+BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
 def split_bf16(w: torch.Tensor) -> torch.Tensor:
-    """fp32 [..., K] -> bf16 [3, ..., K] with parts[0] + parts[1] + parts[2] == w (in fp32)."""
+    """fp32 [..., K] -> bf16 [3, ..., K] with parts[0] + parts[1] + parts[2] == w (in fp32).
+
+    Raises ValueError for a weight with a magnitude above bf16's largest finite value (~3.39e38):
+    its leading part would overflow."""
     w = w.float()
+    if w.numel() and bool(w.abs().amax() > BF16_MAX):
+        raise ValueError(f"weight of shape {tuple(w.shape)} exceeds the bf16 range; it cannot be split")
     hi = w.to(torch.bfloat16)
     rest = w - hi.float()                      # exact: w and hi share the leading bits
     mid = rest.to(torch.bfloat16)
@@ -39,7 +51,8 @@ class SplitWeightCache:
         self._key: tuple | None = None
         self._parts: torch.Tensor | None = None
 
-    def get(self, weight: torch.Tensor) -> torch.Tensor:
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """[3N, K] bf16 parts, or None when the weight cannot be split (see ``split_bf16``)."""
         # an inference tensor has no version counter (and is only changed inside inference mode)
         version = 0 if weight.is_inference() else weight._version
         key = (weight.data_ptr(), version, weight.shape, weight.device)
@@ -47,7 +60,10 @@ class SplitWeightCache:
             # kept across calls: build it as a normal tensor even when the first call runs under
             # torch.inference_mode (casebook S7)
             with torch.inference_mode(False), torch.no_grad():
-                self._parts = split_bf16(weight.detach()).flatten(0, 1)   # [3N, K]
+                try:
+                    self._parts = split_bf16(weight.detach()).flatten(0, 1)   # [3N, K]
+                except ValueError:
+                    self._parts = None                                    # callers use the fp32 GEMM
             self._key = key
         return self._parts
 
@@ -65,9 +81,10 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor, cache: SplitWeightCache |
         n = weight.shape[0]
         if weight.dtype == torch.bfloat16:
             return torch.mm(rows, weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], n)
-        parts = cache.get(weight) if cache is not None else split_bf16(weight).flatten(0, 1)
-        y = torch.mm(rows, parts.t(), out_dtype=torch.float32).view(-1, 3, n)
-        return ((y[:, 0] + y[:, 1]) + y[:, 2]).view(*x.shape[:-1], n)
+        parts = (cache or SplitWeightCache()).get(weight)
+        if parts is not None:
+            y = torch.mm(rows, parts.t(), out_dtype=torch.float32).view(-1, 3, n)
+            return ((y[:, 0] + y[:, 1]) + y[:, 2]).view(*x.shape[:-1], n)
     return torch.nn.functional.linear(x.float(), weight.float())
 
 

@@ -313,7 +313,9 @@ def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfi
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=stream.nbytes + (calib.nbytes if calib else 0))
 
     for i in _tqdm(range(adapter.num_layers), desc=f"ppl[{mode}] layers", disable=not adapter.run.progress):
-        block = adapter.block(i, sharded=cfg.sharded)
+        # non-sharded: the layer is built on the compute device itself (not CPU-staged: the
+        # forward passes of evaluation belong on the accelerator -- casebook S10)
+        block = adapter.block(i, sharded=cfg.sharded, device=None if cfg.sharded else dev)
         quant = mode != "float" and i in layers
         if quant:
             adapter.quantize_block(block, scheme, targets)

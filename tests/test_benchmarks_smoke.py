@@ -60,3 +60,46 @@ def test_bench_load_smoke(bench, tmp_path, capsys):
     assert res["load_block_device"]["median_ms"] > 0 and res["floors"]["floor_ms"] > 0
     assert res["cpu_staging"]["total_median_ms"] > 0
     assert res["load_block_device"]["decoded_bytes"] > w["file_bytes"]  # FP8 / FP4 expand on load
+
+
+def test_check_fast_paths_smoke(tmp_path, capsys):
+    """On CPU only the torch paths run: the script still measures them, the GEMM comparison and the
+    end-to-end layer check (fast paths on and off coincide here), and exits 0."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    check = importlib.import_module("check_fast_paths")
+    out = tmp_path / "fast.json"
+    rc = check.main(["--smoke", "--layers", "1", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    res = json.loads(out.read_text())
+    assert {a["ratio"] for a in res["attention"]} == {0, 4, 128}
+    assert all(a["torch_bf16"]["rel_fro"] < 2e-2 for a in res["attention"])
+    assert all(g["fp32_weight"]["fast"]["rel_fro"] < 1e-6 for g in res["gemm"])
+    (layer,) = res["layer"]
+    assert layer["ok"] and layer["fast_vs_fp32"]["tok_rel_median"] < 2e-2
+
+
+def test_hf_caller_autocast_only_for_bf16(bench):
+    """Once a bf16 call needed autocast, later fp32 calls (the fp32 mapping check) must still run in
+    fp32 (casebook S6)."""
+    import torch
+
+    import common as C
+
+    seen = []
+
+    def layer(x, **kw):
+        seen.append(torch.is_autocast_enabled(x.device.type))
+        return x
+
+    caller = object.__new__(C.HFCaller)
+    caller.position_embeddings = caller.position_ids = caller.mask = caller.input_ids = None
+    saved = C.HFCaller.autocast
+    try:
+        C.HFCaller.autocast = True
+        caller(layer, torch.zeros(2, dtype=torch.float32))
+        caller(layer, torch.zeros(2, dtype=torch.bfloat16))
+    finally:
+        C.HFCaller.autocast = saved
+    assert seen == [False, True]

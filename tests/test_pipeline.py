@@ -66,6 +66,21 @@ def test_blockwise_ppl_equals_whole_model(adapter, tiny_ckpt, windows, eval_cfg)
     assert mem.hidden_bytes == windows.numel() * adapter.config.hc_mult * adapter.config.dim * 4  # fp32
 
 
+def test_evaluation_builds_layers_on_the_compute_device(adapter, windows, eval_cfg, monkeypatch):
+    """Non-sharded evaluation must run each layer on the compute device, not on the CPU-staged copy
+    (casebook S10): every block is requested on adapter.device."""
+    asked = []
+    real = adapter.block
+
+    def spy(i, sharded=False, device=None):
+        asked.append(device)
+        return real(i, sharded=sharded, device=device)
+
+    monkeypatch.setattr(adapter, "block", spy)
+    evaluate_blockwise(adapter, windows[:1], eval_cfg, "float")
+    assert asked == [adapter.device] * adapter.num_layers
+
+
 def test_rtn_changes_ppl_a_little(adapter, windows, eval_cfg):
     f = evaluate_blockwise(adapter, windows, eval_cfg, "float").ppl
     r = evaluate_blockwise(adapter, windows, eval_cfg, "rtn", scheme=load_scheme("w8a8"), targets=TARGETS).ppl

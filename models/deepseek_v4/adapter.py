@@ -146,11 +146,13 @@ class DeepseekV4Adapter(BaseModel):
         self._stem_loaded = True
 
     # ------------------------------------------------------------------ layers
-    def block(self, layer_idx: int, sharded: bool = False) -> Block:
+    def block(self, layer_idx: int, sharded: bool = False, device: str | torch.device | None = None) -> Block:
         if not 0 <= layer_idx < self.num_layers:
             raise ConfigError(f"layer index {layer_idx} is out of range: the model has {self.num_layers} layers")
         if not sharded:
-            block, _ = load_block(self.reader, self.config, layer_idx, self.dtype, "cpu")
+            # read + dequantize where the layer will run: on an accelerator that is ~10x faster
+            # than decoding on the host and copying (benchmarks/RESULTS.md §5)
+            block, _ = load_block(self.reader, self.config, layer_idx, self.dtype, device or "cpu")
             return block
         return self._load_sharded(layer_idx, self.shard_devices())
 
