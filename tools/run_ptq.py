@@ -145,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="auto", help="auto | npu | cuda | cpu (or cuda:1, npu:2)")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="compute dtype (default: tiny fp32, V4 bf16)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: tiny 1, else torch's)")
-    ap.add_argument("--sharded-eval", action="store_true", help="evaluate with layers spread over every device")
+    ap.add_argument("--sharded-eval", action="store_true",
+                    help="evaluate with each layer spread over every device (needed when one layer does not "
+                         "fit one device, e.g. V4-Pro on 64 GB); otherwise each layer is built on --device")
     ap.add_argument("--start-layer", type=int, default=None, help="first layer to quantize")
     ap.add_argument("--end-layer", type=int, default=None, help="layers [start, end) are quantized (end exclusive)")
     ap.add_argument("--epochs", type=int, default=2)

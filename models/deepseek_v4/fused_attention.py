@@ -43,8 +43,14 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _online_update(q, keys, values, valid, m_i, l_i, acc, scale):
-        """One block of keys: fold exp(scale * q.k - m) into (m, l, acc) without renormalising twice."""
+    def _attend(q, rows, valid, offs_d, offs_v, m_i, l_i, acc, scale, D: tl.constexpr, DV: tl.constexpr):
+        """One block of keys (== values), row pointers ``rows`` [BN, 1]: fold exp(scale * q.k - m)
+        into the running (max m, denominator l, output acc)."""
+        keys = tl.load(rows + offs_d[None, :], mask=valid[:, None], other=0.0)     # [BN, D]
+        if DV == D:
+            values = keys
+        else:                                                           # this program's value slice
+            values = tl.load(rows + offs_v[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(keys)) * scale                           # [BH, BN] fp32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))                           # m starts at the sink: finite
@@ -85,13 +91,8 @@ if triton is not None:
         for n0 in range(0, WINDOW, BLOCK_N):
             pos = t - WINDOW + 1 + n0 + offs_n
             valid = (pos >= 0) & (pos <= t)                             # BLOCK_N may exceed WINDOW
-            base = kv_ptr + b * skv_b + pos[:, None] * skv_s
-            keys = tl.load(base + offs_d[None, :], mask=valid[:, None], other=0.0)
-            if DV == D:
-                values = keys
-            else:
-                values = tl.load(base + offs_v[None, :], mask=valid[:, None], other=0.0)
-            m_i, l_i, acc = _online_update(q, keys, values, valid, m_i, l_i, acc, scale)
+            rows = kv_ptr + b * skv_b + pos[:, None] * skv_s
+            m_i, l_i, acc = _attend(q, rows, valid, offs_d, offs_v, m_i, l_i, acc, scale, D, DV)
 
         # compressed entries: the indexer's picks (-1 = none), or every entry j < (t+1) // ratio
         # (loop bounds are compile-time constants; blocks past the causal limit are skipped)
@@ -100,26 +101,16 @@ if triton is not None:
                 slot = n0 + offs_n
                 j = tl.load(idx_ptr + b * si_b + t * si_s + slot, mask=slot < N_SLOTS, other=-1).to(tl.int64)
                 valid = j >= 0
-                base = comp_ptr + b * sc_b + tl.where(valid, j, 0)[:, None] * sc_n
-                keys = tl.load(base + offs_d[None, :], mask=valid[:, None], other=0.0)
-                if DV == D:
-                    values = keys
-                else:
-                    values = tl.load(base + offs_v[None, :], mask=valid[:, None], other=0.0)
-                m_i, l_i, acc = _online_update(q, keys, values, valid, m_i, l_i, acc, scale)
+                rows = comp_ptr + b * sc_b + tl.where(valid, j, 0)[:, None] * sc_n
+                m_i, l_i, acc = _attend(q, rows, valid, offs_d, offs_v, m_i, l_i, acc, scale, D, DV)
         elif CAUSAL_RATIO > 0:
             n_allowed = (t + 1) // CAUSAL_RATIO
             for n0 in range(0, N_ENTRIES, BLOCK_N):
                 if n0 < n_allowed:
                     j = n0 + offs_n
                     valid = j < n_allowed
-                    base = comp_ptr + b * sc_b + j[:, None] * sc_n
-                    keys = tl.load(base + offs_d[None, :], mask=valid[:, None], other=0.0)
-                    if DV == D:
-                        values = keys
-                    else:
-                        values = tl.load(base + offs_v[None, :], mask=valid[:, None], other=0.0)
-                    m_i, l_i, acc = _online_update(q, keys, values, valid, m_i, l_i, acc, scale)
+                    rows = comp_ptr + b * sc_b + j[:, None] * sc_n
+                    m_i, l_i, acc = _attend(q, rows, valid, offs_d, offs_v, m_i, l_i, acc, scale, D, DV)
 
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * so_b + t * so_s + offs_h[:, None] * so_h + offs_v[None, :],
