@@ -83,7 +83,7 @@ def _ste(y: torch.Tensor, y_q: torch.Tensor) -> torch.Tensor:
 def _div_const(t: torch.Tensor, c: float) -> torch.Tensor:
     """``t / c`` as an IEEE division on every backend. (torch on CUDA turns a division by a Python
     number into a multiplication by its reciprocal, which differs from CPU in the last bit of
-    some scales; a 0-dim tensor on t's device keeps it a true division -- casebook O2.)"""
+    some scales; a 0-dim tensor on t's device keeps it a true division -- casebook N2.)"""
     return t / torch.full((), c, dtype=t.dtype, device=t.device)
 
 
