@@ -9,6 +9,7 @@ importing it on a machine without the CANN runtime fails, and importing it has s
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import resource
@@ -170,6 +171,16 @@ def fp32_out_gemm_supported(device: str | torch.device) -> bool:
     out_dtype=torch.float32)``) on ``device``: seen on CUDA with torch 2.11, absent on CPU
     (amct_ext/exact_gemm.py; their accuracy is in benchmarks/RESULTS.md)."""
     return fast_paths_enabled(device) and os.environ.get(FP32_ISLANDS_ENV, "") != "strict"
+
+
+def device_guard(device: str | torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` the current device while code that launches on the *current* device runs
+    (Triton kernels do). Needed when a layer is spread over several GPUs: the current device
+    stays cuda:0 while the tensors of some modules live on cuda:1 (casebook S11)."""
+    dev = _as_device(device)
+    if dev.type in ("cuda", "npu") and dev.index is not None:
+        return _accel_module(dev.type).device(dev)
+    return contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------- memory / sync

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .device import device_guard
+
 try:  # optional, as in models/deepseek_v4/fused_attention.py
     import triton
     import triton.language as tl
@@ -70,6 +72,7 @@ def fake_quant_int_token(x: torch.Tensor, bits: int, out_dtype: torch.dtype | No
     out = torch.empty_like(rows, dtype=out_dtype or rows.dtype)
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
     block = triton.next_power_of_2(dim)
-    _fq_int_token_kernel[(rows.shape[0],)](rows, out, bad, D=dim, QMAX=2 ** (bits - 1) - 1, BLOCK=block,
-                                           num_warps=4 if block <= 2048 else 8)
+    with device_guard(x.device):
+        _fq_int_token_kernel[(rows.shape[0],)](rows, out, bad, D=dim, QMAX=2 ** (bits - 1) - 1, BLOCK=block,
+                                               num_warps=4 if block <= 2048 else 8)
     return out.view(x.shape), bad

@@ -117,3 +117,29 @@ def test_only_device_py_touches_accelerator_modules():
             if pat.search(f.read_text(errors="ignore")):
                 offenders.append(str(f.relative_to(REPO)))
     assert offenders == []
+
+
+def test_device_guard_sets_the_current_device_for_kernel_launches(monkeypatch):
+    """Triton launches on the current device; a sharded layer's tensors may live elsewhere
+    (casebook S11). cpu and index-less devices need no guard."""
+    import contextlib
+
+    from amct_ext import device as D
+
+    entered = []
+
+    class FakeAccel:
+        @staticmethod
+        @contextlib.contextmanager
+        def device(dev):
+            entered.append(dev)
+            yield
+
+    monkeypatch.setattr(D, "_accel_module", lambda backend: FakeAccel)
+    with D.device_guard("cuda:1"):
+        pass
+    with D.device_guard("cpu"):
+        pass
+    with D.device_guard("cuda"):
+        pass
+    assert entered == [torch.device("cuda:1")]

@@ -27,6 +27,8 @@ import functools
 
 import torch
 
+from amct_ext.device import device_guard
+
 try:  # Triton is optional: CPU and NPU installs use the torch path
     import triton
     import triton.language as tl
@@ -162,10 +164,11 @@ def fused_index_score(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor
     weights = weights.float().contiguous()
     out = torch.empty(bsz, seqlen, n_entries, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(seqlen, block_t), triton.cdiv(n_entries, block_n), bsz)
-    _index_score_kernel[grid](q, keys, weights, out, seqlen, n_entries,
-                              q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1),
-                              weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
-                              RATIO=ratio, IH=n_heads, ID=dim, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=4)
+    with device_guard(q.device):
+        _index_score_kernel[grid](q, keys, weights, out, seqlen, n_entries,
+                                  q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1),
+                                  weights.stride(0), weights.stride(1), out.stride(0), out.stride(1),
+                                  RATIO=ratio, IH=n_heads, ID=dim, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=4)
     return out
 
 
@@ -210,13 +213,14 @@ def fused_sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor
     block_h = max(16, min(64, triton.next_power_of_2(n_heads)))
     splits = launch["value_splits"] if dim // launch["value_splits"] >= 16 else 1
     grid = (seqlen, bsz, triton.cdiv(n_heads, block_h) * splits)
-    _sparse_attention_kernel[grid](
-        q, kv, comp_kv, comp_idx, sink.float().contiguous(), out,
-        n_heads, float(scale),
-        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
-        comp_kv.stride(0), comp_kv.stride(1), comp_idx.stride(0), comp_idx.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        WINDOW=window, N_SLOTS=n_slots, CAUSAL_RATIO=ratio, N_ENTRIES=comp_kv.shape[1] if ratio else 0, D=dim, DV=dim // splits,
-        BLOCK_H=block_h, BLOCK_N=launch["block_n"], num_warps=launch["num_warps"], num_stages=launch["num_stages"],
-    )
+    with device_guard(q.device):
+        _sparse_attention_kernel[grid](
+            q, kv, comp_kv, comp_idx, sink.float().contiguous(), out,
+            n_heads, float(scale),
+            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+            comp_kv.stride(0), comp_kv.stride(1), comp_idx.stride(0), comp_idx.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            WINDOW=window, N_SLOTS=n_slots, CAUSAL_RATIO=ratio, N_ENTRIES=comp_kv.shape[1] if ratio else 0, D=dim, DV=dim // splits,
+            BLOCK_H=block_h, BLOCK_N=launch["block_n"], num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+        )
     return out

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from amct_ext.device import device_guard
+
 try:  # optional, as in fused_attention.py
     import triton
     import triton.language as tl
@@ -97,9 +99,10 @@ def hc_weights(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mu
     pre = torch.empty(n, hc_mult, dtype=torch.float32, device=mix.device)
     post = torch.empty_like(pre)
     comb = torch.empty(n, hc_mult, hc_mult, dtype=torch.float32, device=mix.device)
-    _hc_weights_kernel[(triton.cdiv(n, block_t),)](
-        flat, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, n, float(hc_eps),
-        HC=hc_mult, ITERS=sinkhorn_iters, BLOCK_T=block_t, num_warps=4)
+    with device_guard(mix.device):
+        _hc_weights_kernel[(triton.cdiv(n, block_t),)](
+            flat, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, n, float(hc_eps),
+            HC=hc_mult, ITERS=sinkhorn_iters, BLOCK_T=block_t, num_warps=4)
     return pre.view(*lead, hc_mult), post.view(*lead, hc_mult), comb.view(*lead, hc_mult, hc_mult)
 
 
@@ -119,6 +122,7 @@ def hc_mix(rows: torch.Tensor, weights: torch.Tensor, y: torch.Tensor | None = N
     y = y.contiguous() if has_y else rows
     y_weights = y_weights.float().contiguous() if has_y else weights
     grid = (tokens, triton.cdiv(dim, block_d))
-    _hc_mix_kernel[grid](rows, weights, y, y_weights, out, dim, K=n_k, J=n_j, HAS_Y=has_y, BLOCK_D=block_d,
-                         num_warps=4)
+    with device_guard(rows.device):
+        _hc_mix_kernel[grid](rows, weights, y, y_weights, out, dim, K=n_k, J=n_j, HAS_Y=has_y, BLOCK_D=block_d,
+                             num_warps=4)
     return out

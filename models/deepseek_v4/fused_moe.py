@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from amct_ext.device import device_guard
+
 try:  # optional, as in fused_attention.py
     import triton
     import triton.language as tl
@@ -69,7 +71,8 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor, block: int = 1024) -> torc
     n, k = rows.shape
     dim = y.shape[1]
     out = torch.empty(n, dim, dtype=torch.float32, device=y.device)
-    _combine_kernel[(n, triton.cdiv(dim, block))](y, rows, out, dim, K=k, BLOCK=block, num_warps=4)
+    with device_guard(y.device):
+        _combine_kernel[(n, triton.cdiv(dim, block))](y, rows, out, dim, K=k, BLOCK=block, num_warps=4)
     return out
 
 
@@ -84,5 +87,6 @@ def clamped_swiglu(h: torch.Tensor, limit: float, weights: torch.Tensor | None =
     has_w = weights is not None
     w = weights.float().contiguous() if has_w else h
     grid = (rows, triton.cdiv(inter, block))
-    _swiglu_kernel[grid](h, w, out, inter, float(limit), HAS_W=has_w, HAS_LIMIT=limit > 0, BLOCK=block, num_warps=4)
+    with device_guard(h.device):
+        _swiglu_kernel[grid](h, w, out, inter, float(limit), HAS_W=has_w, HAS_LIMIT=limit > 0, BLOCK=block, num_warps=4)
     return out
