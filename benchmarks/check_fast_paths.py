@@ -309,6 +309,12 @@ def check_int_token(rows: int, dim: int, device, repeats: int) -> dict:
     return out
 
 
+def _tail(r: dict) -> str:
+    """'torch X ms, fused Y ms -> ok' for a kernel check result."""
+    verdict = "" if "ok" not in r else f" -> {'ok' if r['ok'] else 'WORSE'}"
+    return f"torch {r['torch_time']['median_ms']:.3f} ms, fused {r['fused_time']['median_ms']:.3f} ms{verdict}"
+
+
 def _rel64(out: torch.Tensor, ref: torch.Tensor) -> dict:
     """Errors in float64 (an fp32 result's own error is ~1e-7: float32 arithmetic would hide it)."""
     diff = out.double() - ref
@@ -364,38 +370,26 @@ def main(argv=None) -> int:
                   f"{r['fast_time']['median_ms']:.3f} ms ({r['error_ratio']:.1f}x the fp32 GEMM's error; "
                   f"judged end to end by --layers)")
     if fused_ok:
-        out["hc"] = check_hc(cfg, args.batch, args.seq_len, dev, args.repeats)
-        h = out["hc"]
-        print(f"hc_post {h['shape']}: vs fp64 rel_fro torch {h['torch_vs_fp64']['rel_fro']:.4e}, fused "
-              f"{h['fused_vs_fp64']['rel_fro']:.4e} ({h['elements_differing']} of {h['elements']} elements differ); "
-              f"torch {h['torch_time']['median_ms']:.3f} ms, fused {h['fused_time']['median_ms']:.3f} ms "
-              f"-> {'ok' if h['ok'] else 'WORSE'}")
-        out["index_score"] = check_index_score(cfg, args.batch, args.seq_len, dev, args.repeats)
-        r = out["index_score"]
+        out["hc"] = r = check_hc(cfg, args.batch, args.seq_len, dev, args.repeats)
+        print(f"hc_post {r['shape']}: vs fp64 rel_fro torch {r['torch_vs_fp64']['rel_fro']:.4e}, fused "
+              f"{r['fused_vs_fp64']['rel_fro']:.4e} ({r['elements_differing']} of {r['elements']} elements "
+              f"differ); {_tail(r)}")
+        out["index_score"] = r = check_index_score(cfg, args.batch, args.seq_len, dev, args.repeats)
         print(f"index score {r['shape']}: vs fp64 rel_fro torch {r['torch_vs_fp64']['rel_fro']:.3e}, fused "
-              f"{r['fused_vs_fp64']['rel_fro']:.3e}, same mask {r['same_mask']}; torch {r['torch_time']['median_ms']:.3f} ms, "
-              f"fused {r['fused_time']['median_ms']:.3f} ms -> {'ok' if r['ok'] else 'WORSE'}")
-        out["hc_weights"] = check_hc_weights(cfg, args.batch, args.seq_len, dev, args.repeats)
-        r = out["hc_weights"]
+              f"{r['fused_vs_fp64']['rel_fro']:.3e}, same mask {r['same_mask']}; {_tail(r)}")
+        out["hc_weights"] = r = check_hc_weights(cfg, args.batch, args.seq_len, dev, args.repeats)
         print(f"hc weights {r['shape']}: max |fused - torch| (pre, post, comb) {r['max_abs_diff_pre_post_comb']}; "
-              f"torch {r['torch_time']['median_ms']:.3f} ms, fused {r['fused_time']['median_ms']:.3f} ms "
-              f"-> {'ok' if r['ok'] else 'WORSE'}")
+              f"{_tail(r)}")
         rows = tokens * cfg.n_activated_experts
-        out["swiglu"] = check_swiglu(cfg, rows, dev, args.repeats)
-        r = out["swiglu"]
+        out["swiglu"] = r = check_swiglu(cfg, rows, dev, args.repeats)
         print(f"clamped SwiGLU {r['shape']}: vs fp64 rel_fro torch {r['torch_vs_fp64']['rel_fro']:.4e}, fused "
-              f"{r['fused_vs_fp64']['rel_fro']:.4e} ({r['elements_differing']} of {r['elements']} differ); torch "
-              f"{r['torch_time']['median_ms']:.3f} ms, fused {r['fused_time']['median_ms']:.3f} ms "
-              f"-> {'ok' if r['ok'] else 'WORSE'}")
-        out["combine"] = check_combine(tokens, cfg.n_activated_experts, cfg.dim, dev, args.repeats)
-        r = out["combine"]
-        print(f"expert combine {r['shape']}: {r['elements_differing']} elements differ; torch "
-              f"{r['torch_time']['median_ms']:.3f} ms, fused {r['fused_time']['median_ms']:.3f} ms")
+              f"{r['fused_vs_fp64']['rel_fro']:.4e} ({r['elements_differing']} of {r['elements']} differ); {_tail(r)}")
+        out["combine"] = r = check_combine(tokens, cfg.n_activated_experts, cfg.dim, dev, args.repeats)
+        print(f"expert combine {r['shape']}: {r['elements_differing']} elements differ; {_tail(r)}")
         out["int_token"] = [check_int_token(rows, cfg.dim, dev, args.repeats),
                             check_int_token(rows, cfg.moe_inter_dim, dev, args.repeats)]
-        for q in out["int_token"]:
-            print(f"int8 per-token fake quant {q['shape']}: {q['elements_differing']} elements differ; torch "
-                  f"{q['torch_time']['median_ms']:.3f} ms, fused {q['fused_time']['median_ms']:.3f} ms")
+        for r in out["int_token"]:
+            print(f"int8 per-token fake quant {r['shape']}: {r['elements_differing']} elements differ; {_tail(r)}")
     if args.layers:
         out["layer"] = []
         for layer_id in [int(v) for v in args.layers.split(",")]:
