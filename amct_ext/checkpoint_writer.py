@@ -1,7 +1,6 @@
 """Write a flat state dict as sharded safetensors + model.safetensors.index.json (the release layout)."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 

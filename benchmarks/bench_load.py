@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time

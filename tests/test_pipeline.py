@@ -4,14 +4,13 @@ import json
 import pytest
 import torch
 
-from amct_ext.base import EvalConfig, PtqConfig, RunConfig
+from amct_ext.base import EvalConfig, PtqConfig
 from amct_ext.errors import ConfigError
 from amct_ext.io_utils import safe_torch_load
 from amct_ext.perplexity import perplexity
 from amct_ext.schemes import load_scheme
 from amct_ext.workflow import (PARAMS_DIR, ParamsMismatchError, evaluate_blockwise, load_calib_windows,
                                load_eval_windows, run_blockwise_ptq)
-from models.deepseek_v4.adapter import DeepseekV4Adapter
 from models.deepseek_v4.loading import load_checkpoint_model
 
 TARGETS = ["attn-linear", "moe"]

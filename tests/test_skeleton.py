@@ -10,7 +10,7 @@ import torch
 from amct_ext.empty import empty_weights, meta_tensors
 from models.deepseek_v4 import DeepseekV4Config
 from models.deepseek_v4.loading import build_skeleton, empty_block, materialize_derived_buffers
-from models.deepseek_v4.modeling import Block, RotaryTable, layer_rope_frequencies, _rope_table
+from models.deepseek_v4.modeling import Block, layer_rope_frequencies
 
 from tests.conftest import REPO, SHARED
 
