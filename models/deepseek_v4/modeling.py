@@ -788,21 +788,24 @@ class Block(nn.Module):
         self.hc_ffn_base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
         self.hc_attn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
         self.hc_ffn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
-        self._fn_splits: dict[int, SplitWeightCache] = {}                # bf16 splits of the hc fns
+        # bf16 splits of the two hc fns (exact_gemm), one per site; they follow the weights' storage
+        self._fn_splits = {"attn": SplitWeightCache(), "ffn": SplitWeightCache()}
 
-    def _hc_pre(self, x, fn, scale, base):
-        split = self._fn_splits.setdefault(id(fn), SplitWeightCache())
-        return hc_pre(x, fn, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps, split)
+    def _hc_pre(self, x, site: str):
+        """hc_pre with this block's ``hc_{site}_*`` parameters, site 'attn' or 'ffn'."""
+        fn, scale, base = (getattr(self, f"hc_{site}_{name}") for name in ("fn", "scale", "base"))
+        return hc_pre(x, fn, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps,
+                      self._fn_splits[site])
 
     def forward(self, x: torch.Tensor, start_pos: int = 0, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, hc, D] -> [B, S, hc, D]. Prefill only; input_ids [B, S] feed hash routing."""
         if start_pos != 0:
             raise ValueError(f"the float reference is prefill-only: start_pos must be 0, got {start_pos}")
         res = x
-        y, post, comb = self._hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        y, post, comb = self._hc_pre(x, "attn")
         x = hc_post(self.attn(self.attn_norm(y)), res, post, comb)
         res = x
-        y, post, comb = self._hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        y, post, comb = self._hc_pre(x, "ffn")
         return hc_post(self.ffn(self.ffn_norm(y), input_ids), res, post, comb)
 
 
