@@ -34,8 +34,8 @@ from models.deepseek_v4 import DeepseekV4Config  # noqa: E402
 from models.deepseek_v4.fused_attention import fused_sparse_attention  # noqa: E402
 from models.deepseek_v4.modeling import Attention  # noqa: E402
 
-SWEEP = [dict(block_n=bn, value_splits=vs, num_warps=nw, num_stages=1)
-         for bn in (32, 64) for vs in (1, 2, 4) for nw in (4, 8)]
+SWEEP = [dict(block_n=bn, value_splits=vs, num_warps=nw, num_stages=ns)
+         for bn in (32, 64) for vs in (1, 2) for nw in (4, 8) for ns in (1, 2, 3)]
 
 
 def attention_inputs(attn: Attention, bsz: int, seqlen: int, topk: int, device, seed: int = 0):
@@ -269,6 +269,119 @@ def check_swiglu(config: DeepseekV4Config, rows: int, device, repeats: int) -> d
     return out
 
 
+MOE_SWEEP = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, group_m=gm)
+             for bm, bn, bk, nw, ns, gm in (
+                 (64, 128, 64, 4, 4, 4), (64, 128, 128, 4, 3, 4), (64, 256, 64, 8, 4, 4), (64, 128, 64, 4, 5, 8),
+                 (64, 64, 128, 4, 4, 8), (64, 256, 128, 8, 3, 4), (128, 128, 64, 8, 4, 4), (128, 128, 64, 4, 4, 4),
+                 (128, 128, 64, 8, 3, 4), (128, 128, 128, 8, 3, 4), (128, 256, 64, 8, 3, 4), (128, 256, 64, 8, 4, 4),
+                 (128, 128, 64, 8, 5, 4), (128, 64, 128, 4, 4, 4), (128, 128, 64, 8, 4, 8), (128, 128, 64, 8, 4, 1))]
+
+
+def check_grouped_gemm(config: DeepseekV4Config, tokens: int, device, repeats: int, sweep: bool) -> dict:
+    """The routed experts' two grouped GEMMs (rows sorted by expert, top-k of random scores)
+    through the Triton kernel vs torch._grouped_mm: time, weight bandwidth, and both outputs'
+    error against float64 on the rows of the first experts."""
+    from models.deepseek_v4.fused_moe import grouped_gemm
+
+    g = torch.Generator(device="cpu").manual_seed(11)
+    n_exp, dim, inter, k = config.n_routed_experts, config.dim, config.moe_inter_dim, config.n_activated_experts
+    slots = torch.rand(tokens, n_exp, generator=g).topk(k, dim=-1).indices.flatten()
+    counts = torch.bincount(slots, minlength=n_exp)
+    ends = torch.cumsum(counts, 0).to(torch.int32).to(device)
+    rows = int(counts.sum())
+    check_rows = int(counts[:4].sum())  # float64 reference on the first experts' rows only
+    res = {"tokens": tokens, "rows": rows, "rows_per_expert": [int(counts.min()), int(counts.max())], "gemms": []}
+    for name, n, kdim in (("w13", 2 * inter, dim), ("w2", dim, inter)):
+        w = (torch.randn(n_exp, n, kdim, generator=g) * kdim ** -0.5).bfloat16().to(device)
+        a = torch.randn(rows, kdim, generator=g).bfloat16().to(device)
+        ref = torch.cat([a[int(s):int(e)].double() @ w[i].double().t() for i, (s, e) in
+                         enumerate(zip([0] + ends[:3].tolist(), ends[:4].tolist()))])
+        with torch.inference_mode():
+            theirs = lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=ends)  # noqa: E731
+            ours = lambda **kw: grouped_gemm(a, w, ends, kw)  # noqa: E731
+            r = {"gemm": name, "shape": [rows, kdim, n], "weight_bytes": w.numel() * w.element_size(),
+                 "torch_vs_fp64": _rel64(theirs()[:check_rows], ref), "fused_vs_fp64": _rel64(ours()[:check_rows], ref),
+                 "torch_time": C.time_fn(theirs, device, repeats, 2), "fused_time": C.time_fn(ours, device, repeats, 2)}
+            r["ok"] = r["fused_vs_fp64"]["rel_fro"] <= 1.05 * r["torch_vs_fp64"]["rel_fro"] + 1e-6
+            if name == "w13":  # the variant the MoE runs: SwiGLU in the epilogue, [T, I] out
+                from models.deepseek_v4.fused_moe import clamped_swiglu
+                limit, rw = config.swiglu_limit, torch.rand(rows, generator=g).to(device)
+                g64, u64 = ref[:, :inter], ref[:, inter:]
+                if limit > 0:
+                    u64, g64 = u64.clamp(-limit, limit), g64.clamp(max=limit)
+                sw_ref = torch.nn.functional.silu(g64) * u64 * rw[:check_rows].double().unsqueeze(-1)
+                theirs_sw = lambda: clamped_swiglu(theirs(), limit, rw)  # noqa: E731
+                ours_sw = lambda: grouped_gemm(a, w, ends, swiglu_limit=limit, row_weights=rw)  # noqa: E731
+                r["swiglu"] = {"torch_vs_fp64": _rel64(theirs_sw()[:check_rows], sw_ref),
+                               "fused_vs_fp64": _rel64(ours_sw()[:check_rows], sw_ref),
+                               "torch_time": C.time_fn(theirs_sw, device, repeats, 2),
+                               "fused_time": C.time_fn(ours_sw, device, repeats, 2)}
+                r["swiglu"]["ok"] = (r["swiglu"]["fused_vs_fp64"]["rel_fro"]
+                                     <= 1.05 * r["swiglu"]["torch_vs_fp64"]["rel_fro"] + 1e-6)
+                r["ok"] = r["ok"] and r["swiglu"]["ok"]
+            if sweep:
+                r["sweep"] = []
+                for launch in MOE_SWEEP:
+                    try:
+                        t = C.time_fn(lambda: ours(**launch), device, repeats, 1)
+                        err = _rel64(ours(**launch)[:check_rows], ref)["rel_fro"]
+                        r["sweep"].append({**launch, "median_ms": t["median_ms"], "rel_fro": err})
+                    except Exception as e:  # a launch shape may not fit (registers / shared memory)
+                        r["sweep"].append({**launch, "error": str(e)[:200]})
+        res["gemms"].append(r)
+    res["ok"] = all(r["ok"] for r in res["gemms"])
+    return res
+
+
+def check_norm_rope_hadamard(config: DeepseekV4Config, tokens: int, device, repeats: int) -> dict:
+    """RMSNorm and rope (fused_norm_rope.py) and the +-1 Hadamard GEMM (modeling.hadamard_rotate)
+    vs the torch expressions they replace, both vs float64."""
+    from models.deepseek_v4 import modeling as M
+    from models.deepseek_v4.fused_norm_rope import rms_norm, rope_inplace
+
+    g = torch.Generator(device="cpu").manual_seed(14)
+    out = {}
+    with torch.inference_mode():
+        x = (torch.randn(tokens, config.dim, generator=g) * 2).bfloat16().to(device)
+        w = (torch.rand(config.dim, generator=g) + 0.5).to(device)
+        xd = x.double()
+        ref = w.double() * xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + config.norm_eps)
+
+        def torch_norm():
+            xf = x.float()
+            return (w * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + config.norm_eps))).to(x.dtype)
+
+        fused = lambda: rms_norm(x, w, config.norm_eps)  # noqa: E731
+        out["rms_norm"] = _versus(torch_norm, fused, ref, device, repeats, [tokens, config.dim])
+
+        rd = config.rope_head_dim
+        q = torch.randn(1, tokens, config.n_heads, config.head_dim, generator=g).bfloat16().to(device)
+        cos, sin = M._rope_table(M.layer_rope_frequencies(config, 4), tokens, str(device))
+        a, b = q[..., -rd::2].double(), q[..., -rd + 1::2].double()
+        c, s_ = cos.double().view(1, tokens, 1, -1), sin.double().view(1, tokens, 1, -1)
+        ref = q.double().clone()
+        ref[..., -rd::2], ref[..., -rd + 1::2] = a * c - b * s_, a * s_ + b * c
+        out["rope"] = _versus(lambda: M.apply_rope(q, cos, sin), lambda: rope_inplace(q.clone(), cos, sin),
+                              ref, device, repeats, list(q.shape))
+
+        d = config.index_head_dim
+        y = torch.randn(tokens * config.index_n_heads, d, generator=g).bfloat16().to(device)
+        h = M._hadamard(d, str(device))
+        ref = y.double() @ h.double()
+        out["hadamard"] = _versus(lambda: linear_fp32(y, h, M._hadamard_split(d, str(device))).to(y.dtype),
+                                  lambda: M.hadamard_rotate(y), ref, device, repeats, [tokens * config.index_n_heads, d])
+    return out
+
+
+def _versus(torch_path, fused, ref, device, repeats, shape) -> dict:
+    want, got = torch_path(), fused()
+    r = {"shape": shape, "elements_differing": int((got != want).sum()), "elements": want.numel(),
+         "torch_vs_fp64": _rel64(want, ref), "fused_vs_fp64": _rel64(got, ref),
+         "torch_time": C.time_fn(torch_path, device, repeats, 2), "fused_time": C.time_fn(fused, device, repeats, 2)}
+    r["ok"] = r["fused_vs_fp64"]["rel_fro"] <= 1.001 * r["torch_vs_fp64"]["rel_fro"] + 1e-9
+    return r
+
+
 def check_combine(tokens: int, k: int, dim: int, device, repeats: int) -> dict:
     """The routed-expert combine through the kernel vs gathering and adding in torch (bit-identical)."""
     from models.deepseek_v4.fused_moe import combine_rows
@@ -329,7 +442,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--sweep", action="store_true", help="time every launch shape of the kernel")
+    ap.add_argument("--sweep", nargs="?", const="attention,moe", default="",
+                    help="time every launch shape of the attention and / or grouped-GEMM kernels "
+                         "(default both: attention,moe)")
     ap.add_argument("--layers", default=None, help="comma list of layer ids for the end-to-end check")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -348,7 +463,8 @@ def main(argv=None) -> int:
           f"fp32-out GEMM {'on' if D.fp32_out_gemm_supported(dev) else 'unavailable'}")
     out = {"environment": C.environment(dev), "attention": [], "gemm": []}
     for r, layer_id in layers.items():
-        res = check_attention(cfg, layer_id, args.batch, args.seq_len, dev, args.repeats, args.sweep, fused_ok)
+        res = check_attention(cfg, layer_id, args.batch, args.seq_len, dev, args.repeats, "attention" in args.sweep,
+                              fused_ok)
         out["attention"].append(res)
         line = (f"attention ratio {r:>3}: torch bf16 rel_fro {res['torch_bf16']['rel_fro']:.3e} "
                 f"{res['torch_bf16_time']['median_ms']:.3f} ms")
@@ -384,6 +500,26 @@ def main(argv=None) -> int:
         out["swiglu"] = r = check_swiglu(cfg, rows, dev, args.repeats)
         print(f"clamped SwiGLU {r['shape']}: vs fp64 rel_fro torch {r['torch_vs_fp64']['rel_fro']:.4e}, fused "
               f"{r['fused_vs_fp64']['rel_fro']:.4e} ({r['elements_differing']} of {r['elements']} differ); {_tail(r)}")
+        out["grouped_gemm"] = []
+        moe_sweep = "moe" in args.sweep
+        for t in ((tokens, 4 * tokens) if moe_sweep else (tokens,)):
+            r = check_grouped_gemm(cfg, t, dev, args.repeats, moe_sweep)
+            out["grouped_gemm"].append(r)
+            for gm in r["gemms"]:
+                gbs = lambda key: gm["weight_bytes"] / (gm[key]["median_ms"] * 1e-3) / 1e9  # noqa: E731
+                print(f"grouped GEMM {gm['gemm']} {gm['shape']} (rows/expert {r['rows_per_expert']}): vs fp64 "
+                      f"rel_fro torch {gm['torch_vs_fp64']['rel_fro']:.4e}, fused {gm['fused_vs_fp64']['rel_fro']:.4e}; "
+                      f"weights at {gbs('torch_time'):.0f} / {gbs('fused_time'):.0f} GB/s; {_tail(gm)}")
+                if "swiglu" in gm:
+                    sg = gm["swiglu"]
+                    print(f"   + SwiGLU epilogue: vs fp64 rel_fro torch {sg['torch_vs_fp64']['rel_fro']:.4e}, fused "
+                          f"{sg['fused_vs_fp64']['rel_fro']:.4e}; {_tail(sg)}")
+                for sw in sorted(gm.get("sweep", []), key=lambda v: v.get("median_ms", 1e9)):
+                    print("   sweep", sw)
+        out["norm_rope"] = check_norm_rope_hadamard(cfg, tokens, dev, args.repeats)
+        for name, r in out["norm_rope"].items():
+            print(f"{name} {r['shape']}: vs fp64 rel_fro torch {r['torch_vs_fp64']['rel_fro']:.4e}, fused "
+                  f"{r['fused_vs_fp64']['rel_fro']:.4e} ({r['elements_differing']} of {r['elements']} differ); {_tail(r)}")
         out["combine"] = r = check_combine(tokens, cfg.n_activated_experts, cfg.dim, dev, args.repeats)
         print(f"expert combine {r['shape']}: {r['elements_differing']} elements differ; {_tail(r)}")
         out["int_token"] = [check_int_token(rows, cfg.dim, dev, args.repeats),
@@ -404,6 +540,8 @@ def main(argv=None) -> int:
     bad = [r for r in out.get("layer", []) if not r["ok"]]
     bad += [a for a in out["attention"] if a.get("fused_ok") is False]
     bad += [out[k] for k in ("hc", "index_score", "hc_weights", "swiglu", "combine") if k in out and not out[k]["ok"]]
+    bad += [r for r in out.get("grouped_gemm", []) if not r["ok"]]
+    bad += [r for r in out.get("norm_rope", {}).values() if not r["ok"]]
     bad += [q for q in out.get("int_token", []) if not q["ok"]]
     return 1 if bad else 0
 

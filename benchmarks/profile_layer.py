@@ -7,7 +7,9 @@ bounds it. Prints torch.profiler's table sorted by device time.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--w8a8", action="store_true")
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--shapes", action="store_true", help="group the table by input shapes")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also profile the host side (cProfile of 5 forwards): where launch-bound time goes")
     args = ap.parse_args(argv)
     dev = D.resolve_device(args.device)
     config = DeepseekV4Config.from_dict(C.flash_config_dict(args.config)[0])
@@ -46,11 +51,36 @@ def main(argv=None) -> int:
         for _ in range(2):
             block(x, 0, ids)
         D.synchronize(dev)
-        with torch.profiler.profile(activities=activities) as prof:
+        # host time: until the forward returns (kernels queued, not finished), then until done
+        host, wall = [], []
+        for _ in range(5):
+            D.synchronize(dev)
+            t0 = time.perf_counter()
+            block(x, 0, ids)
+            t1 = time.perf_counter()
+            D.synchronize(dev)
+            host.append((t1 - t0) * 1e3)
+            wall.append((time.perf_counter() - t0) * 1e3)
+        print(f"host {statistics.median(host):.2f} ms to return, {statistics.median(wall):.2f} ms to finish "
+              "(median of 5; a host time near the finish time means launch-bound)")
+        if args.host_profile:
+            import cProfile
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(5):
+                block(x, 0, ids)
+            pr.disable()
+            D.synchronize(dev)
+            for key in ("tottime", "cumulative"):
+                pstats.Stats(pr).sort_stats(key).print_stats(45)
+        with torch.profiler.profile(activities=activities, record_shapes=args.shapes) as prof:
             block(x, 0, ids)
             D.synchronize(dev)
     key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
+    print(prof.key_averages(group_by_input_shape=args.shapes).table(
+        sort_by=key, row_limit=args.rows, max_name_column_width=60, max_shapes_column_width=80))
     return 0
 
 

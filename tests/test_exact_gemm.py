@@ -59,3 +59,14 @@ def test_split_cache_follows_in_place_updates():
         w.mul_(2)
     assert torch.equal(cache.get(w).view(3, 8, 16).double().sum(0), w.double())
     assert not torch.equal(cache.get(w), first)
+
+
+@pytest.mark.parametrize("d", [16, 128, 512])
+def test_hadamard_is_one_magnitude_times_signs(d):
+    """hadamard_rotate's fast path multiplies by the +-1 matrix and then by one fp32 magnitude:
+    exact only if every entry of the cached H_d / sqrt(d) is that magnitude times its sign."""
+    from models.deepseek_v4.modeling import _hadamard, _hadamard_signs
+
+    signs, v = _hadamard_signs(d, "cpu")
+    assert signs.dtype == torch.bfloat16 and set(signs.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(signs.float() * v, _hadamard(d, "cpu"))

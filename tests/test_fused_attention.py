@@ -66,6 +66,8 @@ def interpreted_checks() -> dict:
     errors.update(_index_checks())
     errors.update(_swiglu_checks())
     errors.update(_fq_checks())
+    errors.update(_grouped_gemm_checks())
+    errors.update(_norm_rope_checks())
     q24 = torch.randn(1, 4, 2, 24)
     try:
         fused_attention.fused_sparse_attention(q24, torch.randn(1, 4, 24), torch.zeros(2), 1.0, 8)
@@ -122,6 +124,61 @@ def _swiglu_checks() -> dict:
     for j in range(1, 6):
         want += y[rows[:, j]]
     res["combine-diff"] = int((combine_rows(y, rows, block=32) != want).sum())
+    return res
+
+
+def _grouped_gemm_checks() -> dict:
+    """(child process) the grouped expert GEMM (plain and with the SwiGLU epilogue) against a loop
+    over experts in fp32, max-abs error relative to the largest output: empty experts, experts spanning several row tiles, K not a multiple of
+    BLOCK_K, N not a multiple of BLOCK_N."""
+    import torch.nn.functional as F
+    from models.deepseek_v4.fused_moe import grouped_gemm
+
+    g = torch.Generator().manual_seed(12)
+    launch = {"block_m": 16, "block_n": 16, "block_k": 32, "group_m": 2}
+    counts = torch.tensor([10, 0, 37, 7, 0, 8])                       # expert 2: three row tiles
+    ends = torch.cumsum(counts, 0)
+    rows, k, n = int(counts.sum()), 80, 40
+    a = torch.randn(rows, k, generator=g)
+    w = torch.randn(len(counts), 2 * n, k, generator=g)
+    rw = torch.rand(rows, generator=g)
+    want = torch.cat([a[int(e - c):int(e)] @ w[i].t() for i, (c, e) in enumerate(zip(counts, ends))])
+    rel = lambda got, ref: ((got - ref).abs().max() / ref.abs().max()).item()  # noqa: E731
+    res = {"gg-plain": rel(grouped_gemm(a, w, ends, launch), want)}
+    for limit in (0.0, 2.0):
+        gate, up = want[:, :n], want[:, n:]
+        if limit > 0:
+            up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
+        ref = F.silu(gate) * up * rw.unsqueeze(-1)
+        got = grouped_gemm(a, w, ends, launch, swiglu_limit=limit, row_weights=rw)
+        res[f"gg-swiglu-{limit}"] = rel(got, ref)
+    return res
+
+
+def _norm_rope_checks() -> dict:
+    """(child process) the RMSNorm and in-place rope kernels against modeling's torch expressions
+    (fp32; rope on [B, S, C] and [B, S, H, C], strided cos / sin rows as the compressor passes)."""
+    from models.deepseek_v4.fused_norm_rope import rms_norm, rope_inplace
+
+    g = torch.Generator().manual_seed(13)
+    res = {}
+    norm = modeling.RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=g))
+        x = torch.randn(3, 7, 96, generator=g) * 3
+        res["norm-weight"] = (rms_norm(x, norm.weight, 1e-6) - norm(x)).abs().max().item()
+        x = torch.randn(5, 3, 64, generator=g)                            # several rows per program
+        res["norm-heads"] = (rms_norm(x, None, 1e-6) - modeling.head_rms_norm(x, 1e-6)).abs().max().item()
+    cos, sin = modeling._rope_table(modeling.rope_frequencies(8, 10000.0, 1.0, 0, 0.0, 0.0), 64, "cpu")
+    errs = []
+    for shape in ((2, 9, 3, 40), (2, 9, 24)):
+        x = torch.randn(*shape, generator=g)
+        for inverse in (False, True):
+            for step in (1, 4):
+                c, s = cos[::step][:shape[1]], sin[::step][:shape[1]]
+                want = modeling.apply_rope(x.clone(), c, s, inverse=inverse)   # CPU: the torch path
+                errs.append((rope_inplace(x.clone(), c, s, inverse=inverse) - want).abs().max().item())
+    res["rope"] = max(errs)
     return res
 
 
@@ -206,6 +263,18 @@ def test_index_score_kernel_equals_torch(interpreted_errors, seqlen):
 @pytest.mark.parametrize("case", ["swiglu-0.0", "swiglu-3.0", "swiglu-3.0-noweight"])
 def test_swiglu_kernel_equals_torch(interpreted_errors, case):
     assert interpreted_errors[case] < 1e-5
+
+
+@pytest.mark.parametrize("case", ["gg-plain", "gg-swiglu-0.0", "gg-swiglu-2.0"])
+def test_grouped_gemm_kernel_equals_expert_loop(interpreted_errors, case):
+    # fp32 sums of 80 products and Triton's exp: ~1e-6 of the largest output; a wrong expert,
+    # row tile or column would be off by O(1)
+    assert interpreted_errors[case] < 5e-6
+
+
+@pytest.mark.parametrize("case", ["norm-weight", "norm-heads", "rope"])
+def test_norm_and_rope_kernels_equal_torch(interpreted_errors, case):
+    assert interpreted_errors[case] < 2e-6
 
 
 def test_combine_kernel_is_bit_identical(interpreted_errors):

@@ -103,8 +103,9 @@ if triton is not None:
                 slot = n0 + offs_n
                 j = tl.load(idx_ptr + b * si_b + t * si_s + slot, mask=slot < N_SLOTS, other=-1).to(tl.int64)
                 valid = j >= 0
-                rows = comp_ptr + b * sc_b + tl.where(valid, j, 0)[:, None] * sc_n
-                m_i, l_i, acc = _attend(q, rows, valid, offs_d, offs_v, m_i, l_i, acc, scale, D, DV)
+                if tl.max(j, 0) >= 0:  # early tokens have fewer picks than slots: skip empty blocks
+                    rows = comp_ptr + b * sc_b + tl.where(valid, j, 0)[:, None] * sc_n
+                    m_i, l_i, acc = _attend(q, rows, valid, offs_d, offs_v, m_i, l_i, acc, scale, D, DV)
         elif CAUSAL_RATIO > 0:
             n_allowed = (t + 1) // CAUSAL_RATIO
             for n0 in range(0, N_ENTRIES, BLOCK_N):

@@ -90,3 +90,131 @@ def clamped_swiglu(h: torch.Tensor, limit: float, weights: torch.Tensor | None =
     with device_guard(h.device):
         _swiglu_kernel[grid](h, w, out, inter, float(limit), HAS_W=has_w, HAS_LIMIT=limit > 0, BLOCK=block, num_warps=4)
     return out
+
+
+# ----------------------------------------------------------------------------- grouped expert GEMM
+# Rows sorted by expert, ~96 per expert at S = 4096 (6 x 4096 slots over 256 experts). The GEMM is
+# bound by reading the 12 GB of routed-expert weights; torch._grouped_mm moves them at ~2.6 TB/s on
+# an H200 (RESULTS.md §4.3). Here each program owns one BLOCK_M-row tile of one expert and one
+# BLOCK_N slice of the output; the programs of a few consecutive tiles run next to each other, so
+# each weight slice is read from HBM once and the activation tile stays in L2.
+# Launch shapes from the sweep in benchmarks/check_fast_paths.py --sweep (H200, RESULTS.md §4.3).
+GROUPED_GEMM_LAUNCH = {"block_m": 128, "block_n": 256, "block_k": 64, "group_m": 4, "num_warps": 8,
+                       "num_stages": 3}
+# the fused SwiGLU keeps two accumulators (gate and up): half the columns per program
+SWIGLU_GEMM_LAUNCH = {**GROUPED_GEMM_LAUNCH, "block_n": 128}
+# above this many rows per expert (on average) torch._grouped_mm's CUTLASS kernel was faster
+GROUPED_GEMM_MAX_ROWS_PER_EXPERT = 192
+
+if triton is not None:
+
+    @triton.jit
+    def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, ends_ptr, tile_ends_ptr, rw_ptr, N, E, MAX_TILES, limit,
+                             stride_am, stride_we, stride_wn, stride_cm, K: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                             SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, PRECISION: tl.constexpr):
+        pid = tl.program_id(0)
+        n_tiles_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * n_tiles_n
+        first = (pid // per_group) * GROUP_M
+        size = tl.minimum(MAX_TILES - first, GROUP_M)
+        tile = first + (pid % per_group) % size
+        pid_n = (pid % per_group) // size
+        # which expert owns this row tile: tile_ends[e] = tiles of experts 0..e (inclusive)
+        es = tl.arange(0, BLOCK_E)
+        tile_ends = tl.load(tile_ends_ptr + es, mask=es < E, other=2147483647)
+        e = tl.sum((tile_ends <= tile).to(tl.int32), axis=0)
+        if e >= E:
+            return  # past the last tile: the grid is sized for the worst case without a host sync
+        tiles_before = tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0)
+        row_begin = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        row_end = tl.load(ends_ptr + e)
+        rows = row_begin + (tile - tiles_before) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :]
+        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWIGLU:  # w = [w1; w3]: the up projection's rows start N rows further
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+                if SWIGLU:
+                    w_up = tl.load(w_ptrs + N * stride_wn, mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = (k + ks) < K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                if SWIGLU:
+                    w_up = tl.load(w_ptrs + N * stride_wn, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            if SWIGLU:
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if SWIGLU:
+            # as Expert.forward: the projections in the GEMM's dtype, then fp32 clamp / silu / product
+            gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+            up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+            if HAS_LIMIT:
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+                gate = tl.minimum(gate, limit)
+            acc = gate / (1.0 + tl.exp(-gate)) * up
+            acc = acc * tl.load(rw_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def grouped_gemm_suited(rows: int, n_experts: int) -> bool:
+    """Whether ``grouped_gemm`` is the faster kernel for this many rows (see the constants above)."""
+    return rows <= GROUPED_GEMM_MAX_ROWS_PER_EXPERT * n_experts
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, launch: dict | None = None,
+                 swiglu_limit: float | None = None, row_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """out[r] = a[r] @ w[e].T for the rows r of expert e: a [T, K] sorted by expert, w [E, N, K],
+    ends [E] int (cumulative row counts, ``torch._grouped_mm``'s ``offs``) -> [T, N] in a's dtype.
+
+    With ``swiglu_limit`` (w = [w1; w3], [E, 2I, K]) the epilogue is the clamped SwiGLU of
+    ``clamped_swiglu`` times ``row_weights`` [T] -> [T, I]: the [T, 2I] projections are never
+    written. fp32 accumulation over K in BLOCK_K steps (torch._grouped_mm also accumulates in
+    fp32; the order of the additions differs). No host sync: the grid covers the most tiles T rows
+    can make, and programs past the last tile return at once."""
+    if triton is None:
+        raise RuntimeError("grouped_gemm needs Triton")
+    swiglu = swiglu_limit is not None
+    cfg = {**(SWIGLU_GEMM_LAUNCH if swiglu else GROUPED_GEMM_LAUNCH), **(launch or {})}
+    if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[2] or ends.shape != (w.shape[0],):
+        raise ValueError(f"grouped_gemm: a {tuple(a.shape)}, w {tuple(w.shape)}, ends {tuple(ends.shape)} do not fit "
+                         "a [T, K], w [E, N, K], ends [E]")
+    if swiglu and (w.shape[1] % 2 or row_weights is None or row_weights.shape != (a.shape[0],)):
+        raise ValueError(f"grouped_gemm with SwiGLU: w {tuple(w.shape)} must stack [w1; w3] and row_weights "
+                         f"must be [{a.shape[0]}]")
+    a = a.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    rows, k = a.shape
+    n_exp, n = w.shape[0], w.shape[1] // (2 if swiglu else 1)
+    bm = cfg["block_m"]
+    ends = ends.to(torch.int32)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    tile_ends = torch.cumsum(torch.div(counts + bm - 1, bm, rounding_mode="floor"), 0).to(torch.int32)
+    max_tiles = triton.cdiv(rows, bm) + n_exp
+    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    rw = row_weights.float().contiguous() if swiglu else out
+    grid = (max_tiles * triton.cdiv(n, cfg["block_n"]),)
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    with device_guard(a.device):
+        _grouped_gemm_kernel[grid](
+            a, w, out, ends, tile_ends, rw, n, n_exp, max_tiles, float(swiglu_limit or 0.0),
+            a.stride(0), w.stride(0), w.stride(1), out.stride(0), K=k,
+            BLOCK_M=bm, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], BLOCK_E=triton.next_power_of_2(n_exp),
+            GROUP_M=cfg["group_m"], EVEN_K=k % cfg["block_k"] == 0, SWIGLU=swiglu,
+            HAS_LIMIT=bool(swiglu_limit), PRECISION=precision, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+    return out

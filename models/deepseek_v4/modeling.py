@@ -25,13 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amct_ext.device import fast_paths_enabled, fused_kernels_enabled
+from amct_ext.device import fast_paths_enabled, fp32_out_gemm_supported, fused_kernels_enabled
 from amct_ext.exact_gemm import SplitWeightCache, linear_fp32, matmul_fp32
 
 from .configuration import DeepseekV4Config
 from .fused_attention import fused_index_score, fused_sparse_attention
 from .fused_hc import hc_mix, hc_weights
-from .fused_moe import clamped_swiglu, combine_rows
+from .fused_moe import clamped_swiglu, combine_rows, grouped_gemm, grouped_gemm_suited
+from .fused_norm_rope import rms_norm, rope_inplace
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -44,9 +45,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused_16bit(x, self.weight):
+            return rms_norm(x, self.weight, self.eps)                 # fused_norm_rope.py: one pass
         xf = x.float()
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
         return (self.weight * xf).to(x.dtype)
+
+
+def _fused_16bit(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """Whether an elementwise Triton kernel may replace the torch expression on x: a 16-bit x on a
+    device with the fused kernels, and nothing that autograd would have to differentiate."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or not fused_kernels_enabled(x.device):
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
 
 
 def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,6 +65,8 @@ def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
     With the fast paths on, one fused ``F.rms_norm`` kernel (same formula, fp32 inside) instead of
     four passes over an fp32 copy: this runs on the [B, S, H, Dh] queries, the largest activation."""
+    if _fused_16bit(x):
+        return rms_norm(x, None, eps)                                  # fused_norm_rope.py: one pass
     if fast_paths_enabled(x.device) and x.dtype != torch.float32:
         return F.rms_norm(x, (x.shape[-1],), eps=eps)
     xf = x.float()
@@ -170,6 +183,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     x [..., S, (heads,) C]; cos / sin [S, R/2] are broadcast over batch and heads (``x`` must have
     the sequence axis at dim 1). ``inverse`` rotates by -pos (attention output). fp32 math, result in
     x's dtype; the non-rope channels are passed through untouched."""
+    if inplace and x.dim() in (3, 4) and x.stride(-1) == 1 and x.shape[1] == cos.shape[0] and _fused_16bit(x) \
+            and cos.shape[-1] & (cos.shape[-1] - 1) == 0:
+        return rope_inplace(x, cos, sin, inverse)                     # fused_norm_rope.py: one pass
     rd = cos.shape[-1] * 2
     nope, rope = x[..., :-rd], x[..., -rd:]
     shape = [1] * x.dim()
@@ -206,11 +222,28 @@ def _hadamard_split(d: int, device: str) -> SplitWeightCache:
     return SplitWeightCache()
 
 
+@functools.lru_cache(maxsize=8)
+def _hadamard_signs(d: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H_d's +-1 entries in bf16, the fp32 magnitude 1/sqrt(d) of _hadamard's entries, 0-dim)."""
+    h = _hadamard(d, device)
+    with torch.inference_mode(False):
+        return torch.sign(h).bfloat16(), h[0, 0].clone()
+
+
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     """x @ (H_d / sqrt(d)) over the last dim, fp32 math, x's dtype out. H is symmetric, so this is
-    ``linear(x, H)``: an fp32 island like the others (exact_gemm.linear_fp32)."""
+    ``linear(x, H)``: an fp32 island like the others (exact_gemm.linear_fp32).
+
+    Every entry of H_d / sqrt(d) is +-v with the same v, so sum_k x_k (+-v) = v * sum_k (+-x_k):
+    with fp32-output bf16 GEMMs, a bf16 x takes one GEMM against the +-1 matrix (exact products,
+    fp32 sums) and one product with v, instead of three GEMMs against a 3-way split of H."""
     d = x.shape[-1]
     h = _hadamard(d, str(x.device))
+    if x.dtype == torch.bfloat16 and fp32_out_gemm_supported(x.device) and \
+            not (torch.is_grad_enabled() and x.requires_grad):
+        signs, v = _hadamard_signs(d, str(x.device))
+        y = torch.mm(x.reshape(-1, d), signs, out_dtype=torch.float32)
+        return y.mul_(v).to(x.dtype).view(x.shape)
     return linear_fp32(x, h, _hadamard_split(d, str(x.device))).to(x.dtype)
 
 
@@ -682,24 +715,34 @@ class MoE(nn.Module):
         offsets = torch.cumsum(torch.bincount(slots, minlength=self.n_routed_experts), 0).to(torch.int32)
         tok = order // indices.shape[1]
         xs = self.grouped_rows(flat[tok], "w1")
-        h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offsets)          # [T, 2I]
+        fused = fused_kernels_enabled(flat.device) and not (torch.is_grad_enabled() and (
+            xs.requires_grad or w13.requires_grad or w2.requires_grad))
         slot_weights = weights.flatten()[order]
-        if fused_kernels_enabled(h.device) and not (torch.is_grad_enabled() and h.requires_grad):
-            h = clamped_swiglu(h, limit, slot_weights)                          # [T, I], one pass
+        triton_gemm = fused and xs.dtype == w13.dtype == w2.dtype == torch.bfloat16 and \
+            grouped_gemm_suited(xs.shape[0], w13.shape[0])
+        if triton_gemm:  # both projections, the clamp and SwiGLU in one kernel: [T, I]
+            h = grouped_gemm(xs, w13, offsets, swiglu_limit=limit, row_weights=slot_weights)
         else:
-            gate, up = h[:, :inter].float(), h[:, inter:].float()
-            if limit > 0:
-                up = up.clamp(-limit, limit)
-                gate = gate.clamp(max=limit)
-            h = (F.silu(gate) * up * slot_weights.unsqueeze(-1)).to(flat.dtype)
+            h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offsets)      # [T, 2I]
+            if fused:
+                h = clamped_swiglu(h, limit, slot_weights)                      # [T, I], one pass
+            else:
+                gate, up = h[:, :inter].float(), h[:, inter:].float()
+                if limit > 0:
+                    up = up.clamp(-limit, limit)
+                    gate = gate.clamp(max=limit)
+                h = (F.silu(gate) * up * slot_weights.unsqueeze(-1)).to(flat.dtype)
         h = self.grouped_rows(h, "w2")
-        y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)            # [T, D], sorted slots
+        if triton_gemm:
+            y = grouped_gemm(h, w2, offsets)                                    # [T, D], sorted slots
+        else:
+            y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)
         # each token sums its k rows in expert order, as ``route`` does -- by gathering them, not
         # by index_add_ (atomics on CUDA: an arbitrary order, and slower)
         rank = torch.empty_like(order)
         rank[order] = torch.arange(order.numel(), device=order.device)
         rows = rank.view(-1, indices.shape[1]).sort(dim=1).values             # [N, k], expert order
-        if fused_kernels_enabled(y.device) and not (torch.is_grad_enabled() and y.requires_grad):
+        if fused:
             return combine_rows(y, rows)                                        # one pass, same sums
         out = y[rows[:, 0]].float()
         for j in range(1, rows.shape[1]):
