@@ -97,6 +97,9 @@ class EvalConfig:
     batch_size: int = 1
     data_path: str | os.PathLike | None = None
     sharded: bool = False
+    # replay each layer's forward from a CUDA graph after its first window (device.GraphedForward;
+    # bit-identical, CUDA only, never for sharded layers); AMCT_GRAPHS=0 also turns it off
+    graphs: bool = True
 
     def check(self) -> None:
         if self.batch_size < 1:
@@ -186,8 +189,12 @@ class BaseModel(abc.ABC):
     @torch.no_grad()
     def do_block_forward(self, block: nn.Module, inputs: Sequence[torch.Tensor],
                          sample_state: Sequence[dict[str, Any]] | None = None,
-                         progress: bool | str = False) -> list[torch.Tensor]:
+                         progress: bool | str = False, graphed: bool = False) -> list[torch.Tensor]:
         """Run ``block`` over every sample; returns the outputs in input order.
+
+        ``graphed``: replay the layer from a captured CUDA graph after its first call per input
+        shape (``device.GraphedForward``: same kernels, no per-kernel launch cost). Only for a
+        layer that stays unchanged during the loop; the graph is dropped when it ends.
 
         Sample ``k`` is called as ``block(inputs[k], **sample_state[k])`` where ``sample_state``
         defaults to ``self.sample_state``. Inputs are moved to the block's device; outputs go
@@ -202,12 +209,13 @@ class BaseModel(abc.ABC):
         dev = self.block_device(block)
         from tqdm.auto import tqdm
 
+        call = devmod.GraphedForward(block, dev) if graphed else block
         outs = []
         desc = progress if isinstance(progress, str) else "block"
         for x, kw in tqdm(list(zip(inputs, state)), desc=desc, leave=False,
                           disable=not (progress and self.run.progress)):
             kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-            y = block(x.to(dev), **kw)
+            y = call(x.to(dev), **kw)
             outs.append(y.to("cpu") if self.run.offload_hidden else y)
         return outs
 

@@ -294,3 +294,92 @@ class Timer:
     def __exit__(self, *exc: Any) -> None:
         synchronize(self.device)
         self.ms = (time.perf_counter() - self._t0) * 1e3
+
+
+# ------------------------------------------------------------------------------- graph replay
+GRAPHS_ENV = "AMCT_GRAPHS"  # AMCT_GRAPHS=0: never replay captured graphs
+
+
+def _has_python_hooks(module: torch.nn.Module) -> bool:
+    """Forward hooks or accelerate dispatch hooks anywhere in ``module``: Python code that a graph
+    replay would skip."""
+    for m in module.modules():
+        if m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook"):
+            return True
+    return False
+
+
+class GraphedForward:
+    """``module(x, **kwargs)`` replayed from a captured CUDA graph, one graph per input signature.
+
+    The forward of one V4-Flash layer launches ~300 kernels; at S = 4096 on an H200 issuing them
+    takes about as long as running them, so the device waits on the host (RESULTS.md §4.3). A
+    replay issues the whole layer at once. The graph reads the module's parameters and writes
+    into its own memory, so it is only valid while the module stays as it was: use one instance
+    for a loop over samples of a fixed layer (``BaseModel.do_block_forward(..., graphed=True)``)
+    and drop it afterwards.
+
+    A signature is captured the second time it is seen (the first call runs eagerly: it builds the
+    module's lazy caches and skips shapes seen only once, e.g. a short last batch). The replay
+    computes with the same kernels as the eager call: bit-identical (benchmarks/bench_layer.py
+    checks it). Eager instead when the device is not CUDA (Ascend graph mode is not wired up),
+    with AMCT_GRAPHS=0 or AMCT_FAST_PATHS=0, when the module has Python hooks, under autograd, or
+    when capture fails (e.g. a forward that syncs with the host)."""
+
+    def __init__(self, module: torch.nn.Module, device: str | torch.device):
+        dev = _as_device(device)
+        self.module = module
+        self.enabled = (dev.type == "cuda" and _fast_paths_allowed() and os.environ.get(GRAPHS_ENV, "1") != "0"
+                        and not _has_python_hooks(module))
+        self.device = dev
+        self.seen: set = set()
+        self.graphs: dict = {}
+        self.capture_error: str | None = None
+
+    @staticmethod
+    def _signature(x: torch.Tensor, kwargs: dict) -> tuple:
+        parts = [(tuple(x.shape), x.dtype, x.device)]
+        for k in sorted(kwargs):
+            v = kwargs[k]
+            parts.append((k, tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else (k, v))
+        return tuple(parts)
+
+    def __call__(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if not self.enabled or torch.is_grad_enabled():
+            return self.module(x, **kwargs)
+        key = self._signature(x, kwargs)
+        if key not in self.graphs:
+            if key not in self.seen:
+                self.seen.add(key)
+                return self.module(x, **kwargs)
+            if not self._capture(key, x, kwargs):
+                return self.module(x, **kwargs)
+        graph, static_x, static_kw, static_out = self.graphs[key]
+        static_x.copy_(x)
+        for k, v in static_kw.items():
+            if isinstance(v, torch.Tensor):
+                v.copy_(kwargs[k])
+        graph.replay()
+        return static_out.clone()  # the next replay overwrites static_out
+
+    def _capture(self, key: tuple, x: torch.Tensor, kwargs: dict) -> bool:
+        static_x = x.clone()
+        static_kw = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+        try:
+            with device_guard(self.device):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self.module(static_x, **static_kw)          # warm-up off the default stream
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_out = self.module(static_x, **static_kw)
+        except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly from now on
+            self.enabled = False
+            import traceback
+            where = "".join(traceback.format_tb(e.__traceback__)[-3:])  # the forward's line that failed
+            self.capture_error = f"{type(e).__name__}: {str(e)[:200]}\n{where[-900:]}"
+            return False
+        self.graphs[key] = (graph, static_x, static_kw, static_out)
+        return True

@@ -335,8 +335,8 @@ def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfi
         elif calib is not None:
             calib = Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
         mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
-        stream = Stream(adapter.do_block_forward(block, stream.hidden, stream.state, progress=f"layer {i}"),
-                        stream.state)
+        stream = Stream(adapter.do_block_forward(block, stream.hidden, stream.state, progress=f"layer {i}",
+                                                 graphed=cfg.graphs and not cfg.sharded), stream.state)
         adapter.release_block(block)
 
     acc = NllAccumulator()

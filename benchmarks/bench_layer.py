@@ -293,6 +293,23 @@ def run_layer(args, dev, config, hf_cfg, layer_id, entry, results, quantize_bloc
             out_a = block(x, 0, ids)
         refs[bsz] = out_a
         runs = [("ours", lambda: block(x, 0, ids))]
+        graphed = D.GraphedForward(block, dev)
+        if graphed.enabled:
+            # what evaluation runs per window after the first (do_block_forward(graphed=True)):
+            # the same kernels replayed from a CUDA graph; checked bit-identical before timing
+            with inf():
+                for _ in range(3):  # eager, capture + replay, replay
+                    out_g = graphed(x, input_ids=ids)
+            same = bool(torch.equal(out_g, out_a))
+            entry["checks"][f"B{bsz}:ours-graphed_vs_ours"] = {"bit_identical": same, "graphs": len(graphed.graphs),
+                                                               "capture_error": graphed.capture_error}
+            print(f"B={bsz} check ours-graphed vs ours: bit-identical {same}, graphs captured {len(graphed.graphs)}"
+                  f"{'' if graphed.capture_error is None else ', capture failed: ' + graphed.capture_error}", flush=True)
+            if not same:
+                results["failures"].append(f"layer {layer_id} B={bsz}: graph replay differs from the eager forward")
+            elif graphed.graphs:
+                runs.append(("ours-graphed", lambda graphed=graphed: graphed(x, input_ids=ids)))
+            del out_g
         if hf_layer is not None:
             caller = C.HFCaller(hf_cfg, x, ids)
             for impl in args.hf_experts:
@@ -322,6 +339,7 @@ def run_layer(args, dev, config, hf_cfg, layer_id, entry, results, quantize_bloc
         for name, fn in runs:
             entry["runs"].append(measure(name, fn, dev, args, base))
             save()
+        runs = graphed = None
         free(dev)
 
     hf_layer = caller = None
@@ -397,6 +415,8 @@ def print_report(results: dict) -> None:
     checks = []
     for e in results["layers"]:
         for k, v in e["checks"].items():
+            if "rel_fro" not in v:  # the graph replay check: bit-identity, printed when it ran
+                continue
             status = ("ok" if v.get("ok") else "FAILED") if "ok" in v else "info"
             checks.append([e["kind"], k, f"{v['rel_fro']:.2e}", f"{v['max_abs']:.3g}",
                            f"{v['tok_rel_median']:.2e}", f"{100 * v['tok_share_above_5pct']:.2f}%", status])

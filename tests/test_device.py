@@ -143,3 +143,28 @@ def test_device_guard_sets_the_current_device_for_kernel_launches(monkeypatch):
     with D.device_guard("cuda"):
         pass
     assert entered == [torch.device("cuda:1")]
+
+
+def test_graphed_forward_is_eager_where_it_cannot_replay(monkeypatch):
+    """GraphedForward replays only on CUDA, without hooks, with the switches on; everywhere else it
+    is the module call itself (the replay's bit-identity is checked on the GPU by bench_layer)."""
+    lin = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    g = D.GraphedForward(lin, "cpu")
+    assert not g.enabled
+    with torch.no_grad():
+        assert torch.equal(g(x), lin(x)) and g(x).shape == (2, 3)
+    assert not g.graphs
+    assert D.GraphedForward(lin, "cuda").enabled
+    handle = lin.register_forward_hook(lambda *a: None)
+    assert not D.GraphedForward(torch.nn.Sequential(lin), "cuda").enabled   # a hook would be skipped
+    handle.remove()
+    monkeypatch.setenv(D.GRAPHS_ENV, "0")
+    assert not D.GraphedForward(lin, "cuda").enabled
+    monkeypatch.setenv(D.GRAPHS_ENV, "1")
+    monkeypatch.setenv(D.FAST_PATHS_ENV, "0")
+    assert not D.GraphedForward(lin, "cuda").enabled
+    # one signature per input shape / dtype and non-tensor argument
+    s1 = D.GraphedForward._signature(x, {"input_ids": torch.zeros(2, 4, dtype=torch.long)})
+    s2 = D.GraphedForward._signature(x[:1], {"input_ids": torch.zeros(1, 4, dtype=torch.long)})
+    assert s1 != s2 and s1 == D.GraphedForward._signature(x.clone(), {"input_ids": torch.ones(2, 4, dtype=torch.long)})

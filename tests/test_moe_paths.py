@@ -91,3 +91,24 @@ def test_backward_after_an_inference_mode_forward():
         p.requires_grad_(True)
     model(ids).square().mean().backward()
     assert model.layers[1].attn.wq_b.weight.grad is not None   # gradients flowed through rope
+
+
+def test_grouped_path_never_syncs_with_the_host(monkeypatch):
+    """No torch.bincount / .tolist() / .item() on the grouped path: on CUDA each is a host sync,
+    which stalls the launches and makes the layer impossible to capture in a graph (casebook S12)."""
+    model = random_tiny_model(0, dtype=torch.float32)
+    for block in model.layers:
+        block.ffn.pack_experts()
+    ids = torch.randint(2, 512, (2, 40), generator=torch.Generator().manual_seed(2))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host sync on the grouped MoE path")
+
+    monkeypatch.setattr(torch, "bincount", refuse)
+    monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    with torch.no_grad():
+        for block in model.layers:
+            x = torch.randn(2, 40, block.ffn.dim)
+            assert block.ffn._can_group(x.reshape(-1, block.ffn.dim))
+            block.ffn(x, ids)

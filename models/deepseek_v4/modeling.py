@@ -712,7 +712,11 @@ class MoE(nn.Module):
         limit = self.experts[0].swiglu_limit
         slots = indices.flatten()
         order = slots.argsort(stable=True)
-        offsets = torch.cumsum(torch.bincount(slots, minlength=self.n_routed_experts), 0).to(torch.int32)
+        # rows per expert by scatter-add: on CUDA torch.bincount reads the largest index back to
+        # the host (a sync, which also makes the forward impossible to capture in a graph)
+        counts = torch.zeros(self.n_routed_experts, dtype=torch.int64, device=slots.device)
+        counts.scatter_add_(0, slots, torch.ones_like(slots))
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
         tok = order // indices.shape[1]
         xs = self.grouped_rows(flat[tok], "w1")
         fused = fused_kernels_enabled(flat.device) and not (torch.is_grad_enabled() and (
