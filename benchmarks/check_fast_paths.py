@@ -35,7 +35,8 @@ from models.deepseek_v4.fused_attention import fused_sparse_attention  # noqa: E
 from models.deepseek_v4.modeling import Attention  # noqa: E402
 
 SWEEP = [dict(block_n=bn, value_splits=vs, num_warps=nw, num_stages=ns)
-         for bn in (32, 64) for vs in (1, 2) for nw in (4, 8) for ns in (1, 2, 3)]
+         for bn in (32, 64) for vs in (1, 2) for nw in (4, 8) for ns in (1, 2, 3)] + [
+    dict(block_n=128, value_splits=1, num_warps=8, num_stages=1), dict(block_n=128, value_splits=2, num_warps=8, num_stages=1)]
 
 
 def attention_inputs(attn: Attention, bsz: int, seqlen: int, topk: int, device, seed: int = 0):
@@ -277,7 +278,15 @@ MOE_SWEEP = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=n
                  (128, 128, 64, 8, 5, 4), (128, 64, 128, 4, 4, 4), (128, 128, 64, 8, 4, 8), (128, 128, 64, 8, 4, 1))]
 
 
-def check_grouped_gemm(config: DeepseekV4Config, tokens: int, device, repeats: int, sweep: bool) -> dict:
+SWIGLU_SWEEP = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, group_m=gm)
+                for bm, bn, bk, nw, ns, gm in (
+                    (128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 4, 4), (128, 64, 64, 4, 4, 4), (128, 64, 64, 8, 4, 4),
+                    (128, 128, 32, 8, 4, 4), (64, 128, 64, 4, 3, 4), (64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 2, 4),
+                    (128, 64, 128, 8, 3, 4), (128, 128, 64, 8, 3, 8), (128, 64, 64, 8, 5, 4), (64, 64, 128, 4, 4, 4))]
+
+
+def check_grouped_gemm(config: DeepseekV4Config, tokens: int, device, repeats: int, sweep: bool,
+                       sweep_swiglu: bool = False) -> dict:
     """The routed experts' two grouped GEMMs (rows sorted by expert, top-k of random scores)
     through the Triton kernel vs torch._grouped_mm: time, weight bandwidth, and both outputs'
     error against float64 on the rows of the first experts."""
@@ -318,6 +327,16 @@ def check_grouped_gemm(config: DeepseekV4Config, tokens: int, device, repeats: i
                                "fused_time": C.time_fn(ours_sw, device, repeats, 2)}
                 r["swiglu"]["ok"] = (r["swiglu"]["fused_vs_fp64"]["rel_fro"]
                                      <= 1.05 * r["swiglu"]["torch_vs_fp64"]["rel_fro"] + 1e-6)
+                if sweep_swiglu:
+                    r["swiglu"]["sweep"] = []
+                    for launch in SWIGLU_SWEEP:
+                        run = lambda: grouped_gemm(a, w, ends, launch, swiglu_limit=limit, row_weights=rw)  # noqa: E731
+                        try:
+                            t = C.time_fn(run, device, repeats, 1)
+                            err = _rel64(run()[:check_rows], sw_ref)["rel_fro"]
+                            r["swiglu"]["sweep"].append({**launch, "median_ms": t["median_ms"], "rel_fro": err})
+                        except Exception as e:  # a launch shape may not fit (registers / shared memory)
+                            r["swiglu"]["sweep"].append({**launch, "error": str(e)[:200]})
                 r["ok"] = r["ok"] and r["swiglu"]["ok"]
             if sweep:
                 r["sweep"] = []
@@ -443,8 +462,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--sweep", nargs="?", const="attention,moe", default="",
-                    help="time every launch shape of the attention and / or grouped-GEMM kernels "
-                         "(default both: attention,moe)")
+                    help="time every launch shape of the attention, grouped-GEMM and / or grouped-GEMM-with-SwiGLU "
+                         "kernels (comma list of attention, moe, swiglu; default attention,moe)")
     ap.add_argument("--layers", default=None, help="comma list of layer ids for the end-to-end check")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -503,7 +522,7 @@ def main(argv=None) -> int:
         out["grouped_gemm"] = []
         moe_sweep = "moe" in args.sweep
         for t in ((tokens, 4 * tokens) if moe_sweep else (tokens,)):
-            r = check_grouped_gemm(cfg, t, dev, args.repeats, moe_sweep)
+            r = check_grouped_gemm(cfg, t, dev, args.repeats, moe_sweep, "swiglu" in args.sweep and t == tokens)
             out["grouped_gemm"].append(r)
             for gm in r["gemms"]:
                 gbs = lambda key: gm["weight_bytes"] / (gm[key]["median_ms"] * 1e-3) / 1e9  # noqa: E731
@@ -514,6 +533,8 @@ def main(argv=None) -> int:
                     sg = gm["swiglu"]
                     print(f"   + SwiGLU epilogue: vs fp64 rel_fro torch {sg['torch_vs_fp64']['rel_fro']:.4e}, fused "
                           f"{sg['fused_vs_fp64']['rel_fro']:.4e}; {_tail(sg)}")
+                    for sw in sorted(sg.get("sweep", []), key=lambda v: v.get("median_ms", 1e9)):
+                        print("   sweep swiglu", sw)
                 for sw in sorted(gm.get("sweep", []), key=lambda v: v.get("median_ms", 1e9)):
                     print("   sweep", sw)
         out["norm_rope"] = check_norm_rope_hadamard(cfg, tokens, dev, args.repeats)

@@ -102,7 +102,7 @@ def clamped_swiglu(h: torch.Tensor, limit: float, weights: torch.Tensor | None =
 GROUPED_GEMM_LAUNCH = {"block_m": 128, "block_n": 256, "block_k": 64, "group_m": 4, "num_warps": 8,
                        "num_stages": 3}
 # the fused SwiGLU keeps two accumulators (gate and up): half the columns per program
-SWIGLU_GEMM_LAUNCH = {**GROUPED_GEMM_LAUNCH, "block_n": 128}
+SWIGLU_GEMM_LAUNCH = {**GROUPED_GEMM_LAUNCH, "block_n": 128, "num_stages": 4}
 # above this many rows per expert (on average) torch._grouped_mm's CUTLASS kernel was faster
 GROUPED_GEMM_MAX_ROWS_PER_EXPERT = 192
 

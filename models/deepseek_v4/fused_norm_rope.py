@@ -40,23 +40,28 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * stride_o + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, S, H, stride_b, stride_s, stride_h, stride_cos, first,
-                     SIGN: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-        bs = tl.program_id(0).to(tl.int64)
-        b, s = bs // S, bs % S
-        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, N, S, H, stride_b, stride_s, stride_h, stride_cos, first,
+                     SIGN: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+        # rows are (batch, position, head) triples; each row's 2 * HALF rope channels are read and
+        # written as one contiguous run, split into the (even, odd) pairs in registers
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = r < N
+        h = r % H
+        bs = r // H
+        s = bs % S
+        b = bs // S
+        base = b * stride_b + s * stride_s + h * stride_h + first
+        ch = tl.arange(0, 2 * HALF)
+        ptrs = x_ptr + base[:, None] + ch[None, :]
+        x = tl.load(ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        a, o = tl.split(tl.reshape(x, (BLOCK_R, HALF, 2)))
         i = tl.arange(0, HALF)
-        c = tl.load(cos_ptr + s * stride_cos + i)
-        sn = tl.load(sin_ptr + s * stride_cos + i) * SIGN
-        ptrs = x_ptr + b * stride_b + s * stride_s + h.to(tl.int64)[:, None] * stride_h + first + 2 * i[None, :]
-        mask = (h < H)[:, None]
-        a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        o = tl.load(ptrs + 1, mask=mask, other=0.0).to(tl.float32)
-        even = a * c[None, :] - o * sn[None, :]
-        odd = a * sn[None, :] + o * c[None, :]
-        tl.store(ptrs, even.to(x_ptr.dtype.element_ty), mask=mask)
-        tl.store(ptrs + 1, odd.to(x_ptr.dtype.element_ty), mask=mask)
-
+        c = tl.load(cos_ptr + s[:, None] * stride_cos + i[None, :], mask=row_ok[:, None], other=0.0)
+        sn = tl.load(sin_ptr + s[:, None] * stride_cos + i[None, :], mask=row_ok[:, None], other=0.0) * SIGN
+        even = a * c - o * sn
+        odd = a * sn + o * c
+        y = tl.reshape(tl.join(even, odd), (BLOCK_R, 2 * HALF))
+        tl.store(ptrs, y.to(x_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``(weight * (xf * rsqrt(mean(xf^2) + eps))).to(x.dtype)`` with xf = x.float(), over the last
@@ -93,10 +98,10 @@ def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse:
         raise ValueError(f"rope_inplace: {2 * half} rope channels; the kernel needs a power of two")
     xv = x if x.dim() == 4 else x.unsqueeze(2)
     bsz, seqlen, heads, chans = xv.shape
-    block_h = min(triton.next_power_of_2(heads), max(1, 2048 // half))
-    grid = (bsz * seqlen, triton.cdiv(heads, block_h))
+    rows = bsz * seqlen * heads
+    block_r = max(1, 4096 // (2 * half))
     with device_guard(x.device):
-        _rope_kernel[grid](xv, cos, sin, seqlen, heads, xv.stride(0), xv.stride(1), xv.stride(2), cos.stride(0),
-                           chans - 2 * half, SIGN=-1.0 if inverse else 1.0, HALF=half, BLOCK_H=block_h,
-                           num_warps=4)
+        _rope_kernel[(triton.cdiv(rows, block_r),)](
+            xv, cos, sin, rows, seqlen, heads, xv.stride(0), xv.stride(1), xv.stride(2), cos.stride(0),
+            chans - 2 * half, SIGN=-1.0 if inverse else 1.0, HALF=half, BLOCK_R=block_r, num_warps=4)
     return x
