@@ -309,6 +309,12 @@ def _has_python_hooks(module: torch.nn.Module) -> bool:
     return False
 
 
+def graph_capturing(device: str | torch.device) -> bool:
+    """Whether work on ``device`` is being captured into a graph right now (host syncs are not
+    allowed then)."""
+    return _as_device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class GraphedForward:
     """``module(x, **kwargs)`` replayed from a captured CUDA graph, one graph per input signature.
 
@@ -322,7 +328,8 @@ class GraphedForward:
     A signature is captured the second time it is seen (the first call runs eagerly: it builds the
     module's lazy caches and skips shapes seen only once, e.g. a short last batch). The replay
     computes with the same kernels as the eager call: bit-identical (benchmarks/bench_layer.py
-    checks it). Eager instead when the device is not CUDA (Ascend graph mode is not wired up),
+    checks it). Each replayed output is checked for NaN / Inf (one reduction and one sync per
+    call), since the fake quantizers' own input checks cannot run inside a graph. Eager instead when the device is not CUDA (Ascend graph mode is not wired up),
     with AMCT_GRAPHS=0 or AMCT_FAST_PATHS=0, when the module has Python hooks, under autograd, or
     when capture fails (e.g. a forward that syncs with the host)."""
 
@@ -360,6 +367,11 @@ class GraphedForward:
             if isinstance(v, torch.Tensor):
                 v.copy_(kwargs[k])
         graph.replay()
+        # the fake quantizers' NaN / Inf checks are host syncs and are skipped inside a graph
+        # (formats._check_input): check the replayed output instead, once per call
+        if static_out.is_floating_point() and not bool(torch.isfinite(static_out).all()):
+            raise AmctError(f"a graph replay of {type(self.module).__name__} produced NaN or Inf (output "
+                            f"{tuple(static_out.shape)}); run with {GRAPHS_ENV}=0 to find the operation that did")
         return static_out.clone()  # the next replay overwrites static_out
 
     def _capture(self, key: tuple, x: torch.Tensor, kwargs: dict) -> bool:

@@ -61,8 +61,10 @@ def _check_input(x: torch.Tensor, what: str = "input") -> None:
         kind = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise QuantInputError(f"{what} must be a floating tensor to be quantized, got {kind}")
     # One reduction: cheap next to the quantization itself, and it stops NaN from turning
-    # into a NaN scale that silently poisons a whole block.
-    if x.numel() and not bool(torch.isfinite(x).all()):
+    # into a NaN scale that silently poisons a whole block. Not while a graph is being captured:
+    # reading the answer is a host sync, which capture forbids; the eager call before a capture
+    # has checked the same call site (device.GraphedForward), and replays check their output.
+    if x.numel() and not device.graph_capturing(x.device) and not bool(torch.isfinite(x).all()):
         raise NonFiniteInputError(f"{what} of shape {tuple(x.shape)} contains NaN or Inf; refusing to quantize it")
 
 
@@ -534,7 +536,7 @@ def fake_quant(x: torch.Tensor, spec: TensorSpec | None, clip=None) -> torch.Ten
     if _fused_int_token(x, spec, clip):
         # the same numbers in one pass (amct_ext/fused_quant.py); non-finite inputs still refused
         out, n_bad = fused_quant.fake_quant_int_token(x, spec.bits)
-        if int(n_bad.item()):
+        if not device.graph_capturing(x.device) and int(n_bad.item()):  # see _check_input
             raise NonFiniteInputError(f"input of shape {tuple(x.shape)} contains NaN or Inf; refusing to quantize it")
         return out
     _check_input(x)

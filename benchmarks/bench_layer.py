@@ -364,8 +364,25 @@ def run_layer(args, dev, config, hf_cfg, layer_id, entry, results, quantize_bloc
                   f"per-token median {cmp['tok_rel_median']:.2e}, finite {cmp['finite']}", flush=True)
             if not cmp["finite"]:
                 results["failures"].append(f"layer {layer_id} B={bsz}: {name} output not finite")
-            del out_c
             entry["runs"].append(measure(name, lambda: block(x, 0, ids), dev, args, base))
+            graphed = D.GraphedForward(block, dev)
+            if graphed.enabled:  # evaluation replays the quantized layer too (do_block_forward)
+                with inf():
+                    for _ in range(3):
+                        out_g = graphed(x, input_ids=ids)
+                same = bool(torch.equal(out_g, out_c))
+                entry["checks"][f"B{bsz}:{name}-graphed_vs_{name}"] = {
+                    "bit_identical": same, "graphs": len(graphed.graphs), "capture_error": graphed.capture_error}
+                print(f"B={bsz} check {name}-graphed vs {name}: bit-identical {same}, graphs captured "
+                      f"{len(graphed.graphs)}{'' if graphed.capture_error is None else ', capture failed: ' + graphed.capture_error}",
+                      flush=True)
+                if not same:
+                    results["failures"].append(f"layer {layer_id} B={bsz}: {name} graph replay differs from eager")
+                elif graphed.graphs:
+                    entry["runs"].append(measure(f"{name}-graphed", lambda g=graphed: g(x, input_ids=ids), dev, args, base))
+                del out_g
+            graphed = None
+            del out_c
             save()
             free(dev)
     del block, inputs, refs

@@ -264,6 +264,18 @@ def test_non_finite_is_refused(spec, bad):
         F.quantize(x, spec)
 
 
+def test_non_finite_check_is_skipped_only_while_a_graph_is_captured(monkeypatch):
+    """The check reads its answer back to the host, which graph capture forbids; GraphedForward
+    checks the replayed output instead (casebook S13)."""
+    x = torch.randn(8, 64)
+    x[1, 2] = float("nan")
+    spec = TensorSpec("int", 8, True, "token", dynamic=True)
+    with pytest.raises(F.NonFiniteInputError):
+        F.fake_quant(x, spec)
+    monkeypatch.setattr(F.device, "graph_capturing", lambda device: True)
+    assert torch.isnan(F.fake_quant(x, spec)).any()
+
+
 @pytest.mark.parametrize("spec", [TensorSpec("int", 4, True, "channel"), TensorSpec("int", 4, False, "group", group_size=32),
                                   TensorSpec("fp8", granularity="channel")], ids=["int-sym", "int-asym", "fp8"])
 def test_ste_gradient_reaches_clip(spec):
