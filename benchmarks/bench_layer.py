@@ -293,23 +293,9 @@ def run_layer(args, dev, config, hf_cfg, layer_id, entry, results, quantize_bloc
             out_a = block(x, 0, ids)
         refs[bsz] = out_a
         runs = [("ours", lambda: block(x, 0, ids))]
-        graphed = D.GraphedForward(block, dev)
-        if graphed.enabled:
-            # what evaluation runs per window after the first (do_block_forward(graphed=True)):
-            # the same kernels replayed from a CUDA graph; checked bit-identical before timing
-            with inf():
-                for _ in range(3):  # eager, capture + replay, replay
-                    out_g = graphed(x, input_ids=ids)
-            same = bool(torch.equal(out_g, out_a))
-            entry["checks"][f"B{bsz}:ours-graphed_vs_ours"] = {"bit_identical": same, "graphs": len(graphed.graphs),
-                                                               "capture_error": graphed.capture_error}
-            print(f"B={bsz} check ours-graphed vs ours: bit-identical {same}, graphs captured {len(graphed.graphs)}"
-                  f"{'' if graphed.capture_error is None else ', capture failed: ' + graphed.capture_error}", flush=True)
-            if not same:
-                results["failures"].append(f"layer {layer_id} B={bsz}: graph replay differs from the eager forward")
-            elif graphed.graphs:
-                runs.append(("ours-graphed", lambda graphed=graphed: graphed(x, input_ids=ids)))
-            del out_g
+        graphed = graph_replay(block, x, ids, out_a, "ours", dev, entry, results, layer_id, bsz)
+        if graphed is not None:
+            runs.append(("ours-graphed", lambda graphed=graphed: graphed(x, input_ids=ids)))
         if hf_layer is not None:
             caller = C.HFCaller(hf_cfg, x, ids)
             for impl in args.hf_experts:
@@ -365,28 +351,38 @@ def run_layer(args, dev, config, hf_cfg, layer_id, entry, results, quantize_bloc
             if not cmp["finite"]:
                 results["failures"].append(f"layer {layer_id} B={bsz}: {name} output not finite")
             entry["runs"].append(measure(name, lambda: block(x, 0, ids), dev, args, base))
-            graphed = D.GraphedForward(block, dev)
-            if graphed.enabled:  # evaluation replays the quantized layer too (do_block_forward)
-                with inf():
-                    for _ in range(3):
-                        out_g = graphed(x, input_ids=ids)
-                same = bool(torch.equal(out_g, out_c))
-                entry["checks"][f"B{bsz}:{name}-graphed_vs_{name}"] = {
-                    "bit_identical": same, "graphs": len(graphed.graphs), "capture_error": graphed.capture_error}
-                print(f"B={bsz} check {name}-graphed vs {name}: bit-identical {same}, graphs captured "
-                      f"{len(graphed.graphs)}{'' if graphed.capture_error is None else ', capture failed: ' + graphed.capture_error}",
-                      flush=True)
-                if not same:
-                    results["failures"].append(f"layer {layer_id} B={bsz}: {name} graph replay differs from eager")
-                elif graphed.graphs:
-                    entry["runs"].append(measure(f"{name}-graphed", lambda g=graphed: g(x, input_ids=ids), dev, args, base))
-                del out_g
+            # evaluation replays the quantized layer too (do_block_forward(graphed=True))
+            graphed = graph_replay(block, x, ids, out_c, name, dev, entry, results, layer_id, bsz)
+            if graphed is not None:
+                entry["runs"].append(measure(f"{name}-graphed", lambda g=graphed: g(x, input_ids=ids), dev, args, base))
             graphed = None
             del out_c
             save()
             free(dev)
     del block, inputs, refs
     free(dev)
+
+
+def graph_replay(block, x, ids, eager_out, name, dev, entry, results, layer_id, bsz):
+    """The layer as evaluation runs it after a shape's first window: replayed from a CUDA graph
+    (device.GraphedForward). Returns the replayer when it captured and its output is bit-identical
+    to the eager forward's (else records why not and returns None)."""
+    graphed = D.GraphedForward(block, dev)
+    if not graphed.enabled:
+        return None
+    with torch.inference_mode():
+        for _ in range(3):  # eager, capture + replay, replay
+            out = graphed(x, input_ids=ids)
+    same = bool(torch.equal(out, eager_out))
+    entry["checks"][f"B{bsz}:{name}-graphed_vs_{name}"] = {"bit_identical": same, "graphs": len(graphed.graphs),
+                                                          "capture_error": graphed.capture_error}
+    failed = "" if graphed.capture_error is None else ", capture failed: " + graphed.capture_error
+    print(f"B={bsz} check {name}-graphed vs {name}: bit-identical {same}, graphs captured {len(graphed.graphs)}"
+          f"{failed}", flush=True)
+    if not same:
+        results["failures"].append(f"layer {layer_id} B={bsz}: {name} graph replay differs from the eager forward")
+        return None
+    return graphed if graphed.graphs else None
 
 
 def measure(name, fn, dev, args, base) -> dict:
