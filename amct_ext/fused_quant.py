@@ -19,12 +19,7 @@ from __future__ import annotations
 import torch
 
 from .device import device_guard
-
-try:  # optional, as in models/deepseek_v4/fused_attention.py
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+from .triton_support import triton, tl  # noqa: F401  (None without Triton)
 
 MAX_ROW = 16384  # one row is one block of registers; longer rows use the torch path
 

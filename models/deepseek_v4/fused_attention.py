@@ -28,13 +28,7 @@ import functools
 import torch
 
 from amct_ext.device import device_guard
-
-try:  # Triton is optional: CPU and NPU installs use the torch path
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from amct_ext.triton_support import triton, tl  # noqa: F401  (None without Triton)
 
 
 @functools.lru_cache(maxsize=1)

@@ -20,13 +20,7 @@ from __future__ import annotations
 import torch
 
 from amct_ext.device import device_guard
-
-try:  # optional, as in fused_attention.py
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from amct_ext.triton_support import triton, tl  # noqa: F401  (None without Triton)
 
 
 if triton is not None:

@@ -63,8 +63,9 @@ def _fused_16bit(x: torch.Tensor, *params: torch.Tensor) -> bool:
 def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dim, fp32 math, x's dtype out (no weight).
 
-    With the fast paths on, one fused ``F.rms_norm`` kernel (same formula, fp32 inside) instead of
-    four passes over an fp32 copy: this runs on the [B, S, H, Dh] queries, the largest activation."""
+    This runs on the [B, S, H, Dh] queries, the largest activation, so it takes one pass where it
+    can: the Triton kernel (fused_norm_rope.rms_norm), else with the fast paths on torch's fused
+    ``F.rms_norm`` (same formula, fp32 inside), else four passes over an fp32 copy."""
     if _fused_16bit(x):
         return rms_norm(x, None, eps)                                  # fused_norm_rope.py: one pass
     if fast_paths_enabled(x.device) and x.dtype != torch.float32:
