@@ -34,7 +34,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from . import device as devmod
+from . import device as devmod, device_checks
 from .errors import ConfigError, DataError
 from .ptq_units import PtqUnit
 
@@ -215,7 +215,10 @@ class BaseModel(abc.ABC):
         for x, kw in tqdm(list(zip(inputs, state)), desc=desc, leave=False,
                           disable=not (progress and self.run.progress)):
             kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-            y = call(x.to(dev), **kw)
+            # the quantizers' NaN/Inf flags are read once per sample, not once per quantizer
+            # (device_checks, casebook S14)
+            with device_checks.deferred_checks():
+                y = call(x.to(dev), **kw)
             outs.append(y.to("cpu") if self.run.offload_hidden else y)
         return outs
 

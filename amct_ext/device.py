@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import device_checks
 from .errors import AmctError
 
 BACKENDS = ("npu", "cuda", "cpu")
@@ -309,12 +310,6 @@ def _has_python_hooks(module: torch.nn.Module) -> bool:
     return False
 
 
-def graph_capturing(device: str | torch.device) -> bool:
-    """Whether work on ``device`` is being captured into a graph right now (host syncs are not
-    allowed then)."""
-    return _as_device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 class GraphedForward:
     """``module(x, **kwargs)`` replayed from a captured CUDA graph, one graph per input signature.
 
@@ -328,8 +323,8 @@ class GraphedForward:
     A signature is captured the second time it is seen (the first call runs eagerly: it builds the
     module's lazy caches and skips shapes seen only once, e.g. a short last batch). The replay
     computes with the same kernels as the eager call: bit-identical (benchmarks/bench_layer.py
-    checks it). Each replayed output is checked for NaN / Inf (one reduction and one sync per
-    call), since the fake quantizers' own input checks cannot run inside a graph. Eager instead when the device is not CUDA (Ascend graph mode is not wired up),
+    checks it). The checks of the forward (the fake quantizers' NaN / Inf refusals,
+    ``device_checks``) are captured too and read after each replay. Eager instead when the device is not CUDA (Ascend graph mode is not wired up),
     with AMCT_GRAPHS=0 or AMCT_FAST_PATHS=0, when the module has Python hooks, under autograd, or
     when capture fails (e.g. a forward that syncs with the host)."""
 
@@ -361,17 +356,17 @@ class GraphedForward:
                 return self.module(x, **kwargs)
             if not self._capture(key, x, kwargs):
                 return self.module(x, **kwargs)
-        graph, static_x, static_kw, static_out = self.graphs[key]
+        graph, static_x, static_kw, static_out, checks = self.graphs[key]
         static_x.copy_(x)
         for k, v in static_kw.items():
             if isinstance(v, torch.Tensor):
                 v.copy_(kwargs[k])
         graph.replay()
-        # the fake quantizers' NaN / Inf checks are host syncs and are skipped inside a graph
-        # (formats._check_input): check the replayed output instead, once per call
-        if static_out.is_floating_point() and not bool(torch.isfinite(static_out).all()):
-            raise AmctError(f"a graph replay of {type(self.module).__name__} produced NaN or Inf (output "
-                            f"{tuple(static_out.shape)}); run with {GRAPHS_ENV}=0 to find the operation that did")
+        if checks:
+            # the captured flags now hold this replay's answers; torch.cat copies them, so the
+            # answer read at the end of the caller's device_checks scope is this replay's
+            device_checks.refuse_if(torch.cat([flags for flags, _ in checks]),
+                                    [err for _, errors in checks for err in errors])
         return static_out.clone()  # the next replay overwrites static_out
 
     def _capture(self, key: tuple, x: torch.Tensor, kwargs: dict) -> bool:
@@ -385,7 +380,8 @@ class GraphedForward:
                     self.module(static_x, **static_kw)          # warm-up off the default stream
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                # the checks (device_checks) cannot read their flags inside a capture: collect them
+                with torch.cuda.graph(graph), device_checks.collecting_checks() as checks:
                     static_out = self.module(static_x, **static_kw)
         except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly from now on
             self.enabled = False
@@ -393,5 +389,5 @@ class GraphedForward:
             where = "".join(traceback.format_tb(e.__traceback__)[-3:])  # the forward's line that failed
             self.capture_error = f"{type(e).__name__}: {str(e)[:200]}\n{where[-900:]}"
             return False
-        self.graphs[key] = (graph, static_x, static_kw, static_out)
+        self.graphs[key] = (graph, static_x, static_kw, static_out, checks)
         return True

@@ -24,7 +24,8 @@ range of each block before the scale is computed: ``amax * clip`` (or ``min * cl
 ``max * clip``). Rounding uses a straight-through estimator when a gradient is needed, so a PTQ
 solver can learn ``clip``. ``torch.round`` rounds half to even.
 
-Every function refuses NaN / Inf inputs with :class:`NonFiniteInputError`.
+Every function refuses NaN / Inf inputs with :class:`NonFiniteInputError`: at once, or, inside
+a ``device_checks`` scope (a layer's forward, a graph capture), when that scope reads its checks.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import device, fused_quant
+from . import device, device_checks, fused_quant
 from .errors import AmctError, QuantConfigError
 from .schemes import MX_BLOCK_SIZE, TensorSpec
 
@@ -60,12 +61,15 @@ def _check_input(x: torch.Tensor, what: str = "input") -> None:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         kind = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise QuantInputError(f"{what} must be a floating tensor to be quantized, got {kind}")
-    # One reduction: cheap next to the quantization itself, and it stops NaN from turning
-    # into a NaN scale that silently poisons a whole block. Not while a graph is being captured:
-    # reading the answer is a host sync, which capture forbids; the eager call before a capture
-    # has checked the same call site (device.GraphedForward), and replays check their output.
-    if x.numel() and not device.graph_capturing(x.device) and not bool(torch.isfinite(x).all()):
-        raise NonFiniteInputError(f"{what} of shape {tuple(x.shape)} contains NaN or Inf; refusing to quantize it")
+    # One reduction, read back at once or once per layer call / graph replay (device_checks).
+    if x.numel():
+        _refuse_non_finite(~torch.isfinite(x).all(), what, x)
+
+
+def _refuse_non_finite(flag: torch.Tensor, what: str, x: torch.Tensor) -> None:
+    """``flag``: a 1-element device tensor, non-zero when ``x`` had NaN / Inf."""
+    device_checks.refuse_if(flag, [NonFiniteInputError(
+        f"{what} of shape {tuple(x.shape)} contains NaN or Inf; refusing to quantize it")])
 
 
 def _round(x: torch.Tensor) -> torch.Tensor:
@@ -536,8 +540,7 @@ def fake_quant(x: torch.Tensor, spec: TensorSpec | None, clip=None) -> torch.Ten
     if _fused_int_token(x, spec, clip):
         # the same numbers in one pass (amct_ext/fused_quant.py); non-finite inputs still refused
         out, n_bad = fused_quant.fake_quant_int_token(x, spec.bits)
-        if not device.graph_capturing(x.device) and int(n_bad.item()):  # see _check_input
-            raise NonFiniteInputError(f"input of shape {tuple(x.shape)} contains NaN or Inf; refusing to quantize it")
+        _refuse_non_finite(n_bad, "input", x)
         return out
     _check_input(x)
     if spec.format == "int":

@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 from common import D  # noqa: E402
+from amct_ext.formats import NonFiniteInputError  # noqa: E402
 
 FLASH_LAYERS = "0,3,4"
 TINY_LAYERS = "0,2,3"  # tiny: 0 ratio0/hash, 1 ratio4/hash, 2 ratio128/score, 3 ratio4/score
@@ -350,7 +351,9 @@ def run_layer(args, dev, config, hf_cfg, layer_id, entry, results, quantize_bloc
                   f"per-token median {cmp['tok_rel_median']:.2e}, finite {cmp['finite']}", flush=True)
             if not cmp["finite"]:
                 results["failures"].append(f"layer {layer_id} B={bsz}: {name} output not finite")
-            entry["runs"].append(measure(name, lambda: block(x, 0, ids), dev, args, base))
+            # as do_block_forward calls a layer: the quantizers' NaN/Inf flags are read once per
+            # call, not once per quantizer (device_checks, casebook S14)
+            entry["runs"].append(measure(name, lambda: deferred_call(block, x, ids), dev, args, base))
             # evaluation replays the quantized layer too (do_block_forward(graphed=True))
             graphed = graph_replay(block, x, ids, out_c, name, dev, entry, results, layer_id, bsz)
             if graphed is not None:
@@ -361,6 +364,13 @@ def run_layer(args, dev, config, hf_cfg, layer_id, entry, results, quantize_bloc
             free(dev)
     del block, inputs, refs
     free(dev)
+
+
+def deferred_call(block, x, ids):
+    from amct_ext.device_checks import deferred_checks
+
+    with deferred_checks():
+        return block(x, 0, ids)
 
 
 def graph_replay(block, x, ids, eager_out, name, dev, entry, results, layer_id, bsz):
@@ -374,14 +384,27 @@ def graph_replay(block, x, ids, eager_out, name, dev, entry, results, layer_id, 
         for _ in range(3):  # eager, capture + replay, replay
             out = graphed(x, input_ids=ids)
     same = bool(torch.equal(out, eager_out))
+    # a replay makes the eager forward's checks (device_checks): a NaN input must still be refused
+    n_checks = sum(len(g[-1]) for g in graphed.graphs.values())
+    refused = None
+    if n_checks:
+        refused = False
+        try:
+            with torch.inference_mode():
+                graphed(torch.full_like(x, float("nan")), input_ids=ids)
+        except NonFiniteInputError:
+            refused = True
     entry["checks"][f"B{bsz}:{name}-graphed_vs_{name}"] = {"bit_identical": same, "graphs": len(graphed.graphs),
-                                                          "capture_error": graphed.capture_error}
+                                                          "capture_error": graphed.capture_error,
+                                                          "captured_checks": n_checks, "nan_input_refused": refused}
     failed = "" if graphed.capture_error is None else ", capture failed: " + graphed.capture_error
-    print(f"B={bsz} check {name}-graphed vs {name}: bit-identical {same}, graphs captured {len(graphed.graphs)}"
-          f"{failed}", flush=True)
+    print(f"B={bsz} check {name}-graphed vs {name}: bit-identical {same}, graphs captured {len(graphed.graphs)}, "
+          f"captured checks {n_checks}, NaN input refused by a replay {refused}{failed}", flush=True)
     if not same:
         results["failures"].append(f"layer {layer_id} B={bsz}: {name} graph replay differs from the eager forward")
         return None
+    if refused is False:
+        results["failures"].append(f"layer {layer_id} B={bsz}: {name} graph replay did not refuse a NaN input")
     return graphed if graphed.graphs else None
 
 

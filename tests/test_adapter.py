@@ -93,6 +93,28 @@ def test_capture_unit_io_collects_calls_and_removes_hooks(adapter):
     adapter.release_block(block)
 
 
+def test_block_forward_refuses_a_non_finite_sample(adapter):
+    """``do_block_forward`` reads the quantizers' NaN/Inf flags once per sample
+    (device_checks.deferred_checks, casebook S14): a NaN reaching a quantized layer still stops the run,
+    and clean samples give the same outputs as a direct call."""
+    from amct_ext.formats import NonFiniteInputError
+    from amct_ext.schemes import load_scheme
+
+    hidden = adapter.do_embedding_forward(samples())
+    block = adapter.quantize_block(adapter.block(0), load_scheme("w8a8"), ["attn-linear", "moe"])
+    try:
+        outs = adapter.do_block_forward(block, hidden)
+        with torch.no_grad():
+            direct = block(hidden[1], **adapter.sample_state[1])
+        assert torch.equal(outs[1], direct)
+        dirty = hidden[1].clone()
+        dirty[0, 3] = float("nan")
+        with pytest.raises(NonFiniteInputError, match="NaN or Inf"):
+            adapter.do_block_forward(block, [hidden[0], dirty])
+    finally:
+        adapter.release_block(block)
+
+
 # ----------------------------------------------------------------------------- build paths
 @pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu", "cpu"]])
 def test_sharded_block_bit_identical_to_staging(adapter, devices):

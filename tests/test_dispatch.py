@@ -216,3 +216,27 @@ def test_dispatch_moves_tensors_to_mapped_device():
     assert blk.ffn.experts[0].w1.weight.device.type == "cpu"
     assert blk.attn.indexer.table.device.type == "cpu"
     assert blk.ffn.experts[1]._hf_hook.execution_device == D("meta")
+
+
+def test_island_linear_honours_an_accelerate_hook_on_the_linear():
+    """The fp32-island fast path calls ``linear_fp32`` on the weight directly; a Linear with its
+    own dispatch hook (placed on another device than its parent) must go through the hook."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from models.deepseek_v4.modeling import Linear, island_linear
+
+    class Recording(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Recording.calls += 1
+            return args, kwargs
+
+    lin = Linear(8, 4, dtype=torch.float32)
+    nn.init.normal_(lin.weight)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    plain = island_linear(lin, x)
+    add_hook_to_module(lin, Recording())
+    hooked = island_linear(lin, x)
+    assert Recording.calls == 1
+    assert hooked.dtype == torch.float32 and torch.allclose(hooked, plain, rtol=1e-6, atol=1e-6)

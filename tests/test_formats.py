@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from amct_ext import formats as F
+from amct_ext.device_checks import deferred_checks
 from amct_ext.errors import AmctError, QuantConfigError
 from amct_ext.schemes import TensorSpec
 
@@ -264,16 +265,32 @@ def test_non_finite_is_refused(spec, bad):
         F.quantize(x, spec)
 
 
-def test_non_finite_check_is_skipped_only_while_a_graph_is_captured(monkeypatch):
-    """The check reads its answer back to the host, which graph capture forbids; GraphedForward
-    checks the replayed output instead (casebook S13)."""
-    x = torch.randn(8, 64)
-    x[1, 2] = float("nan")
+def test_quantizers_in_a_deferred_scope_never_sync_and_the_first_bad_call_is_named(monkeypatch):
+    """Inside ``device_checks.deferred_checks`` no quantizer reads its NaN/Inf flag back to the host
+    (one sync per quantizer made the eager w8a8 layer launch-bound, casebook S14); the scope's end
+    raises for the first offending call, and a clean scope returns normally."""
     spec = TensorSpec("int", 8, True, "token", dynamic=True)
-    with pytest.raises(F.NonFiniteInputError):
-        F.fake_quant(x, spec)
-    monkeypatch.setattr(F.device, "graph_capturing", lambda device: True)
-    assert torch.isnan(F.fake_quant(x, spec)).any()
+    good, bad_small, bad_big = torch.randn(4, 64), torch.randn(3, 32), torch.randn(5, 16)
+    bad_small[0, 1] = float("nan")
+    bad_big[2, 3] = float("inf")
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("host sync inside a deferred scope")
+
+    with pytest.raises(F.NonFiniteInputError, match=r"shape \(3, 32\)"):
+        with deferred_checks():
+            with monkeypatch.context() as m:
+                for name in ("item", "tolist", "__bool__", "__int__"):
+                    m.setattr(torch.Tensor, name, no_sync)
+                F.fake_quant(good, spec)
+                out = F.fake_quant(bad_small, spec)   # no error yet: the flag stays on the device
+                F.fake_quant(bad_big, TensorSpec("fp8", granularity="channel"))
+            assert torch.isnan(out).any()
+    with deferred_checks():
+        y = F.fake_quant(good, spec)
+    assert torch.equal(y, F.fake_quant(good, spec))
+    with pytest.raises(F.NonFiniteInputError):        # outside a scope: refused at the call
+        F.fake_quant(bad_small, spec)
 
 
 @pytest.mark.parametrize("spec", [TensorSpec("int", 4, True, "channel"), TensorSpec("int", 4, False, "group", group_size=32),

@@ -106,7 +106,10 @@ def island_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An fp32-island projection: ``linear(x.float())`` in fp32. A plain unhooked ``Linear`` goes
     through ``linear_fp32`` (exact bf16 tensor-core GEMMs where the backend has them); a wrapper
     (e.g. a QuantLinear) or a hooked module is called as a module, on the fp32 input."""
-    if type(linear) is Linear and not linear._forward_hooks and not linear._forward_pre_hooks:
+    # accelerate's hooks replace ``forward`` rather than register a torch hook: a dispatch hook on
+    # the Linear itself (its device differs from its parent's) must see the call too
+    if (type(linear) is Linear and not linear._forward_hooks and not linear._forward_pre_hooks
+            and not hasattr(linear, "_hf_hook")):
         return linear_fp32(x, linear.weight, linear.split_cache)
     return linear(x.float())
 
