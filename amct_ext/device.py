@@ -324,9 +324,11 @@ class GraphedForward:
     module's lazy caches and skips shapes seen only once, e.g. a short last batch). The replay
     computes with the same kernels as the eager call: bit-identical (benchmarks/bench_layer.py
     checks it). The checks of the forward (the fake quantizers' NaN / Inf refusals,
-    ``device_checks``) are captured too and read after each replay. Eager instead when the device is not CUDA (Ascend graph mode is not wired up),
-    with AMCT_GRAPHS=0 or AMCT_FAST_PATHS=0, when the module has Python hooks, under autograd, or
-    when capture fails (e.g. a forward that syncs with the host)."""
+    ``device_checks``) are captured too and read after each replay.
+
+    Eager instead when the device is not CUDA (Ascend graph mode is not wired up), with
+    AMCT_GRAPHS=0 or AMCT_FAST_PATHS=0, when the module has Python hooks, under autograd, or when
+    capture fails (e.g. a forward that syncs with the host)."""
 
     def __init__(self, module: torch.nn.Module, device: str | torch.device):
         dev = _as_device(device)

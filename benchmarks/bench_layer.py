@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 from common import D  # noqa: E402
+from amct_ext.device_checks import deferred_checks  # noqa: E402
 from amct_ext.formats import NonFiniteInputError  # noqa: E402
 
 FLASH_LAYERS = "0,3,4"
@@ -367,8 +368,6 @@ def run_layer(args, dev, config, hf_cfg, layer_id, entry, results, quantize_bloc
 
 
 def deferred_call(block, x, ids):
-    from amct_ext.device_checks import deferred_checks
-
     with deferred_checks():
         return block(x, 0, ids)
 
