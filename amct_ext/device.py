@@ -301,7 +301,7 @@ class Timer:
 GRAPHS_ENV = "AMCT_GRAPHS"  # AMCT_GRAPHS=0: never replay captured graphs
 
 
-def _has_python_hooks(module: torch.nn.Module) -> bool:
+def has_python_hooks(module: torch.nn.Module) -> bool:
     """Forward hooks or accelerate dispatch hooks anywhere in ``module``: Python code that a graph
     replay would skip."""
     for m in module.modules():
@@ -334,7 +334,7 @@ class GraphedForward:
         dev = _as_device(device)
         self.module = module
         self.enabled = (dev.type == "cuda" and _fast_paths_allowed() and os.environ.get(GRAPHS_ENV, "1") != "0"
-                        and not _has_python_hooks(module))
+                        and not has_python_hooks(module))
         self.device = dev
         self.seen: set = set()
         self.graphs: dict = {}

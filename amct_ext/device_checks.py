@@ -52,20 +52,15 @@ def raise_first(checks: Sequence[tuple[torch.Tensor, Sequence[Exception]]]) -> N
     by_device: dict[torch.device, list[int]] = {}
     for i, (flags, _) in enumerate(checks):
         by_device.setdefault(flags.device, []).append(i)
-    first: tuple[int, int] | None = None
+    values: dict[int, list] = {}
     for idx in by_device.values():
-        values = torch.cat([checks[i][0] for i in idx]).tolist()   # the one sync on this device
-        pos = 0
+        flat = torch.cat([checks[i][0] for i in idx]).tolist()   # the one sync on this device
         for i in idx:
-            n = checks[i][0].numel()
-            bad = next((j for j, v in enumerate(values[pos:pos + n]) if v), None)
-            pos += n
-            if bad is not None:
-                if first is None or (i, bad) < first:
-                    first = (i, bad)
-                break
-    if first is not None:
-        raise checks[first[0]][1][first[1]]
+            values[i], flat = flat[:checks[i][0].numel()], flat[checks[i][0].numel():]
+    for i, (_, errors) in enumerate(checks):
+        for flag, err in zip(values[i], errors):
+            if flag:
+                raise err
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amct_ext.device import fast_paths_enabled, fp32_out_gemm_supported, fused_kernels_enabled
+from amct_ext.device import fast_paths_enabled, fp32_out_gemm_supported, fused_kernels_enabled, has_python_hooks
 from amct_ext.exact_gemm import SplitWeightCache, linear_fp32, matmul_fp32
 
 from .configuration import DeepseekV4Config
@@ -102,14 +102,17 @@ class Linear(nn.Linear):
         return cache
 
 
+def _plain(module: nn.Module, cls: type) -> bool:
+    """``module`` is exactly ``cls`` with no Python hooks (torch's, or accelerate's dispatch hooks,
+    which replace ``forward``): a fast path may then compute its call without skipping anything."""
+    return type(module) is cls and not has_python_hooks(module)
+
+
 def island_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An fp32-island projection: ``linear(x.float())`` in fp32. A plain unhooked ``Linear`` goes
     through ``linear_fp32`` (exact bf16 tensor-core GEMMs where the backend has them); a wrapper
     (e.g. a QuantLinear) or a hooked module is called as a module, on the fp32 input."""
-    # accelerate's hooks replace ``forward`` rather than register a torch hook: a dispatch hook on
-    # the Linear itself (its device differs from its parent's) must see the call too
-    if (type(linear) is Linear and not linear._forward_hooks and not linear._forward_pre_hooks
-            and not hasattr(linear, "_hf_hook")):
+    if _plain(linear, Linear):   # a dispatch hook on the Linear itself must see the call (S15)
         return linear_fp32(x, linear.weight, linear.split_cache)
     return linear(x.float())
 
@@ -361,7 +364,7 @@ class Indexer(nn.Module):
         if n_entries == 0:
             return torch.empty(bsz, seqlen, 0, dtype=torch.long, device=x.device)
         weights = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)  # [B, S, Ih]
-        plain = type(self.score_matmul) is Matmul and not self.score_matmul._forward_hooks
+        plain = _plain(self.score_matmul, Matmul)
         if plain and fused_kernels_enabled(x.device) and q.dtype in (torch.bfloat16, torch.float16) \
                 and not (torch.is_grad_enabled() and (q.requires_grad or kc.requires_grad)) \
                 and self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0:
@@ -486,7 +489,7 @@ class Attention(nn.Module):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, kv, comp_kv)):
             return False
         for m in (self.qk_matmul, self.pv_matmul):
-            if type(m) is not Matmul or m._forward_hooks or m._forward_pre_hooks:
+            if not _plain(m, Matmul):
                 return False
         dh = q.shape[-1]
         return dh >= 16 and dh & (dh - 1) == 0
