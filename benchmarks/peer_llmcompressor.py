@@ -1,0 +1,620 @@
+#!/usr/bin/env python
+"""llm-compressor 0.14 on the trained tiny DeepSeek-V4, with the project's quality protocol.
+
+The peer side of the quality table (issue 13, item 3): GPTQ, AWQ and SmoothQuant + GPTQ
+through llm-compressor's ``oneshot`` on transformers' own ``DeepseekV4ForCausalLM`` loaded
+from ``assets/tiny-v4``, evaluated with the SAME windows as ``benchmarks/quality_table.py``:
+
+- evaluation: Wikitext-2 test rows joined with "\\n\\n", tokenized once, the first 64
+  non-overlapping windows of 256 tokens (``amct_ext.perplexity``);
+- calibration: 16 windows of 256 tokens drawn from the validation split with seed 0
+  (``amct_ext.calibration.load_calibration_windows``, imported from this repository);
+- fp32 on CPU; the quantized model is compressed-tensors' in-memory fake-quant model.
+
+llm-compressor is NOT a project dependency. Without ``--smoke`` the script creates (or
+reuses) a virtual environment of its own, ``benchmarks/.venv-peers`` (git-ignored), installs
+``torch==2.13.0`` first (the local CPU wheel, so no CUDA build is fetched) and then
+``llmcompressor==0.14.*`` (which pins transformers <= 5.17), and re-runs itself there::
+
+    python benchmarks/peer_llmcompressor.py --eval-data PATH/wiki.test.raw \\
+        [--schemes w4a16-g128,...] [--algos gptq,awq,smoothquant+gptq] \\
+        [--json benchmarks/quality/peer_llmcompressor.json] [--md benchmarks/results_i13p.md]
+
+``--smoke`` runs in the project venv without llm-compressor: it checks the protocol code
+paths (windows, digests, recipe specs, module-name mapping) on a few windows.
+
+Finished (scheme, algorithm) cells are kept in the JSON and skipped on a rerun (``--redo``
+recomputes them), so an interrupted run resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+DEFAULT_VENV = REPO / "benchmarks" / ".venv-peers"
+DEFAULT_MODEL = REPO / "assets" / "tiny-v4"
+DEFAULT_JSON = REPO / "benchmarks" / "quality" / "peer_llmcompressor.json"
+# Where helper i17 ships the test split inside the package (amct_ext/data/...).
+SHIPPED_EVAL = REPO / "amct_ext" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+PEER_REQUIREMENTS = ("torch==2.13.0", "llmcompressor==0.14.*")
+IN_PEER_ENV = "AMCT_PEER_LLMC_INSIDE"
+
+#: Our float PPL of assets/tiny-v4 on the 64 x 256 protocol (benchmarks/RESULTS.md §3).
+OUR_FLOAT_PPL = 274.007
+#: The float check passes when transformers' model reproduces it to this relative tolerance
+#: (RESULTS.md rounds to 3 decimals; our model and transformers' agree to 1e-4 in logits).
+FLOAT_RTOL = 1e-4
+
+# --------------------------------------------------------------------------- schemes
+# compressed-tensors QuantizationArgs for the project's schemes (amct_ext/schemes.py):
+# "channel" = one scale per output row; "group" = group_size consecutive input elements;
+# activations "token" = dynamic, one scale per token (but see ACT_NOTE).
+_W = lambda bits, sym, strategy, gs=None: {  # noqa: E731
+    "num_bits": bits, "type": "int", "symmetric": sym, "strategy": strategy,
+    **({"group_size": gs} if gs else {}), "observer": "minmax"}
+SCHEMES = {
+    "w8a8": {"weights": _W(8, True, "channel"),
+             "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                   "strategy": "token", "dynamic": True}},
+    "w4a16-g128": {"weights": _W(4, False, "group", 128)},
+    "w3a16-g128": {"weights": _W(3, False, "group", 128)},
+    "w4a16": {"weights": _W(4, False, "channel")},
+    "w2a16-g64": {"weights": _W(2, False, "group", 64)},
+}
+ALGOS = ("gptq", "awq", "smoothquant+gptq")
+
+# --------------------------------------------------------------------------- targets
+# Our default targets attn-linear + moe (models/deepseek_v4/quant_module.py) in transformers'
+# names. Not targeted (as in ours): compressor / indexer linears, routers, lm_head.
+#   ours attn.wq_a / wq_b / wkv / wo_a / wo_b  -> self_attn.q_a_proj / q_b_proj / kv_proj /
+#                                                  o_a_proj (grouped) / o_b_proj
+#   ours ffn.experts.{e}.w1 / w3 / w2           -> mlp.experts.{e}.gate_proj / up_proj / down_proj
+#                                                  (after llm-compressor's linearize_moe)
+#   ours ffn.shared_experts.w1 / w3 / w2        -> mlp.shared_experts.gate_proj / up_proj / down_proj
+NAME_MAP = {
+    "attn.wq_a": "self_attn.q_a_proj", "attn.wq_b": "self_attn.q_b_proj",
+    "attn.wkv": "self_attn.kv_proj", "attn.wo_a": "self_attn.o_a_proj",
+    "attn.wo_b": "self_attn.o_b_proj",
+    "ffn.experts.{e}.w1": "mlp.experts.{e}.gate_proj", "ffn.experts.{e}.w3": "mlp.experts.{e}.up_proj",
+    "ffn.experts.{e}.w2": "mlp.experts.{e}.down_proj",
+    "ffn.shared_experts.w1": "mlp.shared_experts.gate_proj",
+    "ffn.shared_experts.w3": "mlp.shared_experts.up_proj",
+    "ffn.shared_experts.w2": "mlp.shared_experts.down_proj",
+}
+TARGETS = [
+    r"re:.*\.self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)$",
+    r"re:.*\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$",
+    r"re:.*\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)$",
+]
+
+# --------------------------------------------------------------------------- smoothing maps
+# llm-compressor ships none for DeepSeek-V4. Every module that READS the smoothed tensor must
+# be a balance layer, targeted or not, or the float function changes:
+#  - input_layernorm's output feeds q_a_proj and kv_proj, and in compressed layers also the
+#    compressor (kv_proj, gate_proj) and its indexer (kv_proj, gate_proj, scorer weights_proj);
+#  - q_a_norm's output (q_residual) feeds q_b_proj and the indexer's q_b_proj;
+#  - post_attention_layernorm's output feeds the router (mlp.gate: score or hash router,
+#    whose [E, H] weight takes the scale like a Linear), every routed expert's gate/up and
+#    the shared expert's gate/up;
+#  - o_a_proj -> o_b_proj (the grouped output rows are o_b's input columns, in order);
+#  - up_proj -> down_proj inside each SwiGLU (AWQ only, as llm-compressor's DeepSeek-V3 maps;
+#    NOT exact in V4: up is clamped to +-swiglu_limit before the product, see the casebook).
+# compressed-tensors' match_modules_set groups matches per parent and needs EVERY pattern of
+# a mapping to match inside each group: a separate pattern for the compressor (absent in
+# sliding-only layers) would glue two layers into one set. So each balance side is ONE regex.
+_ATTN_IN = [r"re:.*\.self_attn\.(q_a_proj|kv_proj|compressor\.kv_proj|compressor\.gate_proj"
+            r"|compressor\.indexer\.kv_proj|compressor\.indexer\.gate_proj"
+            r"|compressor\.indexer\.scorer\.weights_proj)$"]
+_Q_RES = [r"re:.*\.self_attn\.(q_b_proj|compressor\.indexer\.q_b_proj)$"]
+_MOE_IN = [r"re:.*\.mlp\.(gate|experts\.\d+\.gate_proj|experts\.\d+\.up_proj"
+           r"|shared_experts\.gate_proj|shared_experts\.up_proj)$"]
+SMOOTHQUANT_MAPPINGS = [
+    [_ATTN_IN, r"re:.*\.input_layernorm$"],
+    [_Q_RES, r"re:.*\.self_attn\.q_a_norm$"],
+    [_MOE_IN, r"re:.*\.post_attention_layernorm$"],
+]
+AWQ_MAPPINGS = [
+    {"smooth_layer": r"re:.*\.input_layernorm$", "balance_layers": _ATTN_IN},
+    {"smooth_layer": r"re:.*\.self_attn\.q_a_norm$", "balance_layers": _Q_RES},
+    {"smooth_layer": r"re:.*\.self_attn\.o_a_proj$", "balance_layers": [r"re:.*\.self_attn\.o_b_proj$"]},
+    {"smooth_layer": r"re:.*\.post_attention_layernorm$", "balance_layers": _MOE_IN},
+    {"smooth_layer": r"re:.*\.mlp\.experts\.\d+\.up_proj$",
+     "balance_layers": [r"re:.*\.mlp\.experts\.\d+\.down_proj$"]},
+    {"smooth_layer": r"re:.*\.mlp\.shared_experts\.up_proj$",
+     "balance_layers": [r"re:.*\.mlp\.shared_experts\.down_proj$"]},
+]
+SMOOTHQUANT_STRENGTH = 0.5  # llm-compressor's default migration strength
+
+
+# =========================================================================== protocol
+def default_eval_path() -> Path | None:
+    """The shipped test split when the package has it (helper i17), else None."""
+    try:
+        from amct_ext.data import EVAL_DEFAULT  # type: ignore[attr-defined]
+        if Path(EVAL_DEFAULT).is_file():
+            return Path(EVAL_DEFAULT)
+    except Exception:  # noqa: BLE001  (older tree without amct_ext.data)
+        pass
+    return SHIPPED_EVAL if SHIPPED_EVAL.is_file() else None
+
+
+def default_calib_path() -> Path:
+    """The project's own default calibration text (whatever amct_ext.calibration points to)."""
+    from amct_ext import calibration
+
+    return Path(calibration.DEFAULT_CALIBRATION_PATH)
+
+
+def digest(t) -> str:
+    """sha256 of a token-window tensor (shape + int64 values): equal digests = equal windows."""
+    import torch
+
+    t = t.to(torch.int64).contiguous()
+    h = hashlib.sha256(repr(tuple(t.shape)).encode())
+    h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def protocol_windows(tokenizer, eval_path: Path, calib_path: Path, seq_len: int,
+                     eval_windows: int, calib_samples: int, seed: int):
+    """(eval windows, calibration windows), exactly as the project's workflow builds them."""
+    from amct_ext.calibration import load_calibration_windows
+    from amct_ext.perplexity import load_eval_text, tokenize_windows
+
+    ev = tokenize_windows(load_eval_text(eval_path), tokenizer, seq_len, eval_windows)
+    cal = load_calibration_windows(calib_path, tokenizer, seq_len, calib_samples, seed)
+    return ev, cal
+
+
+def load_tokenizer(model_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+# =========================================================================== recipes
+def recipe_spec(algo: str, scheme: str) -> list[dict]:
+    """The modifiers of one run as plain data (what goes into the JSON; built into objects
+    by :func:`build_recipe` inside the peer venv)."""
+    if algo not in ALGOS:
+        raise SystemExit(f"error: unknown algorithm {algo!r}; valid: {', '.join(ALGOS)}")
+    if scheme not in SCHEMES:
+        raise SystemExit(f"error: unknown scheme {scheme!r}; valid: {', '.join(SCHEMES)}")
+    groups = {"group_0": {"targets": list(TARGETS), **SCHEMES[scheme]}}
+    if algo == "gptq":
+        return [{"modifier": "GPTQModifier", "config_groups": groups, "block_size": 128,
+                 "dampening_frac": 0.01, "actorder": None}]
+    if algo == "awq":
+        return [{"modifier": "AWQModifier", "mappings": AWQ_MAPPINGS, "duo_scaling": True,
+                 "n_grid": 20},
+                {"modifier": "QuantizationModifier", "config_groups": groups}]
+    return [{"modifier": "SmoothQuantModifier", "mappings": SMOOTHQUANT_MAPPINGS,
+             "smoothing_strength": SMOOTHQUANT_STRENGTH},
+            {"modifier": "GPTQModifier", "config_groups": groups, "block_size": 128,
+             "dampening_frac": 0.01, "actorder": None}]
+
+
+def build_recipe(spec: list[dict]):
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQMapping, AWQModifier
+    from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+
+    out = []
+    for m in spec:
+        kw = {k: v for k, v in m.items() if k != "modifier"}
+        name = m["modifier"]
+        if name == "GPTQModifier":
+            out.append(GPTQModifier(**kw))
+        elif name == "QuantizationModifier":
+            out.append(QuantizationModifier(**kw))
+        elif name == "AWQModifier":
+            kw["mappings"] = [AWQMapping(**mp) for mp in kw["mappings"]]
+            out.append(AWQModifier(**kw))
+        elif name == "SmoothQuantModifier":
+            out.append(SmoothQuantModifier(**kw))
+        else:  # pragma: no cover - recipe_spec only emits the above
+            raise ValueError(name)
+    return out
+
+
+# =========================================================================== peer side
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "llmcompressor", "compressed-tensors", "accelerate"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def load_hf_model(model_path: Path, linearize: bool = True):
+    """transformers' DeepseekV4ForCausalLM, fp32, eval mode; experts unfused when asked.
+
+    V4's routed experts are ONE fused module per layer (3-D ``gate_up_proj`` [E, 2I, H] and
+    ``down_proj`` [E, H, I] parameters), not Linear modules, so no quantization config can
+    target them. llm-compressor's ``linearize_moe`` swaps each for a ModuleList of per-expert
+    gate/up/down Linears (its LinearExperts2D keeps V4's clamped SwiGLU gate). Loading with
+    ``load_quantizable_moe`` instead fails here (see casebook i13p: it imports every
+    transformers model module, some of which need torchvision), so we linearize after load.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(model_path), dtype=torch.float32, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "mismatched_keys")}
+    if bad:
+        raise SystemExit(f"error: {model_path}: transformers did not load every tensor: {bad}")
+    if linearize:
+        from llmcompressor.modeling.moe.linearize import linearize_moe
+
+        linearize_moe(model)
+    return model.eval()
+
+
+def hf_perplexity(model, windows, batch_size: int = 1) -> float:
+    """The project's NLL accumulation over transformers' logits, one window at a time
+    (transformers' V4 forward is only checked at batch 1 here; rows are independent)."""
+    import torch
+    from amct_ext.perplexity import perplexity
+
+    def fn(ids):
+        return model(input_ids=ids, use_cache=False).logits
+
+    with torch.no_grad():
+        return perplexity(fn, windows, batch_size, "cpu", progress=False)
+
+
+def quantized_modules(model) -> dict:
+    """What compressed-tensors attached: per leaf kind, how many modules and their scheme."""
+    from compressed_tensors.utils import match_named_modules
+
+    kinds: dict[str, int] = {}
+    for name, mod in model.named_modules():
+        if getattr(mod, "quantization_scheme", None) is not None:
+            kind = re.sub(r"layers\.\d+\.", "layers.*.", name)
+            kind = re.sub(r"experts\.\d+\.", "experts.*.", kind)
+            kinds[kind] = kinds.get(kind, 0) + 1
+    del match_named_modules
+    return dict(sorted(kinds.items()))
+
+
+def probe_token_granularity() -> dict:
+    """How compressed-tensors' dynamic 'token' activation scales are shaped for the input
+    ranks V4's targeted linears see: 3-D [B, S, H] (attention linears, shared expert),
+    4-D [B, S, G, K] (the grouped o_a_proj) and 2-D [T, H] (routed experts: the MoE block
+    flattens tokens before dispatch)."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    out = {}
+    for label, shape in (("3d [B,S,H] (attention, shared expert)", (2, 5, 16)),
+                         ("4d [B,S,G,K] (o_a_proj)", (2, 5, 2, 8)),
+                         ("2d [T,H] (routed experts)", (10, 16))):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+        scale, _ = compute_dynamic_scales_and_zp(value=x, args=args, module=torch.nn.Linear(1, 1))
+        n_scales = int(scale.numel())
+        n_tokens = int(torch.tensor(shape[:-1]).prod()) if len(shape) > 1 else 1
+        out[label] = {"input_shape": list(shape), "scale_shape": list(scale.shape),
+                      "scales": n_scales, "tokens": n_tokens,
+                      "meaning": ("per-token" if n_scales == n_tokens else
+                                  "per-tensor" if n_scales == 1 else
+                                  f"{n_scales} scales for {n_tokens} token rows")}
+    return out
+
+
+def run_cell(args, scheme: str, algo: str, calib) -> dict:
+    """One oneshot run on a fresh model; its PPL on the eval windows and wall times."""
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+
+    spec = recipe_spec(algo, scheme)
+    t0 = time.perf_counter()
+    model = load_hf_model(args.model)
+    data = Dataset.from_dict({"input_ids": calib.tolist(),
+                              "attention_mask": torch.ones_like(calib).tolist()})
+    t1 = time.perf_counter()
+    oneshot(model=model, dataset=data, recipe=build_recipe(spec),
+            num_calibration_samples=calib.shape[0], max_seq_length=calib.shape[1],
+            shuffle_calibration_samples=False, pipeline=args.pipeline,
+            moe_calibrate_all_experts=args.calibrate_all_experts)
+    t2 = time.perf_counter()
+    model.eval()
+    ppl = hf_perplexity(model, args._eval_windows)
+    t3 = time.perf_counter()
+    return {"scheme": scheme, "algo": algo, "ppl": ppl,
+            "vs_float_pct": 100.0 * (ppl / args._float_ppl - 1.0),
+            "oneshot_s": round(t2 - t1, 2), "eval_s": round(t3 - t2, 2),
+            "load_s": round(t1 - t0, 2), "quantized_modules": quantized_modules(model),
+            "recipe": spec, "pipeline": args.pipeline}
+
+
+def peer_main(args) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    out_path = Path(args.json)
+    res = json.loads(out_path.read_text()) if out_path.is_file() and not args.fresh else {}
+    res.setdefault("cells", {})
+
+    tok = load_tokenizer(args.model)
+    ev, cal = protocol_windows(tok, args.eval_data, args.calib_data, args.seq_len,
+                               args.eval_windows, args.calib_samples, args.seed)
+    args._eval_windows = ev
+    res["protocol"] = protocol_record(args, ev, cal)
+    res["versions"] = versions()
+    res["machine"] = machine()
+    res["command"] = " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
+    res["date"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    res["token_granularity_probe"] = probe_token_granularity()
+
+    if "float" not in res or args.redo:
+        t0 = time.perf_counter()
+        ppl = hf_perplexity(load_hf_model(args.model, linearize=False), ev)
+        t1 = time.perf_counter()
+        lin = hf_perplexity(load_hf_model(args.model, linearize=True), ev)
+        res["float"] = {"ppl": ppl, "ppl_linearized_experts": lin, "ours": OUR_FLOAT_PPL,
+                        "rel_diff": ppl / OUR_FLOAT_PPL - 1.0,
+                        "ok": abs(ppl / OUR_FLOAT_PPL - 1.0) <= FLOAT_RTOL and lin == ppl,
+                        "eval_s": round(t1 - t0, 2)}
+        save(out_path, res)
+    print(f"float PPL (transformers, fp32): {res['float']['ppl']:.4f}  ours {OUR_FLOAT_PPL}  "
+          f"linearized {res['float']['ppl_linearized_experts']:.4f}  ok={res['float']['ok']}",
+          flush=True)
+    args._float_ppl = res["float"]["ppl"]
+    if not res["float"]["ok"] and not args.allow_float_mismatch:
+        print("error: transformers' float PPL does not reproduce ours; the protocol differs", file=sys.stderr)
+        return 2
+
+    for scheme in args.schemes:
+        for algo in args.algos:
+            key = f"{scheme}|{algo}"
+            if key in res["cells"] and not args.redo and "error" not in res["cells"][key]:
+                print(f"{key}: kept ({res['cells'][key]['ppl']:.4f})", flush=True)
+                continue
+            print(f"{key}: running ...", flush=True)
+            try:
+                cell = run_cell(args, scheme, algo, cal)
+                print(f"{key}: PPL {cell['ppl']:.4f} ({cell['vs_float_pct']:+.2f} %), "
+                      f"oneshot {cell['oneshot_s']} s", flush=True)
+            except Exception as e:  # noqa: BLE001  a failed peer run is a result to report
+                tb = traceback.format_exc()
+                cell = {"scheme": scheme, "algo": algo, "error": f"{type(e).__name__}: {e}"[:2000],
+                        "traceback_tail": tb[-4000:], "recipe": recipe_spec(algo, scheme)}
+                print(f"{key}: FAILED {cell['error'][:300]}", flush=True)
+            res["cells"][key] = cell
+            save(out_path, res)
+    if args.md:
+        write_markdown(Path(args.md), res)
+    return 0
+
+
+# =========================================================================== records
+def machine() -> dict:
+    return {"description": f"{os.cpu_count()}-core CPU box (shared), {platform.machine()}",
+            "platform": platform.platform(), "cpu_count": os.cpu_count()}
+
+
+def protocol_record(args, ev, cal) -> dict:
+    return {"model": str(Path(args.model).resolve().relative_to(REPO)) if
+            Path(args.model).resolve().is_relative_to(REPO) else str(args.model),
+            "eval_data": str(args.eval_data), "eval_data_sha256": file_sha256(args.eval_data),
+            "calib_data": str(args.calib_data), "calib_data_sha256": file_sha256(args.calib_data),
+            "seq_len": args.seq_len, "eval_windows": int(ev.shape[0]),
+            "calib_samples": int(cal.shape[0]), "seed": args.seed,
+            "eval_windows_sha256": digest(ev), "calib_windows_sha256": digest(cal),
+            "dtype": "float32", "device": "cpu", "threads": args.threads,
+            "calibrate_all_experts": args.calibrate_all_experts, "pipeline": args.pipeline}
+
+
+def save(path: Path, res: dict) -> None:
+    from amct_ext.io_utils import atomic_write_json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(res, path)
+
+
+def write_markdown(path: Path, res: dict) -> None:
+    from amct_ext.io_utils import atomic_write
+
+    f = res["float"]
+    lines = [
+        "# llm-compressor 0.14 beside ours: trained tiny V4 (`assets/tiny-v4`)", "",
+        f"**Command**: `python benchmarks/{res['command']}`", "",
+        f"**Machine**: {res['machine']['description']}; **date**: {res['date']}.", "",
+        "**Versions**: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items()) + ".", "",
+        "**Protocol** (= RESULTS §3): first "
+        f"{res['protocol']['eval_windows']} x {res['protocol']['seq_len']} windows of the "
+        "Wikitext-2 test split (rows joined with \"\\n\\n\", tokenized once); calibration "
+        f"{res['protocol']['calib_samples']} x {res['protocol']['seq_len']} windows of the "
+        f"validation split, seed {res['protocol']['seed']} (the project's own draw); fp32, CPU; "
+        "targets attn-linear + moe (q_a/q_b/kv/o_a/o_b, routed + shared expert gate/up/down).",
+        "",
+        f"**Float check**: transformers' DeepseekV4ForCausalLM PPL **{f['ppl']:.4f}** "
+        f"(ours {f['ours']}; relative difference {f['rel_diff']:+.1e}; with llm-compressor's "
+        f"linearized experts {f['ppl_linearized_experts']:.4f}) — "
+        f"{'matches' if f['ok'] else 'DOES NOT match'}.", "",
+        "| scheme | GPTQ PPL | vs float | GPTQ s | AWQ PPL | vs float | AWQ s | "
+        "SmoothQuant+GPTQ PPL | vs float | SQ+GPTQ s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    schemes = [s for s in SCHEMES if any(k.startswith(s + "|") for k in res["cells"])]
+    for s in schemes:
+        row = [s]
+        for a in ALGOS:
+            c = res["cells"].get(f"{s}|{a}")
+            if c is None:
+                row += ["not run", "", ""]
+            elif "error" in c:
+                row += ["failed", "", ""]
+            else:
+                row += [f"{c['ppl']:.3f}", f"{c['vs_float_pct']:+.2f} %", f"{c['oneshot_s']:.0f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Wall time = `oneshot` only (calibration + algorithm), seconds; evaluation "
+              "of 64 windows adds about "
+              f"{_median([c.get('eval_s') for c in res['cells'].values() if 'eval_s' in c]):.0f} s.", ""]
+    fails = {k: c["error"] for k, c in res["cells"].items() if "error" in c}
+    if fails:
+        lines += ["**Failed runs**:", ""] + [f"- `{k}`: {v.splitlines()[0][:400]}" for k, v in fails.items()] + [""]
+    probe = res.get("token_granularity_probe", {})
+    if probe:
+        lines += ["**Dynamic 'token' activation scales in compressed-tensors** (w8a8), measured:", ""]
+        lines += [f"- {k}: input {v['input_shape']} -> scale {v['scale_shape']} = {v['meaning']}"
+                  for k, v in probe.items()] + [""]
+    body = "\n".join(lines)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(body, encoding="utf-8"))
+
+
+def _median(xs) -> float:
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+# =========================================================================== venv
+def ensure_peer_venv(venv: Path, quiet: bool = False) -> Path:
+    """Create / reuse ``venv`` with torch (local CPU wheel) then llm-compressor; its python."""
+    py = venv / "bin" / "python"
+    if not py.is_file():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    probe = subprocess.run([str(py), "-c", "import llmcompressor, transformers, torch; "
+                            "print(llmcompressor.__version__)"], capture_output=True, text=True)
+    if probe.returncode != 0 or not probe.stdout.startswith("0.14"):
+        pip = [str(py), "-m", "pip", "install"] + (["-q"] if quiet else [])
+        # torch first: pinning it before llm-compressor resolves keeps pip on the CPU wheel.
+        subprocess.run(pip + [PEER_REQUIREMENTS[0]], check=True)
+        subprocess.run(pip + list(PEER_REQUIREMENTS), check=True)
+    return py
+
+
+# =========================================================================== smoke
+def smoke_main(args) -> int:
+    """Protocol code paths in the project venv, no llm-compressor: windows and digests equal
+    the project workflow's, recipe specs and mappings are well formed, names map."""
+    import torch
+    from amct_ext.base import EvalConfig, PtqConfig, RunConfig
+    from amct_ext.workflow import load_calib_windows, load_eval_windows
+    from models.deepseek_v4.adapter import DeepseekV4Adapter
+
+    tok = load_tokenizer(args.model)
+    ev, cal = protocol_windows(tok, args.eval_data, args.calib_data, args.seq_len,
+                               args.eval_windows, args.calib_samples, args.seed)
+    adapter = DeepseekV4Adapter(RunConfig(model_path=args.model, device="cpu",
+                                          dtype=torch.float32, progress=False))
+    ev_ref = load_eval_windows(adapter, EvalConfig(seq_len=args.seq_len, max_windows=args.eval_windows,
+                                                   data_path=args.eval_data))
+    cal_ref = load_calib_windows(adapter, PtqConfig(seq_len=args.seq_len, n_samples=args.calib_samples,
+                                                    seed=args.seed, calib_path=args.calib_data))
+    checks = {"eval_windows_equal_workflow": bool(torch.equal(ev, ev_ref)),
+              "calib_windows_equal_workflow": bool(torch.equal(cal, cal_ref)),
+              "eval_shape": list(ev.shape), "calib_shape": list(cal.shape)}
+    specs = {f"{s}|{a}": recipe_spec(a, s) for s in SCHEMES for a in ALGOS}
+    checks["recipes"] = len(specs)
+    # every target / mapping pattern is a valid regex and every targeted HF name is matched
+    pats = [p[3:] for p in TARGETS]
+    hf_names = [f"model.layers.0.{v.format(e=3)}" for v in NAME_MAP.values()]
+    checks["targets_cover_mapped_names"] = all(any(re.fullmatch(p, n) for p in pats) for n in hf_names)
+    untargeted = ["model.layers.1.self_attn.compressor.kv_proj", "model.layers.1.mlp.gate",
+                  "lm_head", "model.layers.1.self_attn.compressor.indexer.q_b_proj"]
+    checks["targets_skip_untargeted"] = not any(re.fullmatch(p, n) for p in pats for n in untargeted)
+    res = {"smoke": True, "protocol": protocol_record(args, ev, cal), "checks": checks}
+    if args.json:
+        save(Path(args.json), res)
+    ok = all(v for k, v in checks.items() if isinstance(v, bool))
+    print(json.dumps(checks))
+    print("smoke ok" if ok else "smoke FAILED")
+    return 0 if ok else 1
+
+
+# =========================================================================== CLI
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--eval-data", type=Path, default=None,
+                    help="raw Wikitext-2 test split (default: the copy shipped in amct_ext/data)")
+    ap.add_argument("--calib-data", type=Path, default=None,
+                    help="calibration text (default: amct_ext.calibration's default)")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--eval-windows", type=int, default=64)
+    ap.add_argument("--calib-samples", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--algos", default=",".join(ALGOS))
+    ap.add_argument("--pipeline", default="independent",
+                    help="llm-compressor calibration pipeline (its default: independent)")
+    ap.add_argument("--routed-only", dest="calibrate_all_experts", action="store_false",
+                    help="moe_calibrate_all_experts=False (default True, llm-compressor's default)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--md", default=None, help="also write the markdown table here")
+    ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)
+    ap.add_argument("--redo", action="store_true", help="recompute cells already in the JSON")
+    ap.add_argument("--fresh", action="store_true", help="ignore an existing JSON")
+    ap.add_argument("--allow-float-mismatch", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="check the protocol code paths in this venv; needs no llm-compressor")
+    args = ap.parse_args(argv)
+    if args.eval_data is None:
+        args.eval_data = default_eval_path()
+        if args.eval_data is None:
+            ap.error("no shipped copy of the Wikitext-2 test split in amct_ext/data; "
+                     "pass --eval-data PATH/wiki.test.raw")
+    if args.calib_data is None:
+        args.calib_data = default_calib_path()
+    for p in (args.eval_data, args.calib_data):
+        if not Path(p).is_file():
+            ap.error(f"{p}: no such file")
+    args.schemes = [s for s in args.schemes.split(",") if s]
+    args.algos = [a for a in args.algos.split(",") if a]
+    for s in args.schemes:
+        if s not in SCHEMES:
+            ap.error(f"unknown scheme {s!r}; valid: {', '.join(SCHEMES)}")
+    for a in args.algos:
+        if a not in ALGOS:
+            ap.error(f"unknown algorithm {a!r}; valid: {', '.join(ALGOS)}")
+    if args.json is None and not args.smoke:
+        args.json = str(DEFAULT_JSON)
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.smoke:
+        return smoke_main(args)
+    if os.environ.get(IN_PEER_ENV) == "1":
+        return peer_main(args)
+    py = ensure_peer_venv(args.venv)
+    env = dict(os.environ, **{IN_PEER_ENV: "1"})
+    env.setdefault("OMP_NUM_THREADS", str(args.threads))
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return subprocess.run([str(py), str(Path(__file__).resolve())] + argv, env=env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""benchmarks/peer_llmcompressor.py without llm-compressor: its protocol is the project's.
+
+The peer benchmark imports the project's window code inside its own venv; here (project venv)
+its --smoke mode must build exactly the windows the workflow builds, and its module-name
+mapping / targets must select our default targets attn-linear + moe and nothing else."""
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny-v4"
+
+
+@pytest.fixture(scope="module")
+def peer():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module("peer_llmcompressor")
+
+
+def test_smoke_mode_windows_equal_workflow(peer, wiki_test_raw, tmp_path, capsys):
+    out = tmp_path / "smoke.json"
+    rc = peer.main(["--smoke", "--model", str(TINY), "--eval-data", str(wiki_test_raw),
+                    "--eval-windows", "3", "--calib-samples", "2", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    res = json.loads(out.read_text())
+    c = res["checks"]
+    assert c["eval_windows_equal_workflow"] and c["calib_windows_equal_workflow"], c
+    assert c["eval_shape"] == [3, 256] and c["calib_shape"] == [2, 256]
+    assert c["targets_cover_mapped_names"] and c["targets_skip_untargeted"]
+    p = res["protocol"]
+    assert len(p["eval_windows_sha256"]) == 64 and p["eval_windows_sha256"] != p["calib_windows_sha256"]
+
+
+def test_digest_tells_windows_apart(peer):
+    import torch
+
+    a = torch.arange(12).view(3, 4)
+    assert peer.digest(a) == peer.digest(a.clone())
+    b = a.clone()
+    b[2, 3] += 1
+    assert peer.digest(a) != peer.digest(b)
+    assert peer.digest(a) != peer.digest(a.view(4, 3))  # same values, other windows
+
+
+def test_targets_select_exactly_our_default_linears(peer):
+    """Names of every Linear of transformers' V4 (layer with compressor + indexer, linearized
+    experts): the peer targets must match exactly the NAME_MAP images (attn-linear + moe)."""
+    pats = [p[3:] for p in peer.TARGETS]
+    linears = [
+        "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj", "self_attn.o_a_proj",
+        "self_attn.o_b_proj", "self_attn.compressor.kv_proj", "self_attn.compressor.gate_proj",
+        "self_attn.compressor.indexer.kv_proj", "self_attn.compressor.indexer.gate_proj",
+        "self_attn.compressor.indexer.q_b_proj", "self_attn.compressor.indexer.scorer.weights_proj",
+        "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj",
+    ] + [f"mlp.experts.{e}.{k}" for e in range(8) for k in ("gate_proj", "up_proj", "down_proj")]
+    want = {v.format(e=e) for v in peer.NAME_MAP.values() for e in range(8)}
+    got = {n for n in linears if any(re.fullmatch(p, f"model.layers.1.{n}") for p in pats)}
+    assert got == want
+    assert not any(re.fullmatch(p, "lm_head") for p in pats)
+
+
+def test_smoothing_mappings_cover_every_reader(peer):
+    """Each smoothed tensor's readers (all of them, quantized or not) are balance layers, and
+    each balance side is a single pattern (see the mapping comment: set matching per layer)."""
+    readers = {
+        "input_layernorm": ["self_attn.q_a_proj", "self_attn.kv_proj", "self_attn.compressor.kv_proj",
+                            "self_attn.compressor.gate_proj", "self_attn.compressor.indexer.kv_proj",
+                            "self_attn.compressor.indexer.gate_proj",
+                            "self_attn.compressor.indexer.scorer.weights_proj"],
+        "self_attn.q_a_norm": ["self_attn.q_b_proj", "self_attn.compressor.indexer.q_b_proj"],
+        "post_attention_layernorm": ["mlp.gate", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"]
+                                    + [f"mlp.experts.{e}.{k}" for e in range(8) for k in ("gate_proj", "up_proj")],
+    }
+    for balance, smooth in peer.SMOOTHQUANT_MAPPINGS:
+        assert len(balance) == 1
+        (key,) = [k for k in readers if re.fullmatch(smooth[3:], f"model.layers.2.{k}")]
+        pat = balance[0][3:]
+        for r in readers[key]:
+            assert re.fullmatch(pat, f"model.layers.2.{r}"), (key, r)
+        assert not re.fullmatch(pat, "model.layers.2.mlp.experts.0.down_proj")
+    awq_smooth = {m["smooth_layer"] for m in peer.AWQ_MAPPINGS}
+    assert {s for _, s in peer.SMOOTHQUANT_MAPPINGS} <= awq_smooth
+
+
+def test_recipe_specs_for_every_cell(peer):
+    for s in peer.SCHEMES:
+        for a in peer.ALGOS:
+            spec = peer.recipe_spec(a, s)
+            quant = [m for m in spec if m["modifier"] in ("GPTQModifier", "QuantizationModifier")]
+            assert len(quant) == 1 and quant[0]["config_groups"]["group_0"]["targets"] == peer.TARGETS
+    w = peer.recipe_spec("gptq", "w3a16-g128")[0]["config_groups"]["group_0"]["weights"]
+    assert (w["num_bits"], w["symmetric"], w["strategy"], w["group_size"]) == (3, False, "group", 128)
+    assert "input_activations" in peer.recipe_spec("awq", "w8a8")[1]["config_groups"]["group_0"]
+    with pytest.raises(SystemExit):
+        peer.recipe_spec("rtn", "w8a8")
