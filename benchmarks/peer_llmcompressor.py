@@ -322,7 +322,8 @@ def probe_token_granularity() -> dict:
                       "scales": n_scales, "tokens": n_tokens,
                       "meaning": ("per-token" if n_scales == n_tokens else
                                   "per-tensor" if n_scales == 1 else
-                                  f"{n_scales} scales for {n_tokens} token rows")}
+                                  f"one scale per token over its {shape[2]} groups "
+                                  f"({n_scales} scales for {n_tokens} rows)")}
     return out
 
 
@@ -495,6 +496,32 @@ def _median(xs) -> float:
     return xs[len(xs) // 2] if xs else float("nan")
 
 
+def merge_main(args) -> int:
+    """Cells of several result files (same protocol digests) into one; later files win."""
+    out_path = Path(args.json)
+    res = json.loads(out_path.read_text()) if out_path.is_file() else {}
+    res.setdefault("cells", {})
+    for f in args.merge:
+        part = json.loads(Path(f).read_text())
+        for k in ("protocol", "float", "versions", "machine", "command", "date",
+                  "token_granularity_probe"):
+            if k not in part:
+                continue
+            if k == "protocol" and "protocol" in res:
+                for d in ("eval_windows_sha256", "calib_windows_sha256"):
+                    if res["protocol"][d] != part["protocol"][d]:
+                        print(f"error: {f}: {d} differs from {out_path}'s: other windows", file=sys.stderr)
+                        return 2
+            res.setdefault(k, part[k])
+        for key, cell in part.get("cells", {}).items():
+            if "error" not in cell or key not in res["cells"]:
+                res["cells"][key] = cell
+    save(out_path, res)
+    if args.md:
+        write_markdown(Path(args.md), res)
+    return 0
+
+
 # =========================================================================== venv
 def ensure_peer_venv(venv: Path, quiet: bool = False) -> Path:
     """Create / reuse ``venv`` with torch (local CPU wheel) then llm-compressor; its python."""
@@ -575,9 +602,15 @@ def parse_args(argv):
     ap.add_argument("--redo", action="store_true", help="recompute cells already in the JSON")
     ap.add_argument("--fresh", action="store_true", help="ignore an existing JSON")
     ap.add_argument("--allow-float-mismatch", action="store_true")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="merge the cells of these result files into --json, write --md, run nothing "
+                         "(for runs split over several processes)")
     ap.add_argument("--smoke", action="store_true",
                     help="check the protocol code paths in this venv; needs no llm-compressor")
     args = ap.parse_args(argv)
+    if args.merge:
+        args.json = args.json or str(DEFAULT_JSON)
+        return args
     if args.eval_data is None:
         args.eval_data = default_eval_path()
         if args.eval_data is None:
@@ -606,6 +639,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.smoke:
         return smoke_main(args)
+    if args.merge:
+        return merge_main(args)
     if os.environ.get(IN_PEER_ENV) == "1":
         return peer_main(args)
     py = ensure_peer_venv(args.venv)
