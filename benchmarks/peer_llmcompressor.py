@@ -327,6 +327,58 @@ def probe_token_granularity() -> dict:
     return out
 
 
+def check_mappings(model_path: Path, windows, seed: int = 0) -> dict:
+    """Are the smoothing mappings function-preserving? Independent of llm-compressor's
+    algorithms: resolve each mapping with compressed-tensors' own ``match_modules_set``,
+    fold RANDOM per-channel scales s in [0.5, 2] (smooth weight / s, balance weights * s),
+    no quantization, and compare the logits with the untouched model's."""
+    import torch
+    from compressed_tensors.utils import match_modules_set
+
+    ref_model = load_hf_model(model_path)
+    with torch.no_grad():
+        ref = ref_model(input_ids=windows, use_cache=False).logits
+    out = {}
+    for label, mappings in (("smoothquant", [(m[0], m[1]) for m in SMOOTHQUANT_MAPPINGS]),
+                            ("awq", [(m["balance_layers"], m["smooth_layer"]) for m in AWQ_MAPPINGS])):
+        for balance, smooth in mappings:
+            model = load_hf_model(model_path)
+            gen = torch.Generator().manual_seed(seed)
+            n_sets = 0
+            with torch.no_grad():
+                for *bal_groups, smooth_group in match_modules_set(model, list(balance) + [smooth]):
+                    (sm,) = smooth_group
+                    bal = [b for g in bal_groups for b in g]
+                    width = bal[0].weight.shape[1]
+                    sc = torch.empty(width).uniform_(0.5, 2.0, generator=gen)
+                    if sm.weight.ndim == 1:
+                        sm.weight.div_(sc)
+                    else:
+                        sm.weight.div_(sc.view(-1, 1))
+                    for b in bal:
+                        b.weight.mul_(sc.view(1, -1))
+                    n_sets += 1
+                got = model(input_ids=windows, use_cache=False).logits
+            diff = (got - ref).abs().max().item()
+            out[f"{label}: {smooth}"] = {"sets": n_sets, "max_abs_logit_diff": diff,
+                                         "logit_scale": ref.abs().max().item()}
+    return out
+
+
+def cpu_only_workarounds() -> list[str]:
+    """Patches the peer needs on a machine without an accelerator (casebook i13p P7)."""
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    applied = []
+    if not torch.accelerator.is_available():
+        # AWQModifier._apply_smoothing pins every cached CPU tensor before its grid search
+        # (an H2D-transfer speed-up); pin_memory() raises without an accelerator.
+        IntermediatesCache.pin_memory = lambda self, *a, **k: None
+        applied.append("IntermediatesCache.pin_memory -> no-op (no accelerator)")
+    return applied
+
+
 def run_cell(args, scheme: str, algo: str, calib) -> dict:
     """One oneshot run on a fresh model; its PPL on the eval windows and wall times."""
     import torch
@@ -373,6 +425,7 @@ def peer_main(args) -> int:
     res["command"] = " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
     res["date"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     res["token_granularity_probe"] = probe_token_granularity()
+    res["workarounds"] = cpu_only_workarounds()
 
     if "float" not in res or args.redo:
         t0 = time.perf_counter()
@@ -387,6 +440,12 @@ def peer_main(args) -> int:
     print(f"float PPL (transformers, fp32): {res['float']['ppl']:.4f}  ours {OUR_FLOAT_PPL}  "
           f"linearized {res['float']['ppl_linearized_experts']:.4f}  ok={res['float']['ok']}",
           flush=True)
+    if "mapping_check" not in res or args.redo:
+        res["mapping_check"] = check_mappings(args.model, ev[:2])
+        save(out_path, res)
+    for k, v in res["mapping_check"].items():
+        print(f"mapping check {k}: {v['sets']} sets, max |logit diff| {v['max_abs_logit_diff']:.2e}",
+              flush=True)
     args._float_ppl = res["float"]["ppl"]
     if not res["float"]["ok"] and not args.allow_float_mismatch:
         print("error: transformers' float PPL does not reproduce ours; the protocol differs", file=sys.stderr)
@@ -504,7 +563,7 @@ def merge_main(args) -> int:
     for f in args.merge:
         part = json.loads(Path(f).read_text())
         for k in ("protocol", "float", "versions", "machine", "command", "date",
-                  "token_granularity_probe"):
+                  "token_granularity_probe", "mapping_check"):
             if k not in part:
                 continue
             if k == "protocol" and "protocol" in res:
