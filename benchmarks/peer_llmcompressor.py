@@ -505,7 +505,12 @@ def write_markdown(path: Path, res: dict) -> None:
     f = res["float"]
     lines = [
         "# llm-compressor 0.14 beside ours: trained tiny V4 (`assets/tiny-v4`)", "",
-        f"**Command**: `python benchmarks/{res['command']}`", "",
+        "**Command**: `python benchmarks/peer_llmcompressor.py --eval-data PATH/wiki.test.raw "
+        "--json benchmarks/quality/peer_llmcompressor.json --md benchmarks/results_i13p.md` "
+        "(creates / reuses benchmarks/.venv-peers)."
+        + ("" if len(res.get("commands", [])) <= 1 else
+           " This run was split over processes (one per algorithm, `--threads 1`) and merged "
+           "with `--merge`: " + "; ".join(f"`{c}`" for c in res["commands"]) + "."), "",
         f"**Machine**: {res['machine']['description']}; **date**: {res['date']}.", "",
         "**Versions**: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items()) + ".", "",
         "**Protocol** (= RESULTS §3): first "
@@ -541,11 +546,36 @@ def write_markdown(path: Path, res: dict) -> None:
     fails = {k: c["error"] for k, c in res["cells"].items() if "error" in c}
     if fails:
         lines += ["**Failed runs**:", ""] + [f"- `{k}`: {v.splitlines()[0][:400]}" for k, v in fails.items()] + [""]
+    some = next((c for c in res["cells"].values() if "quantized_modules" in c), None)
+    if some:
+        lines += ["**Quantized modules** (compressed-tensors schemes attached, per run): "
+                  + ", ".join(f"`{k}` x{v}" for k, v in some["quantized_modules"].items())
+                  + f" = {sum(some['quantized_modules'].values())} Linears. Not quantized, as "
+                  "in ours: compressor / indexer linears, routers, lm_head.", ""]
+    mc = res.get("mapping_check")
+    if mc:
+        worst = max(v["max_abs_logit_diff"] for v in mc.values())
+        lines += ["**Smoothing mappings** (written here; llm-compressor has none for V4): "
+                  "input_layernorm -> q_a_proj, kv_proj + compressor / indexer readers; "
+                  "q_a_norm -> q_b_proj, indexer.q_b_proj; post_attention_layernorm -> router, "
+                  "experts' and shared expert's gate/up; AWQ also o_a_proj -> o_b_proj and "
+                  "up_proj -> down_proj per expert. Random scales folded through each mapping, "
+                  f"quantization off, change the logits by at most {worst:.1e} "
+                  f"(logit scale {next(iter(mc.values()))['logit_scale']:.1f}): they preserve "
+                  "the float function.", ""]
+    if res.get("workarounds"):
+        lines += ["**Workarounds applied to the peer**: " + "; ".join(res["workarounds"]) + ".", ""]
     probe = res.get("token_granularity_probe", {})
     if probe:
         lines += ["**Dynamic 'token' activation scales in compressed-tensors** (w8a8), measured:", ""]
         lines += [f"- {k}: input {v['input_shape']} -> scale {v['scale_shape']} = {v['meaning']}"
                   for k, v in probe.items()] + [""]
+        lines += ["So in the w8a8 row llm-compressor's \"per-token\" int8 activations are "
+                  "per-tensor for the routed experts' inputs (one scale for all tokens an expert "
+                  "receives in a window: V4's MoE flattens tokens to [T, H] before dispatch) and "
+                  "per-token-over-both-groups for o_a_proj; ours are per token (and per group "
+                  "for wo_a) everywhere. Evaluation runs one window per forward, so the routed "
+                  "experts' scale spans that window's tokens routed to the expert.", ""]
     body = "\n".join(lines)
     atomic_write(path, lambda tmp: Path(tmp).write_text(body, encoding="utf-8"))
 
@@ -572,8 +602,12 @@ def merge_main(args) -> int:
                         print(f"error: {f}: {d} differs from {out_path}'s: other windows", file=sys.stderr)
                         return 2
             res.setdefault(k, part[k])
+        res.setdefault("commands", [])
+        if part.get("command") and part["command"] not in res["commands"]:
+            res["commands"].append(part["command"])
+        res["date"] = max(res.get("date", ""), part.get("date", ""))
         for key, cell in part.get("cells", {}).items():
-            if "error" not in cell or key not in res["cells"]:
+            if "error" not in cell or key not in res["cells"] or "error" in res["cells"][key]:
                 res["cells"][key] = cell
     save(out_path, res)
     if args.md:
