@@ -129,6 +129,7 @@ SMOOTHQUANT_MAPPINGS = [
 ]
 AWQ_MAPPINGS = [
     {"smooth_layer": r"re:.*\.input_layernorm$", "balance_layers": _ATTN_IN},
+    # replaced per model by awq_mappings(): not in layers with an indexer (casebook i13p P9)
     {"smooth_layer": r"re:.*\.self_attn\.q_a_norm$", "balance_layers": _Q_RES},
     {"smooth_layer": r"re:.*\.self_attn\.o_a_proj$", "balance_layers": [r"re:.*\.self_attn\.o_b_proj$"]},
     {"smooth_layer": r"re:.*\.post_attention_layernorm$", "balance_layers": _MOE_IN},
@@ -138,6 +139,32 @@ AWQ_MAPPINGS = [
      "balance_layers": [r"re:.*\.mlp\.shared_experts\.down_proj$"]},
 ]
 SMOOTHQUANT_STRENGTH = 0.5  # llm-compressor's default migration strength
+
+
+def awq_mappings(indexer_layers=()) -> list[dict]:
+    """AWQ_MAPPINGS without the q_a_norm mapping in the layers that have an indexer.
+
+    llm-compressor 0.14's AWQ caches the inputs of each mapping's parent module (the lowest
+    common ancestor of its balance layers) and deletes that cache after the FIRST mapping that
+    uses it. With an indexer, q_a_norm's balance layers (q_b_proj, compressor.indexer.q_b_proj)
+    have the parent self_attn, the same as input_layernorm's mapping: the second one fails with
+    ``KeyError: DeepseekV4Attention(...)``. Sharing the cache would not do either: it holds
+    self_attn inputs from BEFORE the first smoothing, stale once that is folded. So those layers
+    get no q_a_norm smoothing from AWQ (dropping the indexer's q_b_proj from the balance
+    instead would change the float function)."""
+    out = [dict(m) for m in AWQ_MAPPINGS]
+    if indexer_layers:
+        skip = "|".join(str(i) for i in sorted(indexer_layers))
+        for m in out:
+            if m["smooth_layer"] == r"re:.*\.self_attn\.q_a_norm$":
+                m["smooth_layer"] = rf"re:.*\.layers\.(?!({skip})\.)\d+\.self_attn\.q_a_norm$"
+    return out
+
+
+def indexer_layers_of(model) -> list[int]:
+    """Indices of the decoder layers whose attention has an indexer (CSA layers)."""
+    return [i for i, layer in enumerate(model.model.layers)
+            if getattr(getattr(layer.self_attn, "compressor", None), "indexer", None) is not None]
 
 
 # =========================================================================== protocol
@@ -191,7 +218,7 @@ def load_tokenizer(model_path: Path):
 
 
 # =========================================================================== recipes
-def recipe_spec(algo: str, scheme: str) -> list[dict]:
+def recipe_spec(algo: str, scheme: str, indexer_layers=()) -> list[dict]:
     """The modifiers of one run as plain data (what goes into the JSON; built into objects
     by :func:`build_recipe` inside the peer venv)."""
     if algo not in ALGOS:
@@ -203,7 +230,7 @@ def recipe_spec(algo: str, scheme: str) -> list[dict]:
         return [{"modifier": "GPTQModifier", "config_groups": groups, "block_size": 128,
                  "dampening_frac": 0.01, "actorder": None}]
     if algo == "awq":
-        return [{"modifier": "AWQModifier", "mappings": AWQ_MAPPINGS, "duo_scaling": True,
+        return [{"modifier": "AWQModifier", "mappings": awq_mappings(indexer_layers), "duo_scaling": True,
                  "n_grid": 20},
                 {"modifier": "QuantizationModifier", "config_groups": groups}]
     return [{"modifier": "SmoothQuantModifier", "mappings": SMOOTHQUANT_MAPPINGS,
@@ -340,7 +367,8 @@ def check_mappings(model_path: Path, windows, seed: int = 0) -> dict:
         ref = ref_model(input_ids=windows, use_cache=False).logits
     out = {}
     for label, mappings in (("smoothquant", [(m[0], m[1]) for m in SMOOTHQUANT_MAPPINGS]),
-                            ("awq", [(m["balance_layers"], m["smooth_layer"]) for m in AWQ_MAPPINGS])):
+                            ("awq", [(m["balance_layers"], m["smooth_layer"])
+                                     for m in awq_mappings(indexer_layers_of(ref_model))])):
         for balance, smooth in mappings:
             model = load_hf_model(model_path)
             gen = torch.Generator().manual_seed(seed)
@@ -385,9 +413,9 @@ def run_cell(args, scheme: str, algo: str, calib) -> dict:
     from datasets import Dataset
     from llmcompressor import oneshot
 
-    spec = recipe_spec(algo, scheme)
     t0 = time.perf_counter()
     model = load_hf_model(args.model)
+    spec = recipe_spec(algo, scheme, indexer_layers_of(model))
     data = Dataset.from_dict({"input_ids": calib.tolist(),
                               "attention_mask": torch.ones_like(calib).tolist()})
     t1 = time.perf_counter()

@@ -92,8 +92,16 @@ def test_smoothing_mappings_cover_every_reader(peer):
         for r in readers[key]:
             assert re.fullmatch(pat, f"model.layers.2.{r}"), (key, r)
         assert not re.fullmatch(pat, "model.layers.2.mlp.experts.0.down_proj")
-    awq_smooth = {m["smooth_layer"] for m in peer.AWQ_MAPPINGS}
+    awq_smooth = {m["smooth_layer"] for m in peer.awq_mappings(())}
     assert {s for _, s in peer.SMOOTHQUANT_MAPPINGS} <= awq_smooth
+
+
+def test_awq_skips_q_a_norm_only_in_indexer_layers(peer):
+    """llm-compressor's AWQ cannot smooth two mappings with one parent (casebook P9)."""
+    (pat,) = [m["smooth_layer"][3:] for m in peer.awq_mappings([1, 3]) if "q_a_norm" in m["smooth_layer"]]
+    hits = [i for i in range(12) if re.fullmatch(pat, f"model.layers.{i}.self_attn.q_a_norm")]
+    assert hits == [0, 2, 4, 5, 6, 7, 8, 9, 10, 11]
+    assert len(peer.awq_mappings([1, 3])) == len(peer.AWQ_MAPPINGS)
 
 
 def test_recipe_specs_for_every_cell(peer):
