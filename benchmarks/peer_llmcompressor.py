@@ -716,7 +716,9 @@ def parse_args(argv):
                     help="llm-compressor calibration pipeline (its default: independent)")
     ap.add_argument("--routed-only", dest="calibrate_all_experts", action="store_false",
                     help="moe_calibrate_all_experts=False (default True, llm-compressor's default)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads (default 1: a 5 M-param model gains nothing from more, "
+                         "and on a busy box extra threads cost far more than they give)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None, help="also write the markdown table here")
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)
