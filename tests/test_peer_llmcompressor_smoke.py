@@ -98,9 +98,16 @@ def test_smoothing_mappings_cover_every_reader(peer):
 
 def test_awq_skips_q_a_norm_only_in_indexer_layers(peer):
     """llm-compressor's AWQ cannot smooth two mappings with one parent (casebook P9)."""
-    (pat,) = [m["smooth_layer"][3:] for m in peer.awq_mappings([1, 3]) if "q_a_norm" in m["smooth_layer"]]
-    hits = [i for i in range(12) if re.fullmatch(pat, f"model.layers.{i}.self_attn.q_a_norm")]
-    assert hits == [0, 2, 4, 5, 6, 7, 8, 9, 10, 11]
+    (m,) = [m for m in peer.awq_mappings([1, 3]) if "q_a_norm" in m["smooth_layer"]]
+    kept = [0, 2, 4, 5, 6, 7, 8, 9, 10, 11]
+    pat = m["smooth_layer"][3:]
+    assert [i for i in range(12) if re.fullmatch(pat, f"model.layers.{i}.self_attn.q_a_norm")] == kept
+    # the balance side is restricted to the same layers, else a skipped layer's q_b_proj would
+    # be glued onto the next kept layer's set (P3)
+    (bal,) = m["balance_layers"]
+    for leaf in ("q_b_proj", "compressor.indexer.q_b_proj"):
+        got = [i for i in range(12) if re.fullmatch(bal[3:], f"model.layers.{i}.self_attn.{leaf}")]
+        assert got == kept
     assert len(peer.awq_mappings([1, 3])) == len(peer.AWQ_MAPPINGS)
 
 
