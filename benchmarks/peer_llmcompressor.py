@@ -573,7 +573,15 @@ def write_markdown(path: Path, res: dict) -> None:
             else:
                 row += [f"{c['ppl']:.3f}", f"{c['vs_float_pct']:+.2f} %", f"{c['oneshot_s']:.0f}"]
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Wall time = `oneshot` only (calibration + algorithm), seconds; evaluation "
+    lines += ["", "**Settings** (llm-compressor defaults unless said): pipeline `independent`, which "
+              "runs each modifier through the `sequential` pipeline (layer by layer; later layers "
+              "see the already quantized ones); `moe_calibrate_all_experts=True` (every expert "
+              "sees every calibration token; routing of the output unchanged); GPTQ block 128, "
+              "dampening 0.01, no act-order, min-max observer; AWQ duo scaling, 20-point grid; "
+              "SmoothQuant strength 0.5; evaluation one window per forward. AWQ smooths q_a_norm "
+              "only in the layers without an indexer (0 and 2 here; casebook i13p P9). GPTQ's "
+              "o_a_proj Hessian pools both output groups' inputs (P6).",
+              "", "Wall time = `oneshot` only (calibration + algorithm), seconds; evaluation "
               "of 64 windows adds about "
               f"{_median([c.get('eval_s') for c in res['cells'].values() if 'eval_s' in c]):.0f} s.", ""]
     fails = {k: c["error"] for k, c in res["cells"].items() if "error" in c}
