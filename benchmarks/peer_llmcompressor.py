@@ -662,9 +662,13 @@ def ensure_peer_venv(venv: Path, quiet: bool = False) -> Path:
     py = venv / "bin" / "python"
     if not py.is_file():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # Only the LAST stdout line counts: importing llmcompressor logs a "No accelerator
+    # available!" warning to stdout on a CPU box (casebook i13p P11).
     probe = subprocess.run([str(py), "-c", "import llmcompressor, transformers, torch; "
-                            "print(llmcompressor.__version__)"], capture_output=True, text=True)
-    if probe.returncode != 0 or not probe.stdout.startswith("0.14"):
+                            "import importlib.metadata as m; print(m.version('llmcompressor'))"],
+                           capture_output=True, text=True)
+    lines = probe.stdout.strip().splitlines()
+    if probe.returncode != 0 or not lines or not lines[-1].startswith("0.14"):
         pip = [str(py), "-m", "pip", "install"] + (["-q"] if quiet else [])
         # torch first: pinning it before llm-compressor resolves keeps pip on the CPU wheel.
         subprocess.run(pip + [PEER_REQUIREMENTS[0]], check=True)
