@@ -581,10 +581,10 @@ def write_markdown(path: Path, res: dict) -> None:
               "SmoothQuant strength 0.5; evaluation one window per forward. AWQ smooths q_a_norm "
               "only in the layers without an indexer (0 and 2 here; casebook i13p P9). GPTQ's "
               "o_a_proj Hessian pools both output groups' inputs (P6).",
-              "", "Wall time = `oneshot` only (calibration + algorithm), seconds; evaluation "
+              "", "Wall time = `oneshot` only (calibration + algorithm), seconds, one thread, "
               "measured while 3-5 of these runs and other jobs shared the 2 cores (load average "
-              "8-14), so they are rough, comparable only within this table; evaluation "
-              "of 64 windows adds about "
+              "8-14): rough, comparable only within this table. Loading adds ~1 s; evaluating "
+              "the 64 windows adds about "
               f"{_median([c.get('eval_s') for c in res['cells'].values() if 'eval_s' in c]):.0f} s.", ""]
     fails = {k: c["error"] for k, c in res["cells"].items() if "error" in c}
     if fails:
