@@ -319,16 +319,13 @@ def hf_perplexity(model, windows, batch_size: int = 1) -> float:
 
 
 def quantized_modules(model) -> dict:
-    """What compressed-tensors attached: per leaf kind, how many modules and their scheme."""
-    from compressed_tensors.utils import match_named_modules
-
+    """What compressed-tensors attached: how many modules of each leaf kind carry a scheme."""
     kinds: dict[str, int] = {}
     for name, mod in model.named_modules():
         if getattr(mod, "quantization_scheme", None) is not None:
             kind = re.sub(r"layers\.\d+\.", "layers.*.", name)
             kind = re.sub(r"experts\.\d+\.", "experts.*.", kind)
             kinds[kind] = kinds.get(kind, 0) + 1
-    del match_named_modules
     return dict(sorted(kinds.items()))
 
 
@@ -621,6 +618,19 @@ def write_markdown(path: Path, res: dict) -> None:
                   "experts' scale spans that window's tokens routed to the expert.", ""]
     body = "\n".join(lines)
     atomic_write(path, lambda tmp: Path(tmp).write_text(body, encoding="utf-8"))
+
+
+def load_peer_table(path=DEFAULT_JSON) -> dict:
+    """The measured cells for a table beside ours (quality_table.py can import this):
+    ``{"float_ppl": x, "cells": {scheme: {algo: {"ppl", "vs_float_pct", "oneshot_s"} or
+    {"error"}}}}``. Reads only the JSON; needs no llm-compressor."""
+    res = json.loads(Path(path).read_text())
+    cells: dict = {}
+    for c in res.get("cells", {}).values():
+        row = cells.setdefault(c["scheme"], {})
+        row[c["algo"]] = ({"error": c["error"]} if "error" in c else
+                          {k: c[k] for k in ("ppl", "vs_float_pct", "oneshot_s")})
+    return {"float_ppl": res["float"]["ppl"], "versions": res.get("versions", {}), "cells": cells}
 
 
 def _median(xs) -> float:

@@ -122,3 +122,16 @@ def test_recipe_specs_for_every_cell(peer):
     assert "input_activations" in peer.recipe_spec("awq", "w8a8")[1]["config_groups"]["group_0"]
     with pytest.raises(SystemExit):
         peer.recipe_spec("rtn", "w8a8")
+
+
+def test_committed_peer_table_reads(peer):
+    """The committed peer results load through the reader quality_table.py can use, and hold
+    the float check and every (scheme, algorithm) cell."""
+    t = peer.load_peer_table(peer.DEFAULT_JSON)
+    assert abs(t["float_ppl"] / peer.OUR_FLOAT_PPL - 1) <= peer.FLOAT_RTOL
+    assert t["versions"]["llmcompressor"].startswith("0.14")
+    assert set(t["cells"]) == set(peer.SCHEMES)
+    for scheme, row in t["cells"].items():
+        assert set(row) == set(peer.ALGOS), scheme
+        for cell in row.values():
+            assert "error" in cell or cell["ppl"] > t["float_ppl"] * 0.95
