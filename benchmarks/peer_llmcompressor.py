@@ -172,6 +172,12 @@ def indexer_layers_of(model) -> list[int]:
             if getattr(getattr(layer.self_attn, "compressor", None), "indexer", None) is not None]
 
 
+def _fail(msg: str):
+    """A bad input: one `error: ...` line on stderr and exit status 2 (the project's CLI rule)."""
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 # =========================================================================== protocol
 def default_eval_path() -> Path | None:
     """The shipped test split when the package has it (helper i17), else None."""
@@ -227,9 +233,9 @@ def recipe_spec(algo: str, scheme: str, indexer_layers=()) -> list[dict]:
     """The modifiers of one run as plain data (what goes into the JSON; built into objects
     by :func:`build_recipe` inside the peer venv)."""
     if algo not in ALGOS:
-        raise SystemExit(f"error: unknown algorithm {algo!r}; valid: {', '.join(ALGOS)}")
+        _fail(f"unknown algorithm {algo!r}; valid: {', '.join(ALGOS)}")
     if scheme not in SCHEMES:
-        raise SystemExit(f"error: unknown scheme {scheme!r}; valid: {', '.join(SCHEMES)}")
+        _fail(f"unknown scheme {scheme!r}; valid: {', '.join(SCHEMES)}")
     groups = {"group_0": {"targets": list(TARGETS), **SCHEMES[scheme]}}
     if algo == "gptq":
         return [{"modifier": "GPTQModifier", "config_groups": groups, "block_size": 128,
@@ -297,7 +303,7 @@ def load_hf_model(model_path: Path, linearize: bool = True):
         str(model_path), dtype=torch.float32, output_loading_info=True)
     bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "mismatched_keys")}
     if bad:
-        raise SystemExit(f"error: {model_path}: transformers did not load every tensor: {bad}")
+        _fail(f"{model_path}: transformers did not load every tensor: {bad}")
     if linearize:
         from llmcompressor.modeling.moe.linearize import linearize_moe
 
