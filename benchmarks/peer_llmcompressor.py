@@ -652,7 +652,7 @@ def merge_main(args) -> int:
     for f in args.merge:
         part = json.loads(Path(f).read_text())
         for k in ("protocol", "float", "versions", "machine", "command", "date",
-                  "token_granularity_probe", "mapping_check"):
+                  "token_granularity_probe", "mapping_check", "workarounds"):
             if k not in part:
                 continue
             if k == "protocol" and "protocol" in res:
