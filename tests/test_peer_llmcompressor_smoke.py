@@ -135,3 +135,21 @@ def test_committed_peer_table_reads(peer):
         assert set(row) == set(peer.ALGOS), scheme
         for cell in row.values():
             assert "error" in cell or cell["ppl"] > t["float_ppl"] * 0.95
+
+
+def test_committed_peer_results_used_our_windows(peer, wiki_test_raw):
+    """The digests recorded by the peer run (in its own venv) equal the windows the project
+    builds here: the same 64 x 256 evaluation and 16 x 256 calibration (seed 0) tokens."""
+    import json
+
+    from amct_ext.calibration import load_calibration_windows
+
+    rec = json.loads(peer.DEFAULT_JSON.read_text())["protocol"]
+    tok = peer.load_tokenizer(TINY)
+    from amct_ext.perplexity import load_eval_text, tokenize_windows
+
+    ev = tokenize_windows(load_eval_text(wiki_test_raw), tok, rec["seq_len"], rec["eval_windows"])
+    cal = load_calibration_windows(None, tok, rec["seq_len"], rec["calib_samples"], rec["seed"])
+    assert (rec["eval_windows"], rec["calib_samples"], rec["seq_len"]) == (64, 16, 256)
+    assert peer.digest(ev) == rec["eval_windows_sha256"]
+    assert peer.digest(cal) == rec["calib_windows_sha256"]
