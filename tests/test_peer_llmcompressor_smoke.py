@@ -24,13 +24,15 @@ def peer():
 
 def test_smoke_mode_windows_equal_workflow(peer, wiki_test_raw, tmp_path, capsys):
     # Short texts keep the test fast (each path tokenizes its file once): the first rows of the
-    # test split as the evaluation file, later rows as a stand-in calibration file (only the
-    # code paths are compared here, not the real split).
+    # test split as the evaluation file and of the project's default calibration text (the
+    # validation split) as the calibration file. Calibration text must not be test text: the
+    # project's leak guard refuses it.
     lines = wiki_test_raw.read_text(encoding="utf-8").splitlines(keepends=True)
     ev = tmp_path / "wiki.test.raw"
     ev.write_text("".join(lines[:200]), encoding="utf-8")
+    valid = peer.default_calib_path().read_text(encoding="utf-8").splitlines(keepends=True)
     cal = tmp_path / "calib.txt"
-    cal.write_text("".join(lines[200:400]), encoding="utf-8")
+    cal.write_text("".join(valid[:200]), encoding="utf-8")
     out = tmp_path / "smoke.json"
     rc = peer.main(["--smoke", "--model", str(TINY), "--eval-data", str(ev), "--calib-data", str(cal),
                     "--eval-windows", "3", "--calib-samples", "2", "--json", str(out)])
