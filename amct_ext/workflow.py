@@ -18,17 +18,25 @@ errors, at the cost of a second pass per layer and of resume determinism.)
 Static activation specs (``dynamic: false``) need observed ranges: after ``quantize_block`` an
 'observe' pass over the calibration inputs of the layer (float inputs, RTN weights) records
 them, then they switch to 'quant'. A static quantizer that saw no data (an expert no
-calibration token was routed to) is left 'off' (float activations) and counted in the logs.
+calibration token was routed to) has no range to quantize with: it is left 'off' (float
+activations), and COUNTED -- ``EvalResult.unobserved_static`` / ``PtqResult.unobserved_static``,
+which tools/run_ptq.py writes into report.json and its summary. Not an error: with a few
+calibration windows and many experts some experts receive no token, and refusing would make
+small calibration sets unusable; inventing a range (e.g. from another expert) would be a
+silent guess. A count in the report makes the float fraction visible (casebook i17).
 
-Parameter files: OUTPUT/ptq_params/meta.json (scheme fingerprint, targets, model, solver
-settings) is written before any unit; each unit then writes ``{file_stem}.pt`` (its
-``export_ptq_params()``) and ``{file_stem}.json`` (its losses) atomically. A unit whose
-``.pt`` exists is skipped, so an interrupted run resumes where it stopped. A folder whose
-meta.json names another scheme / targets / model / settings is refused (never mixed).
+Parameter files: OUTPUT/ptq_params/meta.json (the run's fingerprint: scheme, targets, solver /
+recipe settings, dtype, device type, calibration text and window hashes with samples, seq-len,
+seed, batch size, the model config hash, the checkpoint identity, a format version) is written
+before any unit; each unit then writes ``{file_stem}.pt`` (its ``export_ptq_params()``) and
+``{file_stem}.json`` (its losses) atomically. A unit whose ``.pt`` exists is skipped, so an
+interrupted run resumes where it stopped. A folder whose meta.json differs in any field is
+refused with one line naming the field and both values (never mixed).
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -55,7 +63,8 @@ log = logging.getLogger(__name__)
 
 PARAMS_DIR = "ptq_params"
 META_NAME = "meta.json"
-META_VERSION = 1
+# 2: the full fingerprint (dtype, device type, calibration hashes, checkpoint identity)
+META_VERSION = 2
 MODES = ("float", "rtn", "ptq")
 
 
@@ -101,7 +110,8 @@ def load_eval_windows(adapter: BaseModel, cfg: EvalConfig) -> torch.Tensor:
 def load_calib_windows(adapter: BaseModel, cfg: PtqConfig) -> torch.Tensor:
     cfg.check()
     check_seq_len(adapter, cfg.seq_len, "calibration seq_len")
-    return load_calibration_windows(cfg.calib_path, adapter.tokenizer(), cfg.seq_len, cfg.n_samples, cfg.seed)
+    return load_calibration_windows(cfg.calib_path, adapter.tokenizer(), cfg.seq_len, cfg.n_samples, cfg.seed,
+                                    eval_paths=cfg.eval_paths)
 
 
 def _tensor_bytes(tensors) -> int:
@@ -156,13 +166,13 @@ def scheme_has_static(scheme: QuantScheme, targets: Sequence[str]) -> bool:
     return False
 
 
-def observe_static(adapter: BaseModel, block: nn.Module, calib: Stream | None, layer_idx: int) -> None:
+def observe_static(adapter: BaseModel, block: nn.Module, calib: Stream | None, layer_idx: int) -> int:
     """Record the ranges of static activation quantizers over the layer's calibration inputs
-    (RTN weights), then switch them to 'quant' (unobserved ones to 'off'). No-op for
-    dynamic-only schemes."""
+    (RTN weights), then switch them to 'quant' (unobserved ones to 'off'). Returns the number
+    left unobserved. No-op (0) for dynamic-only schemes."""
     static = _static_quantizers(block)
     if not static:
-        return
+        return 0
     if calib is None:
         raise ConfigError("the scheme has static activation specs (dynamic: false): they need calibration data")
     for q in static:
@@ -170,10 +180,11 @@ def observe_static(adapter: BaseModel, block: nn.Module, calib: Stream | None, l
         q.mode = "observe"
     adapter.set_quant_enabled(block, True)
     adapter.do_block_forward(block, calib.hidden, calib.state)
-    finish_static(block, layer_idx)
+    return finish_static(block, layer_idx)
 
 
-def finish_static(block: nn.Module, layer_idx: int) -> None:
+def finish_static(block: nn.Module, layer_idx: int) -> int:
+    """Static quantizers with a range -> 'quant', without one -> 'off'; returns how many are off."""
     unobserved = 0
     for q in _static_quantizers(block):
         if q.observed:
@@ -185,28 +196,91 @@ def finish_static(block: nn.Module, layer_idx: int) -> None:
         log.warning("layer %d: %d static activation quantizer(s) saw no calibration data "
                     "(e.g. experts no calibration token was routed to); they stay in float",
                     layer_idx, unobserved)
+    return unobserved
 
 
 # ----------------------------------------------------------------------------- parameter folder
-def params_meta(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig) -> dict[str, Any]:
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def windows_sha256(windows: torch.Tensor) -> str:
+    """Hash of the calibration token windows (shape and ids): what the units are fitted on."""
+    w = windows.detach().to("cpu", torch.int64).contiguous()
+    return hashlib.sha256(repr(tuple(w.shape)).encode() + w.numpy().tobytes()).hexdigest()
+
+
+def checkpoint_identity(model_path: Path) -> dict[str, Any]:
+    """The checkpoint's identity without reading its weights: the hash of its shard index, or of
+    a single file's safetensors header (tensor names, dtypes, shapes and offsets)."""
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        return {"index_sha256": _sha256_file(index)}
+    single = model_path / "model.safetensors"
+    if single.is_file():
+        with open(single, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            return {"header_sha256": hashlib.sha256(head + f.read(min(n, 1 << 27))).hexdigest()}
+    return {}
+
+
+def params_meta(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig,
+                calib_windows: torch.Tensor | None = None) -> dict[str, Any]:
+    """Everything that changes a unit's result (ptq_params/meta.json). A resumed run must agree
+    on every field; display-only entries (names) are listed in ``_DISPLAY_ONLY``."""
     model_id = adapter.model_id() if hasattr(adapter, "model_id") else {"name": str(adapter.model_path)}
-    return {"version": META_VERSION, "model": model_id, "scheme": scheme.name,
+    calib = cfg.calibration_settings()
+    text = cfg.calibration_text()
+    calib["text_sha256"] = _sha256_file(text) if text.is_file() else None
+    if calib_windows is not None:
+        calib["windows_sha256"] = windows_sha256(calib_windows)
+    return {"version": META_VERSION, "scheme": scheme.name,
             "scheme_fingerprint": scheme.fingerprint(), "targets": list(targets),
-            "solver": cfg.solver_settings()}
+            "solver": cfg.solver_settings(), "dtype": dtype_name(adapter.run.dtype),
+            "device_type": adapter.device.type, "calibration": calib, "model": model_id,
+            "checkpoint": checkpoint_identity(Path(adapter.model_path))}
+
+
+# names shown in messages but not compared: a moved or renamed folder is the same run
+_DISPLAY_ONLY = {"scheme", "model.name"}
+_FIELD_NAMES = {"version": "format version", "scheme_fingerprint": "scheme"}
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out.update(_flatten(v, key) if isinstance(v, dict) and v else {key: v})
+    return out
 
 
 def _mismatch(old: dict[str, Any], new: dict[str, Any]) -> str | None:
-    """The first difference that matters (display names aside), or None."""
+    """The first field that differs, as ``field: OLD in the folder, NEW now``; or None."""
     if old.get("version") != new["version"]:
-        return f"format version {old.get('version')} != {new['version']}"
-    if old.get("scheme_fingerprint") != new["scheme_fingerprint"]:
-        return f"scheme {old.get('scheme')!r} != {new['scheme']!r} (different fingerprint)"
-    if old.get("targets") != new["targets"]:
-        return f"targets {old.get('targets')} != {new['targets']}"
-    if (old.get("model") or {}).get("config_sha256") != new["model"].get("config_sha256"):
-        return f"model {(old.get('model') or {}).get('name')!r} != {new['model'].get('name')!r} (different config.json)"
-    if old.get("solver") != new["solver"]:
-        return f"solver settings {old.get('solver')} != {new['solver']}"
+        return f"format version: {old.get('version')!r} in the folder, {new['version']!r} now"
+    flat_old, flat_new = _flatten(old), _flatten(new)
+    for key in [*flat_new, *(k for k in flat_old if k not in flat_new)]:
+        if key in _DISPLAY_ONLY:
+            continue
+        a, b = flat_old.get(key, "<absent>"), flat_new.get(key, "<absent>")
+        if a != b:
+            if key == "scheme_fingerprint":  # the names say more than two hashes
+                return f"scheme: {old.get('scheme')!r} in the folder, {new.get('scheme')!r} now (different fingerprint)"
+            return f"{_FIELD_NAMES.get(key, key)}: {a!r} in the folder, {b!r} now"
     return None
 
 
@@ -222,7 +296,7 @@ def check_params_dir(params_dir: Path, meta: dict[str, Any]) -> bool:
             raise ParamsMismatchError(f"{meta_path}: unreadable ({e}); {hint}") from None
         why = _mismatch(old if isinstance(old, dict) else {}, meta)
         if why:
-            raise ParamsMismatchError(f"{params_dir} holds PTQ parameters of another run ({why}); {hint}")
+            raise ParamsMismatchError(f"{params_dir} holds PTQ parameters of another run: {why}; {hint}")
         return True
     if params_dir.is_dir() and any(p.suffix == ".pt" for p in params_dir.iterdir()):
         raise ParamsMismatchError(f"{params_dir} holds .pt files but no {META_NAME} (unknown scheme); {hint}")
@@ -265,6 +339,8 @@ class EvalResult:
     n_tokens: int
     seconds: float
     memory: MemoryStats
+    # static activation quantizers left in float: no calibration data reached them
+    unobserved_static: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -311,6 +387,7 @@ def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfi
     stream = embed_stream(adapter, windows, cfg.batch_size)
     calib = embed_stream(adapter, calib_windows, calib_batch_size) if needs_calib else None
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=stream.nbytes + (calib.nbytes if calib else 0))
+    unobserved = 0
 
     for i in _tqdm(range(adapter.num_layers), desc=f"ppl[{mode}] layers", disable=not adapter.run.progress):
         # non-sharded: the layer is built on the compute device itself (not CPU-staged: the
@@ -325,12 +402,12 @@ def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfi
                     # the observe pass runs on the same float inputs
                     adapter.set_quant_enabled(block, False)
                     next_calib = adapter.do_block_forward(block, calib.hidden, calib.state)
-                    observe_static(adapter, block, calib, i)
+                    unobserved += observe_static(adapter, block, calib, i)
                     calib = Stream(next_calib, calib.state)
             else:
                 for unit in adapter.iter_ptq_units(block, i, targets):
                     load_unit_params(unit, pdir)
-                finish_static(block, i)
+                unobserved += finish_static(block, i)
             adapter.set_quant_enabled(block, True)
         elif calib is not None:
             calib = Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
@@ -345,7 +422,8 @@ def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfi
     devmod.synchronize(dev)
     mem.peak_memory_bytes = devmod.peak_memory_bytes(dev)
     return EvalResult(mode=mode, ppl=acc.ppl, n_windows=int(windows.shape[0]), seq_len=int(windows.shape[1]),
-                      n_tokens=acc.count, seconds=time.perf_counter() - t0, memory=mem)
+                      n_tokens=acc.count, seconds=time.perf_counter() - t0, memory=mem,
+                      unobserved_static=unobserved)
 
 
 # ----------------------------------------------------------------------------- PTQ
@@ -355,6 +433,7 @@ class PtqResult:
     params_dir: str = ""
     seconds: float = 0.0
     memory: MemoryStats | None = None
+    unobserved_static: int = 0       # static activation quantizers no calibration data reached
 
 
 def _unit_stats_path(params_dir: Path, unit) -> Path:
@@ -374,11 +453,16 @@ def _resumed_result(params_dir: Path, unit) -> UnitResult:
 
 
 def prepare_params_dir(adapter: BaseModel, output_dir: str | Path, scheme: QuantScheme,
-                       targets: Sequence[str], cfg: PtqConfig, create: bool = True) -> Path:
+                       targets: Sequence[str], cfg: PtqConfig, create: bool = True,
+                       calib_windows: torch.Tensor | None = None) -> Path:
     """Check (and, with ``create``, write) OUTPUT/ptq_params/meta.json; returns the folder.
-    With ``create=False`` nothing is written: the caller validates before doing any work."""
+    With ``create=False`` nothing is written: the caller validates before doing any work.
+    ``calib_windows``: the windows the run calibrates on (default: drawn from ``cfg``); their
+    hash is part of the fingerprint."""
     pdir = Path(output_dir) / PARAMS_DIR
-    meta = params_meta(adapter, scheme, targets, cfg)
+    if calib_windows is None:
+        calib_windows = load_calib_windows(adapter, cfg)
+    meta = params_meta(adapter, scheme, targets, cfg, calib_windows)
     exists = check_params_dir(pdir, meta)
     if create and not exists:
         atomic_write_json(meta, pdir / META_NAME)
@@ -400,9 +484,9 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     cfg.check()
     targets = scheme.check_targets(parse_targets(targets))
     layers = layers if layers is not None else layer_range(adapter)
-    pdir = prepare_params_dir(adapter, output_dir, scheme, targets, cfg)
     if calib_windows is None:
         calib_windows = load_calib_windows(adapter, cfg)
+    pdir = prepare_params_dir(adapter, output_dir, scheme, targets, cfg, calib_windows=calib_windows)
     dev = adapter.device
     devmod.reset_peak_memory(dev)
     t0 = time.perf_counter()
@@ -428,7 +512,7 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
             if todo:
                 calls, next_hidden = capture_unit_io([u for u in units if u.name in todo],
                                                      lambda: adapter.do_block_forward(block, calib.hidden, calib.state))
-                observe_static(adapter, block, calib, i)
+                result.unobserved_static += observe_static(adapter, block, calib, i)
             else:  # the whole layer was done by an earlier run: only its float output is needed
                 calls, next_hidden = {}, adapter.do_block_forward(block, calib.hidden, calib.state)
         adapter.set_quant_enabled(block, True)

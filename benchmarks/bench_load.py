@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto")
     p.add_argument("--smoke", action="store_true", help="tiny config on CPU in a temporary folder")
-    p.add_argument("--config", default=None, help="config.json (default: shared/configs V4-Flash)")
+    p.add_argument("--config", default=None, help="config.json (default: models/deepseek_v4/configs V4-Flash)")
     p.add_argument("--layer", type=int, default=None, help="layer id (default 4: ratio 4 + indexer, score MoE; smoke 3)")
     p.add_argument("--repeats", type=int, default=None, help="timed load_block repeats (default 3; smoke 2)")
     p.add_argument("--warmup", type=int, default=1)

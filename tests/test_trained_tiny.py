@@ -14,10 +14,10 @@ from amct_ext.workflow import evaluate_blockwise, load_calib_windows, load_eval_
 from models.deepseek_v4 import load_checkpoint_model
 from models.deepseek_v4.adapter import DeepseekV4Adapter
 from models.deepseek_v4.release_format import write_release_checkpoint
-from tests.conftest import REPO, SHARED
+from tests.conftest import REPO, WIKI_TEST_RAW
 
 TRAINED = REPO / "assets" / "tiny-v4"
-EVAL = dict(seq_len=256, max_windows=24, batch_size=8, data_path=SHARED / "data" / "wikitext-2-raw" / "wiki.test.raw")
+EVAL = dict(seq_len=256, max_windows=24, batch_size=8, data_path=WIKI_TEST_RAW)
 RECORDED_FLOAT_PPL = 282.72  # measured on these 24 windows when the checkpoint was committed (2026-11-29)
 
 
