@@ -10,6 +10,11 @@ Design points
 - ``load_prefix`` turns released storage (FP8 block / MXFP4 + ``.scale`` companions, see
   ``storage_formats``) into compute tensors, optionally on a target device, and accounts for
   every key: loaded / missing / unexpected / skipped. Nothing is dropped silently.
+- Every floating tensor a ``load_prefix`` call returns is checked for NaN / Inf after
+  dequantization and the cast (``check_finite``): garbage in a shard's data region (the header
+  intact) decodes to NaN and would otherwise surface as a NaN perplexity naming nothing. The
+  check is one ``aminmax`` per tensor on the tensor's device and ONE host read per call (per
+  layer), through ``device_checks.raise_first``; the error names the tensor and its shard file.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from safetensors import safe_open
 
+from . import device_checks
 from .errors import CheckpointError
 from .storage_formats import FP4_PACKED_DTYPES, decode_fp4, decode_fp8_block
 
@@ -250,7 +256,8 @@ class CheckpointReader:
                     dtype: torch.dtype = torch.bfloat16,
                     target_dtype: TargetDtype | None = None,
                     strip_prefix: bool = True, strict: bool = True,
-                    skip_prefixes: Sequence[str] = DEFAULT_SKIP) -> LoadResult:
+                    skip_prefixes: Sequence[str] = DEFAULT_SKIP,
+                    check_finite: bool = True) -> LoadResult:
         """Fetch every tensor under ``prefix`` as compute tensors.
 
         Storage handling (key ``X.weight`` with companion ``X.scale``):
@@ -273,6 +280,9 @@ class CheckpointReader:
         dtype raise; names under the prefix that are not expected are NOT loaded, are listed in
         ``unexpected`` and logged as a warning. Keys under ``skip_prefixes`` (``mtp.``) are
         recorded in ``skipped`` unless ``prefix`` itself asks for them.
+
+        ``check_finite``: a NaN / Inf in any returned floating tensor raises CheckpointError
+        naming the key and its shard (one device reduction per tensor, one host read per call).
         """
         result = LoadResult()
         rel = (lambda k: k[len(prefix):]) if strip_prefix else (lambda k: k)
@@ -330,7 +340,31 @@ class CheckpointReader:
                 t = t.to(want_dtype)
             result.tensors[name] = t
             result.loaded.append(name)
+        if check_finite:
+            self.check_finite({k: result.tensors[rel(k)] for k in tensors_keys})
         return result
+
+    def check_finite(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Raise CheckpointError for the first (checkpoint order) floating tensor of ``tensors``
+        (full key -> tensor) holding a NaN or an Inf. Where the tensors live: one ``aminmax`` per
+        tensor (NaN propagates; Inf shows as an extreme), then per (device, dtype) group one
+        stack + isfinite; the flags are read with one host sync per device
+        (``device_checks.raise_first``), not one per tensor."""
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+        for key, t in tensors.items():
+            if t.dtype.is_floating_point and t.numel() > 0:
+                groups.setdefault((t.device, t.dtype), []).append((key, t))
+        checks = []
+        for members in groups.values():
+            ext = [torch.aminmax(t.detach().reshape(-1)) for _, t in members]
+            bounds = torch.stack([m for lo_hi in ext for m in lo_hi]).view(-1, 2)
+            flags = ~torch.isfinite(bounds).all(dim=1)
+            errors = [CheckpointError(f"tensor {key!r} in shard file {self.weight_map.get(key, '?')!r} holds NaN "
+                                      f"or Inf values after decoding (corrupt data region?); re-download that shard")
+                      for key, _ in members]
+            checks.append((flags, errors))
+        if checks:
+            device_checks.raise_first(checks)
 
     def _missing_message(self, missing: list[str], prefix: str, strip_prefix: bool) -> str:
         parts = []

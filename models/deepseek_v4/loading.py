@@ -78,11 +78,14 @@ def _assign(module: nn.Module, tensors: dict[str, torch.Tensor], what: str, part
 
 
 def load_block(reader: CheckpointReader, config: DeepseekV4Config, layer_id: int,
-               dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> tuple[Block, list[str]]:
-    """Build decoder layer ``layer_id`` from the checkpoint on ``device``; returns (block, loaded keys)."""
+               dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+               check_finite: bool = True) -> tuple[Block, list[str]]:
+    """Build decoder layer ``layer_id`` from the checkpoint on ``device``; returns (block, loaded keys).
+    ``check_finite``: NaN / Inf in a decoded tensor is an error naming it and its shard
+    (``CheckpointReader.load_prefix``); False only for benchmarks measuring that check."""
     block = empty_block(config, layer_id, dtype)
     prefix = f"layers.{layer_id}."
-    result = reader.load_prefix(prefix, block.state_dict(), device=device, dtype=dtype)
+    result = reader.load_prefix(prefix, block.state_dict(), device=device, dtype=dtype, check_finite=check_finite)
     _assign(block, result.tensors, f"layer {layer_id}")
     materialize_derived_buffers(block, device)
     assert_materialized(block, f"layer {layer_id}")
