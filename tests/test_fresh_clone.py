@@ -99,3 +99,23 @@ def test_installed_package_carries_the_data(monkeypatch):
                       and any(fnmatch.fnmatch(rel[len(pkg) + 1:], g) for g in globs)
                       for pkg, globs in pkg_data.items())
         assert covered, rel
+
+
+def test_tiny_trained_runs_with_the_shipped_defaults(tmp_path, capsys):
+    """--model tiny-trained needed --calib-data and --eval-data before the data shipped."""
+    import torch
+
+    from tools import run_ptq
+
+    out = tmp_path / "o"
+    old = torch.get_num_threads()
+    try:
+        code = run_ptq.main(["--model", "tiny-trained", "--output-dir", str(out), "--no-ptq", "--quiet",
+                             "--calib-samples", "1", "--seq-len", "16", "--eval-windows", "1"])
+    finally:
+        torch.set_num_threads(old)
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["calibration"]["path"] == str(REPO / "amct_ext" / "data" / "wikitext-2" / "wiki.valid.tokens")
+    assert report["eval"]["path"] == str(REPO / "amct_ext" / "data" / "wikitext-2-raw" / "wiki.test.raw")
+    assert report["ppl"]["float"] > 1 and report["ppl"]["rtn"] > 1
