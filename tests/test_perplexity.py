@@ -1,6 +1,5 @@
 """Perplexity protocol: eval text rows, windows, NLL accumulation; calibration windows."""
 import math
-from pathlib import Path
 
 import pytest
 import torch
