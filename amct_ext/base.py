@@ -110,7 +110,8 @@ class PtqConfig:
 
 @dataclass
 class EvalConfig:
-    """Perplexity settings: windows of ``seq_len`` tokens, the first ``max_windows`` of them."""
+    """Perplexity settings: windows of ``seq_len`` tokens, the first ``max_windows`` of them.
+    ``data_path=None``: the shipped wikitext-2-raw-v1 test split (``amct_ext/data``)."""
 
     seq_len: int = 128
     max_windows: int | None = None

@@ -51,6 +51,7 @@ from torch import nn
 from . import device as devmod
 from .base import BaseModel, EvalConfig, PtqConfig, batches
 from .calibration import load_calibration_windows
+from .data import EVAL_DEFAULT
 from .capture import capture_unit_io
 from .errors import AmctError, ConfigError, DataError
 from .io_utils import atomic_save, atomic_write_json, safe_torch_load
@@ -103,7 +104,8 @@ def load_eval_windows(adapter: BaseModel, cfg: EvalConfig) -> torch.Tensor:
     """The Wikitext protocol: rows joined with '\\n\\n', tokenized once, non-overlapping windows."""
     cfg.check()
     check_seq_len(adapter, cfg.seq_len, "eval seq_len")
-    text = load_eval_text(cfg.data_path)
+    # no path: the shipped wikitext-2-raw-v1 test split (offline), not a download
+    text = load_eval_text(cfg.data_path if cfg.data_path is not None else EVAL_DEFAULT)
     return tokenize_windows(text, adapter.tokenizer(), cfg.seq_len, cfg.max_windows)
 
 

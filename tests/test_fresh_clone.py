@@ -118,3 +118,15 @@ def test_tiny_trained_runs_with_the_shipped_defaults(tmp_path, capsys):
     assert report["calibration"]["path"] == str(REPO / "amct_ext" / "data" / "wikitext-2" / "wiki.valid.tokens")
     assert report["eval"]["path"] == str(REPO / "amct_ext" / "data" / "wikitext-2-raw" / "wiki.test.raw")
     assert report["ppl"]["float"] > 1 and report["ppl"]["rtn"] > 1
+
+
+def test_library_default_eval_text_is_the_shipped_test_split(tiny_adapter):
+    import torch
+
+    from amct_ext.base import EvalConfig
+    from amct_ext.workflow import load_eval_windows
+    from tests.conftest import WIKI_TEST_RAW
+
+    default = load_eval_windows(tiny_adapter, EvalConfig(seq_len=64, max_windows=3))
+    explicit = load_eval_windows(tiny_adapter, EvalConfig(seq_len=64, max_windows=3, data_path=WIKI_TEST_RAW))
+    assert torch.equal(default, explicit)
