@@ -1,0 +1,137 @@
+"""Streamed, resumable sharded safetensors output: one shard per group (the stem, each decoder
+layer, the MTP layer), the index written last.
+
+The shard list is fixed up front (group k -> ``{stem}-{k+1:05d}-of-{N:05d}.safetensors``), so a
+shard never needs renaming. After each shard, ``.amct_export_state.json`` (atomic) records the
+group as done, with its tensors' dtypes and shapes and the export's fingerprint. A rerun with the
+same fingerprint skips the done groups; a different fingerprint is refused (naming the first
+field that differs) unless the caller overwrites. The index is written only after every group,
+so an interrupted export is never mistaken for a checkpoint; the state file is removed after it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors.torch import save_file
+
+from ..errors import AmctError
+from ..io_utils import atomic_write, atomic_write_json
+
+STATE_NAME = ".amct_export_state.json"
+
+
+class ExportOutputError(AmctError):
+    """The output folder cannot take this export (not empty, another export's partial state)."""
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+class ShardedWriter:
+    def __init__(self, out_dir: str | os.PathLike, groups: Sequence[str], fingerprint: dict[str, Any],
+                 shard_stem: str, index_name: str, overwrite: bool = False,
+                 protect: Sequence[str | os.PathLike] = ()):
+        self.out = Path(out_dir)
+        self.groups = list(groups)
+        self.fingerprint = fingerprint
+        self.shard_stem = shard_stem
+        self.index_name = index_name
+        self.state_path = self.out / STATE_NAME
+        self.state: dict[str, Any] = {"fingerprint": fingerprint, "groups": {}}
+        self._prepare(overwrite, [Path(p).resolve() for p in protect])
+
+    # ------------------------------------------------------------------ output folder
+    def _prepare(self, overwrite: bool, protect: list[Path]) -> None:
+        out = self.out.resolve()
+        for p in protect:  # never delete the source checkpoint (or a folder holding it)
+            if out == p or p.is_relative_to(out):
+                raise ExportOutputError(f"--out {self.out} is (or contains) the source checkpoint {p}; choose another folder")
+        if not self.out.exists():
+            self.out.mkdir(parents=True)
+            return
+        if not self.out.is_dir():
+            raise ExportOutputError(f"--out {self.out} exists and is not a folder")
+        entries = list(self.out.iterdir())
+        if not entries:
+            return
+        if overwrite:
+            for e in entries:
+                shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
+            return
+        if self.state_path.is_file():
+            try:
+                old = json.loads(self.state_path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ExportOutputError(f"{self.state_path}: unreadable ({e}); pass --overwrite") from None
+            why = _first_difference(old.get("fingerprint", {}), self.fingerprint)
+            if why:
+                raise ExportOutputError(f"--out {self.out} holds a partial export of another kind ({why}); "
+                                        "pass --overwrite to replace it")
+            # resume: keep only groups whose shard is really there
+            self.state = {"fingerprint": self.fingerprint,
+                          "groups": {g: v for g, v in old.get("groups", {}).items()
+                                     if g in self.groups and (self.out / v["shard"]).is_file()}}
+            return
+        raise ExportOutputError(f"--out {self.out} is not empty ({len(entries)} entries, e.g. {entries[0].name}); "
+                                "pass --overwrite to replace its contents")
+
+    # ------------------------------------------------------------------ groups
+    def shard_name(self, group: str) -> str:
+        k = self.groups.index(group)
+        return f"{self.shard_stem}-{k + 1:05d}-of-{len(self.groups):05d}.safetensors"
+
+    def done(self, group: str) -> bool:
+        return group in self.state["groups"]
+
+    @property
+    def resumed_groups(self) -> list[str]:
+        return list(self.state["groups"])
+
+    def write_group(self, group: str, tensors: dict[str, torch.Tensor]) -> int:
+        """Write one group's tensors (host tensors) as its shard; returns the bytes written."""
+        name = self.shard_name(group)
+        data = {k: v.detach().contiguous() for k, v in sorted(tensors.items())}
+        for k, v in data.items():
+            if v.device.type != "cpu":
+                data[k] = v.cpu()
+        atomic_write(self.out / name, lambda tmp: save_file(data, tmp, metadata={"format": "pt"}))
+        nbytes = sum(v.numel() * v.element_size() for v in data.values())
+        self.state["groups"][group] = {"shard": name, "bytes": nbytes,
+                                       "tensors": {k: [_dtype_name(v), list(v.shape)] for k, v in data.items()}}
+        atomic_write_json(self.state, self.state_path)
+        return nbytes
+
+    def finish(self, metadata: dict[str, Any] | None = None) -> Path:
+        """The index (last), then drop the state file."""
+        missing = [g for g in self.groups if not self.done(g)]
+        if missing:
+            raise ExportOutputError(f"export incomplete: groups {missing[:5]} were not written")
+        weight_map: dict[str, str] = {}
+        total = 0
+        for g in self.groups:
+            info = self.state["groups"][g]
+            total += info["bytes"]
+            for k in info["tensors"]:
+                if k in weight_map:
+                    raise ExportOutputError(f"tensor {k!r} written twice ({weight_map[k]} and {info['shard']})")
+                weight_map[k] = info["shard"]
+        index = {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": dict(sorted(weight_map.items()))}
+        path = atomic_write_json(index, self.out / self.index_name)
+        self.state_path.unlink(missing_ok=True)
+        return path
+
+    def tensor_layout(self) -> dict[str, list]:
+        return {k: v for g in self.groups if self.done(g) for k, v in self.state["groups"][g]["tensors"].items()}
+
+
+def _first_difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            return f"field {key!r}: {old.get(key)!r} != {new.get(key)!r}"
+    return None
