@@ -369,11 +369,14 @@ class _Exporter:
             types.update(writer.state["groups"][g].get("extra", {}).get("types", {}))
         self._write_side_files(qlayers, mtp_state, types)
         writer.finish()
-        self.reader.close()
         report.mtp = ", ".join(f"{k}: {v}" for k, v in sorted(mtp_state.items())) or "absent"
-        report.bytes_read = self.bytes_read
+        # every source byte is read at least once (layers through load_block, the rest raw);
+        # shards of resumed groups were not read this time, which the count ignores
+        shards = set(self.reader.weight_map.values())
+        report.bytes_read = sum((cfg.model_path / s).stat().st_size for s in shards)
         report.seconds = time.perf_counter() - t0
         report.peak_host_rss_bytes = devmod.peak_memory_bytes("cpu")
+        self.reader.close()
         return report
 
     def _write_side_files(self, qlayers: list[int], mtp_state: dict[str, str], types: dict[str, str]) -> None:

@@ -38,10 +38,16 @@ def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
     padded = math.ceil(cols / 32) * 32
     if padded != cols:
         u = torch.nn.functional.pad(u, (0, padded - cols))
-    # one bit per position of the row's stream, then 32 stream bits -> one word
-    shifts = torch.arange(bits, device=u.device)
-    stream = ((u.unsqueeze(-1) >> shifts) & 1).reshape(rows, padded * bits // 32, 32)
-    words = (stream * _bit_weights(u.device)).sum(-1)
+    if 32 % bits == 0:
+        # no code straddles a word: word w holds codes [w*per, (w+1)*per) at bit (j % per) * bits
+        per = 32 // bits
+        shifts = torch.arange(per, device=u.device, dtype=torch.int64) * bits
+        words = (u.reshape(rows, padded // per, per) << shifts).sum(-1)
+    else:
+        # one bit per position of the row's stream, then 32 stream bits -> one word
+        shifts = torch.arange(bits, device=u.device)
+        stream = ((u.unsqueeze(-1) >> shifts) & 1).reshape(rows, padded * bits // 32, 32)
+        words = (stream * _bit_weights(u.device)).sum(-1)
     # two's complement wrap into int32 (bit 31 set -> negative)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
     return words[:, : math.ceil(cols * bits / 32)].contiguous()
@@ -58,9 +64,14 @@ def unpack_int32(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     padded_words = math.ceil(cols / 32) * bits
     if padded_words != n_words:
         w = torch.nn.functional.pad(w, (0, padded_words - n_words))
-    stream = (w.unsqueeze(-1) >> torch.arange(32, device=w.device)) & 1          # [rows, words, 32]
-    stream = stream.reshape(rows, -1, bits)                                        # one code per row of bits
-    u = (stream << torch.arange(bits, device=w.device)).sum(-1)[:, :cols]
+    if 32 % bits == 0:
+        per = 32 // bits
+        shifts = torch.arange(per, device=w.device, dtype=torch.int64) * bits
+        u = ((w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(rows, -1)[:, :cols]
+    else:
+        stream = (w.unsqueeze(-1) >> torch.arange(32, device=w.device)) & 1          # [rows, words, 32]
+        stream = stream.reshape(rows, -1, bits)                                        # one code per row of bits
+        u = (stream << torch.arange(bits, device=w.device)).sum(-1)[:, :cols]
     return (u - (1 << (bits - 1))).to(torch.int8)
 
 
