@@ -37,10 +37,15 @@ from ..schemes import LINEAR_TARGETS, QuantScheme, TensorSpec
 from .packing import pack_int32, pack_int32_dim0
 
 QUANT_METHOD = "compressed-tensors"
-#: config_groups keys: our linear target names, so the read-back knows which target a group is
-GROUP_TARGETS = {"attn-linear": [r"re:.*\.attn\..*"], "moe": [r"re:.*\.ffn\.(experts\.\d+|shared_experts)\.w[123]$"]}
-#: never quantized by this tool; listed so a ``Linear`` target elsewhere cannot pick them up
-IGNORE = ["head", "lm_head", r"re:.*\.ffn\.gate$", r"re:mtp\.\d+\.(e_proj|h_proj|head)$"]
+#: config_groups keys: our linear target names, so the read-back knows which target a group is.
+#: The regexes match the module names of the three loaders: the release's flat names
+#: (``layers.0.attn.wq_a``), vLLM's after its WeightsMapper (``model.layers.0.attn.fused_wqa_wkv``,
+#: ``...attn.mla_attn.compressor...``, the FusedMoE ``...ffn.experts``) and transformers' renames
+#: (``model.layers.0.self_attn.q_a_proj``, ``...mlp.experts``, ``...mlp.shared_experts.down_proj``).
+GROUP_TARGETS = {"attn-linear": [r"re:.*\.(attn|self_attn)\..*"],
+                 "moe": [r"re:.*\.(ffn|mlp)\.(experts|shared_experts)(\..*)?$"]}
+#: never quantized by this tool (router, heads, MTP projections)
+IGNORE = ["head", "lm_head", r"re:.*\.(ffn|mlp)\.gate$", r"re:.*mtp\.\d+\.(e_proj|h_proj|head)$"]
 
 
 def _strategy(spec: TensorSpec, role: str) -> dict[str, Any]:

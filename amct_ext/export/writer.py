@@ -64,9 +64,13 @@ def save_streaming(tensors: dict[str, torch.Tensor], path: str, metadata: dict[s
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for k in names:
-            t = tensors[k].contiguous()
+            # reshape(-1): a contiguous tensor may still carry an odd stride on a size-1 dim
+            # ([out, 1] scales), which view(uint8) refuses
+            t = tensors[k].contiguous().reshape(-1)
+            if t.numel() and t.stride(0) != 1:   # a 1-element tensor keeps its odd stride
+                t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
             if t.numel():
-                f.write(memoryview(t.view(torch.uint8).numpy() if t.dim() else t.reshape(1).view(torch.uint8).numpy()))
+                f.write(memoryview(t.view(torch.uint8).numpy()))
         f.flush()
         os.fsync(f.fileno())
 
