@@ -160,3 +160,36 @@ def test_schemes_a_format_cannot_hold_refused(tmp_path):
     with pytest.raises(QuantConfigError, match="ascend export.*symmetric"):
         export_checkpoint(_cfg(tmp_path / "b", scheme="w4a16-g128", format="ascend"))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_fp8_release_rest_stays_fp8_unless_dequantized(tiny_ckpt_fp8, tmp_path):
+    """Only the experts quantized: the FP8 attention linears keep their bytes and .scale; with
+    dequantize_rest they become bf16. Both read back to the same weights as the release."""
+    from amct_ext.checkpoint import CheckpointReader
+    from amct_ext.export.exporter import ExportConfig, export_checkpoint
+    from amct_ext.schemes import load_scheme
+
+    def export(out, rest):
+        cfg = ExportConfig(model_path=tiny_ckpt_fp8, out_dir=out, format="compressed-tensors",
+                           scheme=load_scheme("w8a8"), targets=["moe"], device="cpu", dequantize_rest=rest)
+        return export_checkpoint(cfg)
+
+    export(tmp_path / "keep", False)
+    export(tmp_path / "deq", True)
+    key = "layers.1.attn.wq_a.weight"
+    with CheckpointReader(tiny_ckpt_fp8) as src, CheckpointReader(tmp_path / "keep") as keep, \
+            CheckpointReader(tmp_path / "deq") as deq:
+        assert src.stored_dtype(key) == "F8_E4M3" and keep.stored_dtype(key) == "F8_E4M3"
+        assert torch.equal(keep.get_raw(key).view(torch.uint8), src.get_raw(key).view(torch.uint8))
+        assert torch.equal(keep.get_raw(key[:-6] + "scale").view(torch.uint8),
+                           src.get_raw(key[:-6] + "scale").view(torch.uint8))
+        assert deq.stored_dtype(key) == "BF16" and not deq.has(key[:-6] + "scale")
+        ref = src.load_prefix("layers.1.", dtype=torch.float32).tensors["attn.wq_a.weight"]
+        for r in (keep, deq):
+            assert torch.equal(r.load_prefix("layers.1.", dtype=torch.float32).tensors["attn.wq_a.weight"], ref)
+        # the experts are int8 now, the released FP4 expert storage is gone
+        e = "layers.1.ffn.experts.0.w1"
+        assert keep.stored_dtype(e + ".weight") == "I8" and keep.has(e + ".weight_scale") and not keep.has(e + ".scale")
+    cfg = json.loads((tmp_path / "keep" / "config.json").read_text())
+    assert cfg["amct_export"]["released_quantization_config"]["quant_method"] == "fp8"
+    assert cfg["expert_dtype"] is None and cfg["quantization_config"]["quant_method"] == "compressed-tensors"

@@ -187,18 +187,20 @@ class _Exporter:
         """Tensors as released; FP8 / FP4 weights decoded to bf16 for ascend / dequantize_rest."""
         present = set(keys)
         out: dict[str, torch.Tensor] = {}
-        skip: set[str] = set()
+        decode = self.ascend or self.cfg.dequantize_rest
+        # the '.scale' companions of quantized-storage weights, found before the loop: 'X.scale'
+        # sorts before 'X.weight', so marking them while iterating would be too late
+        companion = {k: k[: -len(".weight")] + ".scale" for k in keys if k.endswith(".weight")
+                     and k[: -len(".weight")] + ".scale" in present and self.reader.stored_dtype(k) in QUANT_STORAGE}
+        skip = set(companion.values()) if decode else set()
         for key in keys:
             if key in skip:
                 continue
-            scale = key[: -len(".weight")] + ".scale" if key.endswith(".weight") else None
-            if scale in present and self.reader.stored_dtype(key) in QUANT_STORAGE:
-                if self.ascend or self.cfg.dequantize_rest:
-                    w, s = self._raw(key), self._raw(scale)
-                    dec = decode_fp8_block if w.dtype == torch.float8_e4m3fn else decode_fp4
-                    out[key] = dec(w, s, dtype=torch.bfloat16, device=self.device, name=key).cpu()
-                    skip.add(scale)
-                    continue
+            if decode and key in companion:
+                w, s = self._raw(key), self._raw(companion[key])
+                dec = decode_fp8_block if w.dtype == torch.float8_e4m3fn else decode_fp4
+                out[key] = dec(w, s, dtype=torch.bfloat16, device=self.device, name=key).cpu()
+                continue
             t = self._raw(key)
             if self.ascend and key.endswith("tid2eid"):
                 t = t.to(torch.int32)   # as msModelSlim stores it
