@@ -108,3 +108,25 @@ def test_kv_cache_scheme_parses():
     assert parsed.kv_cache_scheme is not None and parsed.kv_cache_scheme.num_bits == 8
     assert parsed.kv_cache_scheme.strategy == "token" and parsed.kv_cache_scheme.dynamic is True
     assert "head" in parsed.ignore
+
+
+def test_group_targets_match_the_loaders_module_names():
+    """config_groups / ignore regexes select the same modules under the release's flat names,
+    vLLM's mapped names and transformers' renamed modules (casebook i14, E6)."""
+    import re
+
+    from amct_ext.export import compressed_tensors as ct
+
+    def hit(patterns, name):
+        return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in patterns)
+
+    attn = ["layers.1.attn.wq_a", "layers.1.attn.indexer.compressor.wkv",                # release
+            "model.layers.1.attn.fused_wqa_wkv", "model.layers.1.attn.mla_attn.compressor.fused_wkv_wgate",  # vLLM
+            "model.layers.1.self_attn.q_a_proj", "model.layers.1.self_attn.compressor.indexer.kv_proj"]    # transformers
+    moe = ["layers.0.ffn.experts.7.w2", "layers.0.ffn.shared_experts.w1", "model.layers.0.ffn.experts",
+           "model.layers.0.ffn.shared_experts.down_proj", "model.layers.0.mlp.experts", "model.layers.0.mlp.shared_experts.up_proj"]
+    never = ["head", "lm_head", "layers.0.ffn.gate", "model.layers.0.mlp.gate", "mtp.0.e_proj", "mtp.0.h_proj"]
+    g = ct.GROUP_TARGETS
+    assert all(hit(g["attn-linear"], n) and not hit(g["moe"], n) for n in attn)
+    assert all(hit(g["moe"], n) and not hit(g["attn-linear"], n) for n in moe)
+    assert all(hit(ct.IGNORE, n) for n in never) and not any(hit(ct.IGNORE, n) for n in attn + moe)

@@ -128,8 +128,12 @@ def encode_weight(base: str, spec: TensorSpec, act: TensorSpec | None, d: dict[s
     return t
 
 
-def quantization_config(scheme: QuantScheme, targets: list[str]) -> dict[str, Any]:
-    """``quantization_config`` for config.json: one config group per quantized linear target."""
+def quantization_config(scheme: QuantScheme, targets: list[str], float_layers: list[int] = ()) -> dict[str, Any]:
+    """``quantization_config`` for config.json: one config group per quantized linear target.
+
+    ``float_layers``: decoder-layer ids left in float (a run over a layer range, an MTP layer
+    copied as released, which vLLM's MTP loader renumbers ``mtp.{j}`` -> ``layers.{n + j}``);
+    they go to ``ignore`` so a loader does not expect quantized tensors there."""
     groups: dict[str, Any] = {}
     formats = set()
     for target in LINEAR_TARGETS:
@@ -148,7 +152,8 @@ def quantization_config(scheme: QuantScheme, targets: list[str]) -> dict[str, An
     if "attn-cache" in targets and scheme.cache is not None:
         kv = quant_args(scheme.cache, "input")
     return {"quant_method": QUANT_METHOD, "format": formats.pop() if len(formats) == 1 else "mixed-precision",
-            "quantization_status": "compressed", "config_groups": groups, "ignore": list(IGNORE),
+            "quantization_status": "compressed", "config_groups": groups,
+            "ignore": list(IGNORE) + [rf"re:.*layers\.{i}\..*" for i in float_layers],
             "kv_cache_scheme": kv}
 
 

@@ -391,7 +391,12 @@ class _Exporter:
             atomic_write_json(desc, cfg.out_dir / ascend.DESCRIPTION_NAME)
             src["expert_dtype"] = None   # every FP4 / FP8 tensor was decoded or quantized
         else:
-            src["quantization_config"] = ct.quantization_config(cfg.scheme, cfg.targets)
+            n = int(self.config.n_layers)
+            float_layers = [i for i in range(n) if i not in qlayers]
+            float_layers += [n + int(g.split(".")[1]) for g, how in mtp_state.items() if how == "copied"]
+            qc = ct.quantization_config(cfg.scheme, cfg.targets, float_layers)
+            qc["ignore"] += [rf"re:.*mtp\.{g.split('.')[1]}\..*" for g, how in mtp_state.items() if how == "copied"]
+            src["quantization_config"] = qc
             if moe_quantized or cfg.dequantize_rest:
                 src["expert_dtype"] = None
         src[EXPORT_KEY] = {
