@@ -121,22 +121,24 @@ def test_interrupted_export_has_no_index_and_resumes(tmp_path, monkeypatch):
     from amct_ext.export.writer import STATE_NAME, ExportOutputError
 
     clean = export_checkpoint(_cfg(tmp_path / "clean"))
-    real = writer_mod.ShardedWriter.write_group
+    real = writer_mod.ShardedWriter.close_group
     calls = {"n": 0}
 
-    def flaky(self, group, tensors):
+    def flaky(self, group, stream, extra=None):
         if calls["n"] == 3:
-            raise KeyboardInterrupt            # the user's Ctrl-C after three shards
+            raise KeyboardInterrupt            # the user's Ctrl-C while the fourth shard is written
         calls["n"] += 1
-        return real(self, group, tensors)
+        return real(self, group, stream, extra)
 
-    monkeypatch.setattr(writer_mod.ShardedWriter, "write_group", flaky)
+    monkeypatch.setattr(writer_mod.ShardedWriter, "close_group", flaky)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         export_checkpoint(_cfg(out))
     assert not (out / "model.safetensors.index.json").exists() and (out / STATE_NAME).is_file()
     assert not (out / "config.json").exists()
-    monkeypatch.setattr(writer_mod.ShardedWriter, "write_group", real)
+    assert not list(out.glob(".*.partial"))   # the interrupted shard left nothing behind
+    assert len(list(out.glob("model-*.safetensors"))) == 3
+    monkeypatch.setattr(writer_mod.ShardedWriter, "close_group", real)
     # a rerun of another kind into the partial folder is refused, naming the field
     with pytest.raises(ExportOutputError, match="'scheme_fingerprint'"):
         export_checkpoint(_cfg(out, scheme="w4a8"))

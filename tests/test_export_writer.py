@@ -3,7 +3,7 @@ export writes, including tensors whose strides view(uint8) refuses (casebook i14
 import torch
 from safetensors.torch import load_file
 
-from amct_ext.export.writer import save_streaming
+from amct_ext.export.writer import ShardStream, save_streaming
 
 
 def test_streaming_file_reads_back(tmp_path):
@@ -31,3 +31,22 @@ def test_streaming_file_reads_back(tmp_path):
         same = torch.equal(w.view(torch.uint8), v.contiguous().view(torch.uint8)) if v.element_size() == 1 and v.dim() \
             else torch.equal(w, v)
         assert same, k
+
+
+def test_shard_stream_reads_back_and_grows_its_header(tmp_path):
+    """Tensors streamed one at a time (big ones at once, small ones at the end), a header that
+    outgrows its reserve, and a dtype the stream hands to safetensors' own writer."""
+    g = torch.Generator().manual_seed(1)
+    big = {f"layer.w{i}": torch.randint(-128, 127, (1024, 1024 + 8 * i), generator=g, dtype=torch.int8) for i in range(3)}
+    small = {f"layer.{'x' * 200}.s{i}": torch.randn(3 + i, generator=g) for i in range(40)}   # long names
+    for n_hint, extra in ((1, {}), (100, {}), (4, {"f4": torch.zeros(2, 4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)})):
+        path = tmp_path / f"s{n_hint}.safetensors"
+        s = ShardStream(path, n_hint=n_hint, metadata={"format": "pt"})
+        for k, v in {**big, **small, **extra}.items():
+            s.add(k, v)
+        s.close()
+        back = load_file(str(path))
+        assert set(back) == set(big) | set(small) | set(extra)
+        for k, v in {**big, **small}.items():
+            assert torch.equal(back[k], v), k
+        assert set(s.layout) == set(back) and s.nbytes == sum(v.numel() * v.element_size() for v in back.values())

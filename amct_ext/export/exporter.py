@@ -183,10 +183,9 @@ class _Exporter:
         self.bytes_read += t.numel() * t.element_size()
         return t
 
-    def _copy_released(self, keys: list[str]) -> dict[str, torch.Tensor]:
+    def _copy_released(self, keys: list[str], sink) -> None:
         """Tensors as released; FP8 / FP4 weights decoded to bf16 for ascend / dequantize_rest."""
         present = set(keys)
-        out: dict[str, torch.Tensor] = {}
         decode = self.ascend or self.cfg.dequantize_rest
         # the '.scale' companions of quantized-storage weights, found before the loop: 'X.scale'
         # sorts before 'X.weight', so marking them while iterating would be too late
@@ -199,19 +198,20 @@ class _Exporter:
             if decode and key in companion:
                 w, s = self._raw(key), self._raw(companion[key])
                 dec = decode_fp8_block if w.dtype == torch.float8_e4m3fn else decode_fp4
-                out[key] = dec(w, s, dtype=torch.bfloat16, device=self.device, name=key).cpu()
+                sink(key, dec(w, s, dtype=torch.bfloat16, device=self.device, name=key))
+                self.types[key] = ascend.FLOAT
                 continue
             t = self._raw(key)
             if self.ascend and key.endswith("tid2eid"):
                 t = t.to(torch.int32)   # as msModelSlim stores it
-            out[key] = t
-        for k in out:
-            self.types[k] = ascend.FLOAT
-        return out
+            sink(key, t)
+            self.types[key] = ascend.FLOAT
 
     # -------------------------------------------------------------- one decoder block
     def _export_block(self, block: torch.nn.Module, prefix: str, keys: list[str], layer_idx: int,
-                      quantize: bool, with_params: bool) -> dict[str, torch.Tensor]:
+                      quantize: bool, with_params: bool, sink) -> None:
+        """Stream the block's tensors into ``sink(name, tensor)``: each quantized leaf as soon as it
+        is encoded (host memory holds one leaf's output), then everything else."""
         from models.deepseek_v4 import quant_module
 
         before = _snapshot(block)
@@ -223,7 +223,6 @@ class _Exporter:
                     load_unit_params(unit, self.cfg.params_dir)
             leaves = _quant_leaves(block)
         now = _named_tensors(block)
-        out: dict[str, torch.Tensor] = {}
         consumed: set[str] = set()
         for wname, leaf in leaves.items():
             base = prefix + wname[: -len(".weight")]
@@ -237,8 +236,9 @@ class _Exporter:
                 else:
                     tensors, typ = ct.encode_weight(base, spec, act, d, tuple(w.shape)), None
             for k, v in tensors.items():
-                out[k] = v.detach().cpu()
+                sink(k, v)
                 self.types[k] = typ or ascend.FLOAT
+            del tensors, d
             consumed.update({prefix + wname, prefix + wname[: -len(".weight")] + ".scale"})
         rest = []
         for key in keys:
@@ -247,14 +247,13 @@ class _Exporter:
             rel = key[len(prefix):]
             cur = now.get(rel)
             if cur is not None and before.get(rel) != (id(cur), cur._version):
-                out[key] = cur.detach().cpu()           # changed by the run's parameters
+                sink(key, cur)                           # changed by the run's parameters
                 self.types[key] = ascend.FLOAT
                 scale = key[: -len(".weight")] + ".scale" if key.endswith(".weight") else None
                 consumed.add(scale)
                 continue
             rest.append(key)
-        out.update(self._copy_released([k for k in rest if k not in consumed]))
-        return out
+        self._copy_released([k for k in rest if k not in consumed], sink)
 
     def _build_layer(self, i: int) -> torch.nn.Module:
         from models.deepseek_v4.loading import load_block
@@ -336,33 +335,33 @@ class _Exporter:
                 continue
             self.types = {}
             extra: dict[str, Any] = {}
-            if group == "stem":
-                tensors = self._copy_released(gkeys)
-            elif group.startswith("layers."):
-                i = int(group.split(".")[1])
-                block = self._build_layer(i)
-                tensors = self._export_block(block, f"{group}.", gkeys, i, i in qlayers,
-                                             cfg.params_dir is not None)
-                self._release(block)
-            else:
-                j = int(group.split(".")[1])
-                block = self._build_mtp(j)
-                if block is None:
-                    tensors = self._copy_released(gkeys)
-                    extra["mtp"] = {group: "copied"}
-                else:
-                    tensors = self._export_block(block, f"{group}.", gkeys, n + j, True, False)
+            stream = writer.open_group(group, n_hint=4 * len(gkeys) + 16)
+            try:
+                if group == "stem":
+                    self._copy_released(gkeys, stream.add)
+                elif group.startswith("layers."):
+                    i = int(group.split(".")[1])
+                    block = self._build_layer(i)
+                    self._export_block(block, f"{group}.", gkeys, i, i in qlayers, cfg.params_dir is not None,
+                                       stream.add)
                     self._release(block)
-                    extra["mtp"] = {group: "quantized (RTN)"}
-                mtp_state.update(extra["mtp"])
-            extra["types"] = dict(self.types)
-            all_types = extra["types"]
-            report.bytes_written += writer.write_group(group, tensors)
-            writer.state["groups"][group]["extra"] = extra
-            atomic_write_json(writer.state, writer.state_path)
+                else:
+                    j = int(group.split(".")[1])
+                    block = self._build_mtp(j)
+                    if block is None:
+                        self._copy_released(gkeys, stream.add)
+                        extra["mtp"] = {group: "copied"}
+                    else:
+                        self._export_block(block, f"{group}.", gkeys, n + j, True, False, stream.add)
+                        self._release(block)
+                        extra["mtp"] = {group: "quantized (RTN)"}
+                    mtp_state.update(extra["mtp"])
+                extra["types"] = dict(self.types)
+                report.bytes_written += writer.close_group(group, stream, extra)
+            except BaseException:
+                stream.abort()
+                raise
             report.groups_written.append(group)
-            self.types = all_types
-            del tensors
             devmod.empty_cache(self.device)
             if cfg.progress:
                 print(f"export: {group} done", flush=True)

@@ -75,6 +75,129 @@ def save_streaming(tensors: dict[str, torch.Tensor], path: str, metadata: dict[s
         os.fsync(f.fileno())
 
 
+class ShardStream:
+    """One safetensors shard written while its tensors are produced: host memory holds one tensor
+    at a time (plus the small ones, kept for the end).
+
+    The data starts after a reserved header region; ``close`` writes the JSON header there, padded
+    with spaces (valid JSON whitespace) to the reserved size, so no byte is written twice. Large
+    tensors whose size is a multiple of 8 go out at once, which keeps every offset 8-aligned;
+    small or odd-sized ones are written last, larger elements first (as safetensors orders them).
+    A header that outgrows the reserve is rewritten once into a fresh file.
+    """
+
+    BIG = 1 << 20
+
+    def __init__(self, path: str | os.PathLike, n_hint: int, metadata: dict[str, str] | None = None):
+        self.path = str(path)
+        self.metadata = dict(metadata or {})
+        self.reserve = 8 * (-(-(4096 + 160 * max(n_hint, 1)) // 8))
+        self.f = open(self.path, "wb")
+        self.f.seek(8 + self.reserve)
+        self.offset = 0
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.pending: dict[str, torch.Tensor] = {}
+        self.fallback: dict[str, torch.Tensor] | None = None
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if name in self.entries or name in self.pending or (self.fallback is not None and name in self.fallback):
+            raise ExportOutputError(f"tensor {name!r} written twice into {self.path}")
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype not in _ST_DTYPES:        # packed F4 and the like: safetensors' own writer
+            self.fallback = {} if self.fallback is None else self.fallback
+            self.fallback[name] = t.contiguous()
+            return
+        n = t.numel() * t.element_size()
+        if n >= self.BIG and n % 8 == 0:
+            self._write(name, t)
+        else:
+            self.pending[name] = t.contiguous()
+
+    def _write(self, name: str, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        flat = t.contiguous().reshape(-1)
+        if flat.numel() and flat.stride(0) != 1:     # a 1-element tensor keeps its odd stride
+            flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
+        if n:
+            self.f.write(memoryview(flat.view(torch.uint8).numpy()))
+        self.entries[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [self.offset, self.offset + n]}
+        self.offset += n
+
+    @property
+    def layout(self) -> dict[str, list]:
+        out = {k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in (self.fallback or {}).items()}
+        inv = {v: k for k, v in _ST_DTYPES.items()}
+        out.update({k: [str(inv[e["dtype"]]).replace("torch.", ""), e["shape"]] for k, e in self.entries.items()})
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.offset + sum(v.numel() * v.element_size() for v in (self.fallback or {}).values())
+
+    def close(self) -> None:
+        for name in sorted(self.pending, key=lambda k: (-self.pending[k].element_size(), k)):
+            self._write(name, self.pending.pop(name))
+        if self.fallback is not None:   # rare: rebuild the whole shard with save_file
+            self.f.close()
+            data = {}
+            if self.entries:
+                from safetensors.torch import load_file
+                data = load_file(self._finish_header_to(self.path + ".tmp2"))
+                os.unlink(self.path + ".tmp2")
+            data.update(self.fallback)
+            save_file(data, self.path, metadata=self.metadata or None)
+            self.entries = {}
+            self.offset = 0
+            self.fallback = data
+            return
+        header: dict[str, Any] = {"__metadata__": self.metadata} if self.metadata else {}
+        header.update(self.entries)
+        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        if len(blob) <= self.reserve:
+            self.f.seek(0)
+            self.f.write(self.reserve.to_bytes(8, "little"))
+            self.f.write(blob + b" " * (self.reserve - len(blob)))
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            return
+        # header larger than reserved: copy the data region behind a header of the right size
+        self.f.flush()
+        self.f.close()
+        tmp = self.path + ".grow"
+        blob += b" " * (-len(blob) % 8)
+        with open(self.path, "rb") as src, open(tmp, "wb") as dst:
+            dst.write(len(blob).to_bytes(8, "little"))
+            dst.write(blob)
+            src.seek(8 + self.reserve)
+            shutil.copyfileobj(src, dst, 64 << 20)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, self.path)
+
+    def _finish_header_to(self, path: str) -> str:
+        """The streamed part as a standalone file (fallback path only)."""
+        header = dict(self.entries)
+        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        blob += b" " * (-len(blob) % 8)
+        with open(self.path, "rb") as src, open(path, "wb") as dst:
+            dst.write(len(blob).to_bytes(8, "little"))
+            dst.write(blob)
+            src.seek(8 + self.reserve)
+            shutil.copyfileobj(src, dst, 64 << 20)
+        return path
+
+    def abort(self) -> None:
+        try:
+            self.f.close()
+        finally:
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+
+
 class ShardedWriter:
     def __init__(self, out_dir: str | os.PathLike, groups: Sequence[str], fingerprint: dict[str, Any],
                  shard_stem: str, index_name: str, overwrite: bool = False,
@@ -134,6 +257,25 @@ class ShardedWriter:
     @property
     def resumed_groups(self) -> list[str]:
         return list(self.state["groups"])
+
+    def open_group(self, group: str, n_hint: int) -> ShardStream:
+        """A stream into the group's shard (a temporary name until :meth:`close_group`)."""
+        tmp = self.out / f".{self.shard_name(group)}.partial"
+        return ShardStream(tmp, n_hint, metadata={"format": "pt"})
+
+    def close_group(self, group: str, stream: ShardStream, extra: dict[str, Any] | None = None) -> int:
+        """Finish the shard, move it to its name, record the group as done (atomically)."""
+        name = self.shard_name(group)
+        try:
+            stream.close()
+        except BaseException:
+            stream.abort()
+            raise
+        os.replace(stream.path, self.out / name)
+        self.state["groups"][group] = {"shard": name, "bytes": stream.nbytes, "tensors": dict(sorted(stream.layout.items())),
+                                       "extra": extra or {}}
+        atomic_write_json(self.state, self.state_path)
+        return stream.nbytes
 
     def write_group(self, group: str, tensors: dict[str, torch.Tensor]) -> int:
         """Write one group's tensors (host tensors) as its shard; returns the bytes written."""
