@@ -51,24 +51,39 @@ def _adapter(path):
     return DeepseekV4Adapter(RunConfig(path, device="cpu", dtype=torch.float32, progress=False))
 
 
-@pytest.mark.parametrize("scheme,fmt", [("w8a8", "compressed-tensors"), ("w4a16-g128", "compressed-tensors"),
-                                        ("w4a8", "compressed-tensors"), ("mxfp4", "compressed-tensors"),
-                                        ("w8a8", "ascend")])
-def test_exported_float_ppl_is_the_ptq_ppl(tmp_path, windows, texts, scheme, fmt):
+@pytest.fixture(scope="module")
+def ptq_runs(tmp_path_factory, windows, texts):
+    """scheme -> (run folder, PTQ PPL): one PTQ run per scheme, shared by both formats."""
     from amct_ext.base import PtqConfig
-    from amct_ext.export.exporter import ExportConfig, export_checkpoint, resolve_run
     from amct_ext.schemes import load_scheme
     from amct_ext.workflow import PARAMS_DIR, evaluate_blockwise, run_blockwise_ptq
 
     win, ecfg = windows
-    sch, targets = load_scheme(scheme), ["attn-linear", "moe"]
-    run = tmp_path / "run"
-    with _adapter(TINY) as a:
-        # one calibration window, one epoch: the clips move (the export must carry them), fast
-        run_blockwise_ptq(a, sch, targets, PtqConfig(epochs=1, lr=5e-3, n_samples=1, seq_len=SEQ,
-                                                     calib_path=texts[1]), run, layers=LAYERS)
-        ptq = evaluate_blockwise(a, win, ecfg, "ptq", scheme=sch, targets=targets, layers=LAYERS,
-                                 params_dir=run / PARAMS_DIR).ppl
+    cache = {}
+
+    def get(scheme):
+        if scheme not in cache:
+            sch, targets = load_scheme(scheme), ["attn-linear", "moe"]
+            run = tmp_path_factory.mktemp(f"run-{scheme}")
+            with _adapter(TINY) as a:
+                # one calibration window, one epoch: the clips move (the export must carry them)
+                run_blockwise_ptq(a, sch, targets, PtqConfig(epochs=1, lr=5e-3, n_samples=1, seq_len=SEQ,
+                                                             calib_path=texts[1]), run, layers=LAYERS)
+                cache[scheme] = run, evaluate_blockwise(a, win, ecfg, "ptq", scheme=sch, targets=targets,
+                                                        layers=LAYERS, params_dir=run / PARAMS_DIR).ppl
+        return cache[scheme]
+    return get
+
+
+@pytest.mark.parametrize("scheme,fmt", [("w8a8", "compressed-tensors"), ("w4a16-g128", "compressed-tensors"),
+                                        ("w4a8", "compressed-tensors"), ("mxfp4", "compressed-tensors"),
+                                        ("w8a8", "ascend")])
+def test_exported_float_ppl_is_the_ptq_ppl(tmp_path, windows, ptq_runs, scheme, fmt):
+    from amct_ext.export.exporter import ExportConfig, export_checkpoint, resolve_run
+    from amct_ext.workflow import evaluate_blockwise
+
+    win, ecfg = windows
+    run, ptq = ptq_runs(scheme)
     sch2, targets2, pdir = resolve_run(run, TINY, None, None)
     export_checkpoint(ExportConfig(model_path=TINY, out_dir=tmp_path / "e", format=fmt, scheme=sch2, targets=targets2,
                                    params_dir=pdir, device="cpu"))
