@@ -110,6 +110,10 @@ def test_non_empty_out_refused_unless_overwrite(tmp_path, capsys):
     # a finished export is a non-empty folder too
     code, err = _export_cli(argv, capsys)
     assert code == 2 and "is not empty" in err
+    # an export is not a source
+    code, err = _export_cli(["--model", "tiny-trained", "--model-path", str(out), "--format", "ascend",
+                             "--out", str(tmp_path / "again")], capsys)
+    assert code == 2 and "itself an exported quantized checkpoint" in err, err
     # --out must never be (or contain) the source checkpoint
     code, err = _export_cli(["--model", "tiny-trained", "--format", "ascend", "--out", str(TINY), "--overwrite"], capsys)
     assert code == 2 and "source checkpoint" in err and (TINY / "config.json").is_file()

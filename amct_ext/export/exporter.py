@@ -170,6 +170,11 @@ class _Exporter:
 
         self.cfg = cfg
         check_config_fields(cfg.model_path)
+        from .readback import exported_quant
+
+        if exported_quant(cfg.model_path) is not None:
+            # its weights are already on a grid: quantizing them again is not what anyone wants
+            raise ConfigError(f"{cfg.model_path} is itself an exported quantized checkpoint; export from the release")
         self.config = load_config(cfg.model_path)
         self.reader = CheckpointReader(cfg.model_path)
         self.device = devmod.resolve_device(cfg.device)
