@@ -279,9 +279,14 @@ def run(args) -> int:
     if args.export:
         from tools.export import build_parser as export_parser, export_from_args
 
+        eout = out / f"export-{args.export}"
+        # a finished export of an earlier run is replaced; a partial one is resumed (the export's
+        # own fingerprint refuses one made from other parameters)
+        complete = any((eout / n).is_file() for n in ("model.safetensors.index.json",
+                                                       "quant_model_weights.safetensors.index.json"))
         eargs = export_parser().parse_args(["--model", args.model, "--from", str(out), "--format", args.export,
-                                            "--out", str(out / f"export-{args.export}"), "--overwrite",
-                                            "--device", args.device, "--dtype", dtype_name]
+                                            "--out", str(eout), "--device", args.device, "--dtype", dtype_name]
+                                           + (["--overwrite"] if complete else [])
                                            + (["--scheme", args.scheme] if args.scheme else []) + (["--quiet"] if args.quiet else []))
         report["export"] = {k: v for k, v in export_from_args(eargs, model_path).items()
                             if k in ("out_dir", "format", "mtp", "seconds", "bytes_written")}
