@@ -181,14 +181,33 @@ class _Exporter:
         self.ascend = cfg.format == "ascend"
         self.bytes_read = 0
         self.types: dict[str, str] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
 
     # -------------------------------------------------------------- raw copies
+    def _location(self, key: str) -> tuple[Path, str, list[int], int, int]:
+        """(shard file, safetensors dtype, shape, absolute byte offset, byte length) of a source
+        tensor, from the shard's header (read once per shard)."""
+        shard = self.reader.shard_of(key)
+        header = self._headers.get(shard)
+        if header is None:
+            path = self.reader.root / shard
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = (8 + n, json.loads(f.read(n)))
+            self._headers[shard] = header
+        base, entries = header
+        e = entries.get(key)
+        if e is None:
+            raise CheckpointError(f"key {key!r}: the index maps it to shard {shard!r}, but that shard does not contain it")
+        a, b = e["data_offsets"]
+        return self.reader.root / shard, e["dtype"], e["shape"], base + a, b - a
+
     def _raw(self, key: str) -> torch.Tensor:
         t = self.reader.get_raw(key)
         self.bytes_read += t.numel() * t.element_size()
         return t
 
-    def _copy_released(self, keys: list[str], sink) -> None:
+    def _copy_released(self, keys: list[str], stream) -> None:
         """Tensors as released; FP8 / FP4 weights decoded to bf16 for ascend / dequantize_rest."""
         present = set(keys)
         decode = self.ascend or self.cfg.dequantize_rest
@@ -203,19 +222,25 @@ class _Exporter:
             if decode and key in companion:
                 w, s = self._raw(key), self._raw(companion[key])
                 dec = decode_fp8_block if w.dtype == torch.float8_e4m3fn else decode_fp4
-                sink(key, dec(w, s, dtype=torch.bfloat16, device=self.device, name=key))
+                stream.add(key, dec(w, s, dtype=torch.bfloat16, device=self.device, name=key))
                 self.types[key] = ascend.FLOAT
                 continue
+            self.types[key] = ascend.FLOAT
+            if not (self.ascend and key.endswith("tid2eid")):
+                # large tensors go file to file (the embedding and head are GBs at real size)
+                src, st_dtype, shape, start, nbytes = self._location(key)
+                if stream.add_file_range(key, st_dtype, shape, src, start, nbytes):
+                    self.bytes_read += nbytes
+                    continue
             t = self._raw(key)
             if self.ascend and key.endswith("tid2eid"):
                 t = t.to(torch.int32)   # as msModelSlim stores it
-            sink(key, t)
-            self.types[key] = ascend.FLOAT
+            stream.add(key, t)
 
     # -------------------------------------------------------------- one decoder block
     def _export_block(self, block: torch.nn.Module, prefix: str, keys: list[str], layer_idx: int,
-                      quantize: bool, with_params: bool, sink) -> None:
-        """Stream the block's tensors into ``sink(name, tensor)``: each quantized leaf as soon as it
+                      quantize: bool, with_params: bool, stream) -> None:
+        """Stream the block's tensors into ``stream`` (a ShardStream): each quantized leaf as soon as it
         is encoded (host memory holds one leaf's output), then everything else."""
         from models.deepseek_v4 import quant_module
 
@@ -241,7 +266,7 @@ class _Exporter:
                 else:
                     tensors, typ = ct.encode_weight(base, spec, act, d, tuple(w.shape)), None
             for k, v in tensors.items():
-                sink(k, v)
+                stream.add(k, v)
                 self.types[k] = typ or ascend.FLOAT
             del tensors, d
             consumed.update({prefix + wname, prefix + wname[: -len(".weight")] + ".scale"})
@@ -252,13 +277,13 @@ class _Exporter:
             rel = key[len(prefix):]
             cur = now.get(rel)
             if cur is not None and before.get(rel) != (id(cur), cur._version):
-                sink(key, cur)                           # changed by the run's parameters
+                stream.add(key, cur)                           # changed by the run's parameters
                 self.types[key] = ascend.FLOAT
                 scale = key[: -len(".weight")] + ".scale" if key.endswith(".weight") else None
                 consumed.add(scale)
                 continue
             rest.append(key)
-        self._copy_released([k for k in rest if k not in consumed], sink)
+        self._copy_released([k for k in rest if k not in consumed], stream)
 
     def _build_layer(self, i: int) -> torch.nn.Module:
         from models.deepseek_v4.loading import load_block
@@ -343,21 +368,21 @@ class _Exporter:
             stream = writer.open_group(group, n_hint=4 * len(gkeys) + 16)
             try:
                 if group == "stem":
-                    self._copy_released(gkeys, stream.add)
+                    self._copy_released(gkeys, stream)
                 elif group.startswith("layers."):
                     i = int(group.split(".")[1])
                     block = self._build_layer(i)
                     self._export_block(block, f"{group}.", gkeys, i, i in qlayers, cfg.params_dir is not None,
-                                       stream.add)
+                                       stream)
                     self._release(block)
                 else:
                     j = int(group.split(".")[1])
                     block = self._build_mtp(j)
                     if block is None:
-                        self._copy_released(gkeys, stream.add)
+                        self._copy_released(gkeys, stream)
                         extra["mtp"] = {group: "copied"}
                     else:
-                        self._export_block(block, f"{group}.", gkeys, n + j, True, False, stream.add)
+                        self._export_block(block, f"{group}.", gkeys, n + j, True, False, stream)
                         self._release(block)
                         extra["mtp"] = {group: "quantized (RTN)"}
                     mtp_state.update(extra["mtp"])

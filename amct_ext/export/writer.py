@@ -115,6 +115,28 @@ class ShardStream:
         else:
             self.pending[name] = t.contiguous()
 
+    def add_file_range(self, name: str, st_dtype: str, shape: list[int], src: str | os.PathLike,
+                       start: int, nbytes: int) -> bool:
+        """Copy a tensor's bytes straight from another safetensors file (a tensor copied as
+        released), in chunks: no host copy of the tensor. Returns False when the tensor should go
+        through :meth:`add` instead (small, odd-sized, or a dtype this writer does not map)."""
+        if st_dtype not in _ST_DTYPES.values() or nbytes < self.BIG or nbytes % 8:
+            return False
+        if name in self.entries or name in self.pending:
+            raise ExportOutputError(f"tensor {name!r} written twice into {self.path}")
+        with open(src, "rb") as f:
+            f.seek(start)
+            left = nbytes
+            while left:
+                chunk = f.read(min(left, 64 << 20))
+                if not chunk:
+                    raise ExportOutputError(f"{src}: truncated while copying tensor {name!r}")
+                self.f.write(chunk)
+                left -= len(chunk)
+        self.entries[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [self.offset, self.offset + nbytes]}
+        self.offset += nbytes
+        return True
+
     def _write(self, name: str, t: torch.Tensor) -> None:
         n = t.numel() * t.element_size()
         flat = t.contiguous().reshape(-1)
