@@ -288,7 +288,8 @@ class _Exporter:
     def _build_layer(self, i: int) -> torch.nn.Module:
         from models.deepseek_v4.loading import load_block
 
-        block, _ = load_block(self.reader, self.config, i, self.cfg.dtype, self.device)
+        # no expert packing: the export never runs the layer, and packing holds two copies
+        block, _ = load_block(self.reader, self.config, i, self.cfg.dtype, self.device, pack_experts=False)
         return block
 
     def _build_mtp(self, j: int) -> torch.nn.Module | None:
@@ -309,7 +310,6 @@ class _Exporter:
         block.load_state_dict(res.tensors, strict=True, assign=True)
         materialize_derived_buffers(block, self.device)
         assert_materialized(block, f"mtp.{j}")
-        block.ffn.pack_experts()
         return block.eval()
 
     @staticmethod

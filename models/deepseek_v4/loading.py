@@ -79,15 +79,20 @@ def _assign(module: nn.Module, tensors: dict[str, torch.Tensor], what: str, part
 
 
 def load_block(reader: CheckpointReader, config: DeepseekV4Config, layer_id: int,
-               dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> tuple[Block, list[str]]:
-    """Build decoder layer ``layer_id`` from the checkpoint on ``device``; returns (block, loaded keys)."""
+               dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+               pack_experts: bool = True) -> tuple[Block, list[str]]:
+    """Build decoder layer ``layer_id`` from the checkpoint on ``device``; returns (block, loaded keys).
+
+    ``pack_experts=False`` skips the grouped-GEMM stacking (a second copy of the expert weights
+    while it is built): for callers that never run the layer's forward (the export)."""
     block = empty_block(config, layer_id, dtype)
     prefix = f"layers.{layer_id}."
     result = reader.load_prefix(prefix, block.state_dict(), device=device, dtype=dtype)
     _assign(block, result.tensors, f"layer {layer_id}")
     materialize_derived_buffers(block, device)
     assert_materialized(block, f"layer {layer_id}")
-    block.ffn.pack_experts()  # grouped-GEMM expert path (one copy of the expert weights, as views)
+    if pack_experts:
+        block.ffn.pack_experts()  # grouped-GEMM expert path (one copy of the expert weights, as views)
     return block.eval(), [prefix + k for k in result.loaded] + [prefix + k for k in result.unexpected]
 
 
