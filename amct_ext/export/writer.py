@@ -296,8 +296,13 @@ class ShardedWriter:
         os.replace(stream.path, self.out / name)
         self.state["groups"][group] = {"shard": name, "bytes": stream.nbytes, "tensors": dict(sorted(stream.layout.items())),
                                        "extra": extra or {}}
-        atomic_write_json(self.state, self.state_path)
+        self._save_state()
         return stream.nbytes
+
+    def _save_state(self) -> None:
+        # compact: the state grows with every layer (all tensor layouts) and is rewritten per layer
+        blob = json.dumps(self.state, separators=(",", ":"))
+        atomic_write(self.state_path, lambda tmp: Path(tmp).write_text(blob, encoding="utf-8"))
 
     def write_group(self, group: str, tensors: dict[str, torch.Tensor]) -> int:
         """Write one group's tensors (host tensors) as its shard; returns the bytes written."""
@@ -310,7 +315,7 @@ class ShardedWriter:
         nbytes = sum(v.numel() * v.element_size() for v in data.values())
         self.state["groups"][group] = {"shard": name, "bytes": nbytes,
                                        "tensors": {k: [_dtype_name(v), list(v.shape)] for k, v in data.items()}}
-        atomic_write_json(self.state, self.state_path)
+        self._save_state()
         return nbytes
 
     def finish(self, metadata: dict[str, Any] | None = None) -> Path:
