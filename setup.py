@@ -32,6 +32,9 @@ setup(
         # --calib-dataset NAME: fetch a calibration split from the Hugging Face hub (online only)
         "datasets": ["datasets>=2.14"],
         # triton: the CUDA fast paths' kernels; the CPU tests run them under Triton's interpreter
-        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "triton>=3.2,<4; platform_system == 'Linux'"],
+        # compressed-tensors: the export tests' independent check (its compressors decompress our
+        # exported weights, its config model parses our quantization_config)
+        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "triton>=3.2,<4; platform_system == 'Linux'",
+                 "compressed-tensors>=0.20"],
     },
 )

@@ -35,6 +35,8 @@ from .storage_formats import FP4_PACKED_DTYPES, decode_fp4, decode_fp8_block
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
+# the index of an Ascend ModelSlim v1 export (amct_ext.export.ascend)
+ASCEND_INDEX_NAME = "quant_model_weights.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SCALE_SUFFIX = ".scale"
 WEIGHT_SUFFIX = ".weight"
@@ -105,6 +107,8 @@ class CheckpointReader:
         if p.is_dir():
             if (p / INDEX_NAME).is_file():
                 index = p / INDEX_NAME
+            elif (p / ASCEND_INDEX_NAME).is_file():
+                index = p / ASCEND_INDEX_NAME
             elif (p / SINGLE_NAME).is_file():
                 index = None
                 p = p / SINGLE_NAME
@@ -304,8 +308,16 @@ class CheckpointReader:
                     scale_of[k] = s
         candidate_scales = set(scale_of.values())
 
+        # Exported weights (amct_ext.export): ``M.weight`` / ``M.weight_packed`` with
+        # ``M.weight_scale`` and friends form one logical ``M.weight``.
+        from .export.readback import group_parts
+
+        exported = group_parts(keys)
+        parts_of = {k for parts in exported.values() for k in parts.values()}
+
         # Logical tensors: every key except scales that have a weight companion.
-        tensors_keys = [k for k in keys if k not in candidate_scales]
+        tensors_keys = [k for k in keys if k not in candidate_scales and k not in parts_of]
+        tensors_keys += list(exported)
 
         exp: dict[str, tuple[tuple[int, ...], torch.dtype | None]] | None = None
         if expected is not None:
@@ -327,7 +339,10 @@ class CheckpointReader:
         for k in tensors_keys:
             name = rel(k)
             want_shape, want_dtype = exp[name] if exp is not None else (None, None)
-            t = self._load_one(k, scale_of.get(k), want_shape, device)
+            if k in exported:
+                t = self._load_exported(k, exported[k], want_shape, device)
+            else:
+                t = self._load_one(k, scale_of.get(k), want_shape, device)
             if t.dtype.is_floating_point:
                 target = want_dtype
                 if target is None and target_dtype is not None:
@@ -374,6 +389,17 @@ class CheckpointReader:
             parts.append(f"{full!r} ({where})")
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         return f"missing checkpoint key(s) under {prefix!r}: " + ", ".join(parts) + more
+
+    def _load_exported(self, key: str, parts: dict[str, str], want_shape: tuple[int, ...] | None,
+                       device: str | torch.device | None) -> torch.Tensor:
+        """An exported (compressed-tensors / Ascend) weight -> fp32 compute tensor."""
+        from .export.readback import decode
+
+        t = decode(self.get_raw, parts, want_shape, device, key)
+        if want_shape is not None and tuple(t.shape) != tuple(want_shape):
+            raise CheckpointError(f"tensor {key!r}: shape mismatch, model expects {list(want_shape)}, "
+                                  f"the exported weight decodes to {list(t.shape)}")
+        return t
 
     def _load_one(self, key: str, scale_key: str | None,
                   want_shape: tuple[int, ...] | None,

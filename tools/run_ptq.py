@@ -142,7 +142,8 @@ def resolve_model_path(args, calib_path: Path | None = None) -> Path:
 
 
 def check_weights_present(path: Path, model: str = "v4-flash") -> None:
-    has_index = (path / "model.safetensors.index.json").is_file()
+    has_index = (path / "model.safetensors.index.json").is_file() or \
+        (path / "quant_model_weights.safetensors.index.json").is_file()  # an Ascend export
     has_single = (path / "model.safetensors").is_file()
     if not (has_index or has_single):
         hint = ("download the checkpoint there or use --download" if model in MODELSCOPE_IDS
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=None, help="calibration windows per forward")
     ap.add_argument("--eval-batch-size", type=int, default=None)
     ap.add_argument("--output-dir", required=True)
+    ap.add_argument("--export", choices=("compressed-tensors", "ascend"), default=None,
+                    help="after the run, export the quantized model (tools/export.py --from OUTPUT) "
+                         "into OUTPUT/export-FORMAT")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     return ap
 
@@ -255,6 +259,13 @@ def run(args) -> int:
     with DeepseekV4Adapter(run_cfg) as adapter:
         check_seq_len(adapter, seq_len, "--seq-len")
         layers = layer_range(adapter, args.start_layer, args.end_layer)
+        exported = adapter.exported is not None
+        if exported and not args.no_ptq:
+            raise ConfigError(f"{model_path} is an exported quantized checkpoint ({adapter.exported.format}); "
+                              "evaluate it with --no-ptq --eval-ppl (its float PPL applies the declared "
+                              "activation quantization)")
+        if args.export and args.no_ptq:
+            raise ConfigError("--export needs learned parameters: drop --no-ptq (or use tools/export.py --scheme for RTN)")
         calib = load_calib_windows(adapter, ptq_cfg)
         if not args.no_ptq:
             prepare_params_dir(adapter, out, scheme, targets, ptq_cfg, create=False, calib_windows=calib)
@@ -267,7 +278,7 @@ def run(args) -> int:
         # static activation quantizers left in float because no calibration data reached them
         unobserved = {}
         if eval_ppl:
-            for mode in ("float", "rtn"):
+            for mode in (("float",) if exported else ("float", "rtn")):
                 r = evaluate_blockwise(adapter, windows, eval_cfg, mode, scheme=scheme, targets=targets,
                                        layers=layers, calib_windows=calib, calib_batch_size=ptq_cfg.batch_size)
                 ppl[mode] = r.ppl
@@ -312,6 +323,20 @@ def run(args) -> int:
             "peak_memory_note": ("process peak RSS (cpu)" if adapter.device.type == "cpu"
                                  else f"{adapter.device.type} allocator peak"),
         }
+    if args.export:
+        from tools.export import build_parser as export_parser, export_from_args
+
+        eout = out / f"export-{args.export}"
+        # a finished export of an earlier run is replaced; a partial one is resumed (the export's
+        # own fingerprint refuses one made from other parameters)
+        complete = any((eout / n).is_file() for n in ("model.safetensors.index.json",
+                                                       "quant_model_weights.safetensors.index.json"))
+        eargs = export_parser().parse_args(["--model", args.model, "--from", str(out), "--format", args.export,
+                                            "--out", str(eout), "--device", args.device, "--dtype", dtype_name]
+                                           + (["--overwrite"] if complete else [])
+                                           + (["--scheme", args.scheme] if args.scheme else []) + (["--quiet"] if args.quiet else []))
+        report["export"] = {k: v for k, v in export_from_args(eargs, model_path).items()
+                            if k in ("out_dir", "format", "mtp", "seconds", "bytes_written")}
     atomic_write_json(report, out / "report.json")
     if any(unobserved.values()):
         print("static activation quantizers left in float (no calibration data reached them): "
