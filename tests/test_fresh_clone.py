@@ -46,7 +46,7 @@ def test_readme_command_1_in_a_bare_copy(tmp_path_factory):
         dst = proj / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / rel, dst)
-    assert [p.name for p in root.iterdir()] == ["proj"]        # nothing beside it (no ../shared)
+    assert [p.name for p in root.iterdir()] == ["proj"]        # nothing beside it
     cache = tmp_path_factory.mktemp("amct-cache")               # not beside the clone either
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "AMCT_CACHE")}
     env.update(AMCT_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")

@@ -135,3 +135,22 @@ def test_fp32_then_bf16_is_refused_by_the_cli(tiny_ckpt, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "dtype: 'fp32' in the folder, 'bf16' now" in err[0], err
     assert sorted(p.name for p in (out / PARAMS_DIR).iterdir()) == before
+
+
+def test_single_file_checkpoint_identity_is_its_header(tmp_path):
+    """Without an index, the identity is the safetensors header (names, dtypes, shapes, offsets):
+    another tensor layout changes it; the same layout with other bytes does not (reading every
+    weight to hash it would cost a full checkpoint read)."""
+    from safetensors.torch import save_file
+
+    from amct_ext.workflow import checkpoint_identity
+
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for d in (a, b, c):
+        d.mkdir()
+    save_file({"w": torch.zeros(4, 4)}, str(a / "model.safetensors"))
+    save_file({"w": torch.ones(4, 4)}, str(b / "model.safetensors"))
+    save_file({"w": torch.zeros(4, 5)}, str(c / "model.safetensors"))
+    ia, ib, ic = checkpoint_identity(a), checkpoint_identity(b), checkpoint_identity(c)
+    assert set(ia) == {"header_sha256"}
+    assert ia == ib and ia != ic
