@@ -24,7 +24,12 @@ Outputs (OUTPUT = --output-dir)
   OUTPUT/ptq_params/meta.json          scheme fingerprint, targets, model, solver settings
   OUTPUT/ptq_params/layer_{i}_{unit}.pt learned parameters of each unit (+ .json: its losses)
   OUTPUT/report.json                   PPLs, per-unit losses, wall time, peak memory
-An interrupted run resumes: rerun the same command (finished units are skipped). An output
+An interrupted run resumes: rerun the same command (finished units are skipped).
+
+Several processes: `torchrun --nproc-per-node N [--nnodes M --rdzv-...] tools/run_ptq.py ...`
+spreads the layers over the ranks (amct_ext/distributed.py): each rank solves a cost-balanced
+layer range into the same OUTPUT, perplexity runs as a pipeline over the ranks, rank 0 writes
+the report. The parameters and PPLs are those of one process. An output
 folder holding parameters of another scheme / targets / model is refused.
 
 Errors in the input (missing checkpoint, bad config, impossible sequence length, unknown
@@ -157,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-batch-size", type=int, default=None)
     ap.add_argument("--output-dir", required=True)
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--boundary", choices=("recompute", "send"), default="recompute",
+                    help="under torchrun: how a rank gets the float inputs of its first layer (recompute the "
+                         "layers before it, or receive them from the previous rank); same results")
     return ap
 
 
@@ -170,17 +178,20 @@ def _default(args, name: str):
 def run(args) -> int:
     import torch
 
-    from amct_ext import device as devmod
+    from amct_ext import device as devmod, distributed
     from amct_ext.base import EvalConfig, PtqConfig, RunConfig
     from amct_ext.calibration import DEFAULT_CALIBRATION_PATH, refuse_test_split
     from amct_ext.errors import DataError
     from amct_ext.io_utils import atomic_write_json
     from amct_ext.schemes import load_scheme, parse_targets
-    from amct_ext.workflow import (PARAMS_DIR, check_seq_len, evaluate_blockwise, layer_range, load_calib_windows,
-                                   load_eval_windows, prepare_params_dir, run_blockwise_ptq, summary_table)
+    from amct_ext.workflow import (PARAMS_DIR, check_seq_len, layer_range, load_calib_windows, load_eval_windows,
+                                   prepare_params_dir, summary_table)
     from models.deepseek_v4.adapter import DeepseekV4Adapter
 
     t_start = time.perf_counter()
+    dist = distributed.env_from()
+    if dist is not None:
+        distributed.check_propagate(getattr(args, "propagate", "float"))
     threads = _default(args, "threads")
     if threads:
         torch.set_num_threads(threads)
@@ -192,7 +203,12 @@ def run(args) -> int:
     check_weights_present(model_path)
     dtype_name = _default(args, "dtype")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    run_cfg = RunConfig(model_path=model_path, device=args.device, dtype=dtype, progress=not args.quiet)
+    if dist is not None:   # each rank on the device of its LOCAL_RANK, in the job's process group
+        dist = distributed.init(dist, args.device)
+        distributed.install_stop_handler(dist)
+    main_rank = dist is None or dist.is_main
+    run_cfg = RunConfig(model_path=model_path, device=str(dist.device) if dist else args.device, dtype=dtype,
+                        progress=not args.quiet and main_rank)
     seq_len = _default(args, "seq_len")
     eval_ppl = _default(args, "eval_ppl")
     ptq_cfg = PtqConfig(epochs=args.epochs, lr=args.lr, n_samples=_default(args, "calib_samples"), seq_len=seq_len,
@@ -226,25 +242,29 @@ def run(args) -> int:
         evals = {}
         if eval_ppl:
             for mode in ("float", "rtn"):
-                r = evaluate_blockwise(adapter, windows, eval_cfg, mode, scheme=scheme, targets=targets,
-                                       layers=layers, calib_windows=calib, calib_batch_size=ptq_cfg.batch_size)
+                r = distributed.evaluate(dist, adapter, windows, eval_cfg, mode, scheme=scheme, targets=targets,
+                                         layers=layers, calib_windows=calib, calib_batch_size=ptq_cfg.batch_size)
                 ppl[mode] = r.ppl
                 evals[mode] = r.to_dict()
                 peaks.append(r.memory.peak_memory_bytes)
-                print(f"ppl[{mode}] = {r.ppl:.4f}  ({r.n_windows} windows x {r.seq_len}, {r.seconds:.1f} s)", flush=True)
+                if main_rank:
+                    print(f"ppl[{mode}] = {r.ppl:.4f}  ({r.n_windows} windows x {r.seq_len}, {r.seconds:.1f} s)", flush=True)
         units = []
         if not args.no_ptq:
-            res = run_blockwise_ptq(adapter, scheme, targets, ptq_cfg, out, layers=layers, calib_windows=calib)
+            res = distributed.run_ptq(dist, adapter, scheme, targets, ptq_cfg, out, layers=layers,
+                                      calib_windows=calib, boundary=args.boundary)
             units = res.units
             peaks.append(res.memory.peak_memory_bytes)
-            print(summary_table(units), flush=True)
+            if main_rank:
+                print(summary_table(units), flush=True)
             if eval_ppl:
-                r = evaluate_blockwise(adapter, windows, eval_cfg, "ptq", scheme=scheme, targets=targets,
-                                       layers=layers, params_dir=out / PARAMS_DIR)
+                r = distributed.evaluate(dist, adapter, windows, eval_cfg, "ptq", scheme=scheme, targets=targets,
+                                         layers=layers, params_dir=out / PARAMS_DIR)
                 ppl["quant"] = r.ppl
                 evals["ptq"] = r.to_dict()
                 peaks.append(r.memory.peak_memory_bytes)
-                print(f"ppl[ptq] = {r.ppl:.4f}  ({r.seconds:.1f} s)", flush=True)
+                if main_rank:
+                    print(f"ppl[ptq] = {r.ppl:.4f}  ({r.seconds:.1f} s)", flush=True)
 
         report = {
             "model": args.model, "model_path": str(model_path), "scheme": scheme.name,
@@ -265,6 +285,12 @@ def run(args) -> int:
             "peak_memory_note": ("process peak RSS (cpu)" if adapter.device.type == "cpu"
                                  else f"{adapter.device.type} allocator peak"),
         }
+        if dist is not None:   # PTQ peaks are gathered over the ranks; evaluation peaks are rank 0's
+            report["distributed"] = {"world_size": dist.world_size, "boundary": args.boundary,
+                                     "ptq_ranges": ([[r.start, r.stop] for r in res.ranges] if not args.no_ptq
+                                                    else None)}
+    if not main_rank:
+        return 0
     atomic_write_json(report, out / "report.json")
     print(f"wrote {out / 'report.json'}  (wall {report['wall_s']:.1f} s, peak memory "
           f"{report['peak_memory_bytes'] / 2**20:.0f} MiB)", flush=True)
@@ -276,11 +302,24 @@ def main(argv=None) -> int:
     # transformers' config base class warns about rope_scaling on every load: not the user's concern
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\..*")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from amct_ext import distributed
+
     try:
-        return run(args)
+        try:
+            return run(args)
+        finally:
+            distributed.shutdown()
     except AmctError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a rank lost its peers: one line instead of a traceback per rank
+        if distributed.env_from() is None or not distributed.is_comm_failure(e):
+            raise
+        rank = os.environ.get("RANK", "?")
+        print(f"error: rank {rank}: another rank stopped or is unreachable ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}); rerun the same command to resume, finished units "
+              "are kept", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("interrupted: rerun the same command to resume (finished units are kept)", file=sys.stderr)
         return 130
