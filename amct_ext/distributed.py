@@ -207,20 +207,33 @@ def _param_count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+_COUNTS: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _v4_param_counts(config: Any, layer_idx: int) -> tuple[int, int, int, int]:
+    """(attention, one routed expert, shared experts, whole layer) weights of a layer, from a
+    meta build; cached per layer kind (a meta build of 256 experts takes ~0.5 s)."""
+    ratio = int(config.compress_ratios[layer_idx])
+    key = (json.dumps(vars(config), sort_keys=True, default=str), ratio, layer_idx < int(config.n_hash_layers))
+    if key not in _COUNTS:
+        from models.deepseek_v4.loading import empty_block
+
+        block = empty_block(config, layer_idx)
+        shared = block.ffn.shared_experts
+        _COUNTS[key] = (_param_count(block.attn), _param_count(block.ffn.experts[0]),
+                        _param_count(shared) if shared is not None else 0, _param_count(block))
+    return _COUNTS[key]
+
+
 def v4_layer_cost(config: Any, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int,
                   rates: CostRates = CostRates()) -> LayerCost:
     """The cost of DeepSeek-V4 layer ``layer_idx`` from its shapes (a meta build, no memory):
     the attention's weights grow with the compress ratio (compressor at 4 and 128, indexer at
     4), the MoE's with the number and width of the experts; a routed expert sees topk / E of
     the tokens. ``n_tokens``: calibration tokens (samples x seq_len)."""
-    from models.deepseek_v4.loading import empty_block
-
-    block = empty_block(config, layer_idx)
     targets = list(parse_targets(targets)) if targets else []
-    attn = _param_count(block.attn)
+    attn, expert, shared, total = _v4_param_counts(config, layer_idx)
     n_exp = int(config.n_routed_experts)
-    expert = _param_count(block.ffn.experts[0])
-    shared = _param_count(block.ffn.shared_experts) if block.ffn.shared_experts is not None else 0
     topk = int(config.n_activated_experts)
     ratio = int(config.compress_ratios[layer_idx])
     factor = dict(rates.kind_factor).get(ratio, 1.0)
@@ -236,7 +249,7 @@ def v4_layer_cost(config: Any, layer_idx: int, targets: Sequence[str], n_tokens:
         solve_s += passes * (n_exp * expert * routed_tokens + shared * n_tokens) / rates.solve_flop_rate
     solve_s += n_units * rates.unit_overhead_s
     # release layout: FP4 experts (~0.53 byte / weight with scales), FP8 elsewhere (~1.0)
-    disk_bytes = 0.53 * n_exp * expert + 1.0 * (_param_count(block) - n_exp * expert)
+    disk_bytes = 0.53 * n_exp * expert + 1.0 * (total - n_exp * expert)
     active = attn + topk * expert + shared
     forward_s = 2.0 * active * n_tokens * factor / rates.forward_flop_rate
     return LayerCost(float_s=disk_bytes / rates.load_bytes_per_s + forward_s, solve_s=solve_s)
@@ -279,6 +292,8 @@ def partition_layers(layers: range, costs: Sequence[LayerCost], n_ranks: int, *,
     for r in range(1, n_ranks):
         for q in range(n + 1):
             for p in range(q + 1):     # ascending p, strict '<': a tie keeps the smallest p
+                if best[r - 1][p] >= best[r][q]:
+                    break              # best[r-1] never decreases in p: no later p can do better
                 t = max(best[r - 1][p], rank_time(p, q))
                 if t < best[r][q] - 1e-12 * max(1.0, abs(t)):
                     best[r][q], cut[r][q] = t, p
