@@ -30,10 +30,15 @@ ranks (by forward cost); rank 0 embeds window batch k, every rank runs its (resi
 it and sends it on, the last rank computes the head NLL, and the sum is broadcast. The batches
 and their order are those of one process, so the PPL is the same number.
 
-Failures: torchrun stops the other workers when one exits non-zero (SIGTERM; our handler turns
-that into one clear line, see ``install_stop_handler``); a rank blocked in a collective also
-stops at the process group's timeout (``AMCT_DIST_TIMEOUT_S``, default 2 h: a rank that
-finished early waits at the final gather for the slowest one). A rerun resumes.
+Failures, three layers (each ends in one clear ``error:`` line; a rerun resumes):
+- torchrun stops the other workers of its node when one exits non-zero (SIGTERM,
+  ``install_stop_handler``);
+- a rank on another node is stopped by the ``Watchdog`` (heartbeats in the job's store, stale
+  after ``AMCT_DIST_HEARTBEAT_S``, default 120 s), or earlier by its next collective failing
+  ("Connection closed by peer" with gloo);
+- a rank blocked in a collective on a hung (alive, silent) peer stops at the process group's
+  timeout (``AMCT_DIST_TIMEOUT_S``, default 2 h: a rank that finished early waits at the final
+  gather for the slowest one), unless the watchdog fires first.
 """
 from __future__ import annotations
 
@@ -146,9 +151,17 @@ def init(dist_env: DistEnv, device_pref: str) -> DistEnv:
     return DistEnv(dist_env.rank, dist_env.world_size, dist_env.local_rank, dev)
 
 
-def shutdown() -> None:
+def shutdown(ok: bool = True) -> None:
+    """End this rank's part: mark it done for the peers' watchdogs (``ok``), leave the group."""
+    global _WATCHDOG
     import torch.distributed as tdist
 
+    if _WATCHDOG is not None:
+        if ok:
+            _WATCHDOG.finish()
+        elif _WATCHDOG._stop is not None:
+            _WATCHDOG._stop.set()
+        _WATCHDOG = None
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
 
@@ -449,6 +462,113 @@ def install_stop_handler(dist_env: DistEnv) -> None:
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
+
+
+HEARTBEAT_ENV = "AMCT_DIST_HEARTBEAT_S"
+DEFAULT_STALE_S = 120.0
+
+
+class Watchdog:
+    """Peer liveness over the job's key-value store, for the case torchrun does not cover.
+
+    One node's torchrun stops its own workers when one fails, but a worker on ANOTHER node
+    goes on with its layer range until its next collective (verified with two agents on
+    loopback, benchmarks/results_i16.md) -- at real size that can be hours. So every rank bumps
+    a counter in the store every ``period_s`` and watches the others' counters; a peer whose
+    counter has not moved for ``stale_s`` (local clock; no cross-host clock comparison) is
+    taken as dead or hung, and ``on_dead(message)`` runs (default: one line, exit 4). A rank that
+    finished normally marks itself done first and is not watched. An unreachable store counts
+    as a failure too (the node hosting it went away)."""
+
+    def __init__(self, store, rank: int, world_size: int, *, period_s: float = 5.0, stale_s: float = DEFAULT_STALE_S,
+                 on_dead: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.period_s, self.stale_s, self.clock = period_s, stale_s, clock
+        self.on_dead = on_dead or self._exit
+        self.count = 0
+        start = clock()
+        self.last_value: dict[int, bytes | None] = {r: None for r in range(world_size) if r != rank}
+        self.last_seen = {r: start for r in self.last_value}
+        self._stop = None
+
+    def _exit(self, message: str) -> None:
+        print(f"error: rank {self.rank}/{self.world_size}: {message}; stopping. Rerun the same command to "
+              "resume, finished units are kept", file=sys.stderr, flush=True)
+        os._exit(4)
+
+    def beat(self) -> None:
+        self.count += 1
+        self.store.set(f"amct/hb/{self.rank}", str(self.count))
+
+    def check(self) -> str | None:
+        """The message for the first dead peer, or None."""
+        now = self.clock()
+        for peer in self.last_value:
+            if self.store.check([f"amct/done/{peer}"]):
+                continue
+            key = f"amct/hb/{peer}"
+            value = self.store.get(key) if self.store.check([key]) else None
+            if value != self.last_value[peer]:
+                self.last_value[peer], self.last_seen[peer] = value, now
+            elif now - self.last_seen[peer] > self.stale_s:
+                return (f"rank {peer} gave no sign of life for {now - self.last_seen[peer]:.0f} s "
+                        f"(> {HEARTBEAT_ENV}={self.stale_s:g}): its process died or is frozen")
+        return None
+
+    def step(self) -> bool:
+        """One beat and one check; False once a peer was found dead (``on_dead`` was called)."""
+        try:
+            self.beat()
+            msg = self.check()
+        except Exception as e:  # noqa: BLE001 - the store's host is gone: the job is broken
+            msg = f"the job's store is unreachable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        if msg:
+            self.on_dead(msg)
+            return False
+        return True
+
+    def start(self) -> "Watchdog":
+        import threading
+
+        self._stop = threading.Event()
+
+        def loop():
+            while not self._stop.is_set() and self.step():
+                self._stop.wait(self.period_s)
+
+        threading.Thread(target=loop, name="amct-watchdog", daemon=True).start()
+        return self
+
+    def finish(self) -> None:
+        """Normal end: mark this rank done (peers stop watching it), stop the thread."""
+        if self._stop is not None:
+            self._stop.set()
+        try:
+            self.store.set(f"amct/done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - peers gone already: nothing to tell them
+            pass
+
+
+_WATCHDOG: Watchdog | None = None
+
+
+def start_watchdog(dist_env: DistEnv) -> Watchdog | None:
+    """The ``Watchdog`` on the process group's store; ``AMCT_DIST_HEARTBEAT_S`` (default 120)
+    sets the staleness bound, 0 turns it off."""
+    global _WATCHDOG
+    import torch.distributed as tdist
+
+    raw = os.environ.get(HEARTBEAT_ENV)
+    try:
+        stale = DEFAULT_STALE_S if raw is None else float(raw)
+    except ValueError:
+        raise DistributedError(f"{HEARTBEAT_ENV}={raw!r}: expected seconds (0 = no watchdog)") from None
+    get_store = getattr(tdist.distributed_c10d, "_get_default_store", None)
+    if stale <= 0 or get_store is None:
+        return None
+    _WATCHDOG = Watchdog(get_store(), dist_env.rank, dist_env.world_size, period_s=min(5.0, stale / 4),
+                         stale_s=stale).start()
+    return _WATCHDOG
 
 
 def is_comm_failure(exc: BaseException) -> bool:

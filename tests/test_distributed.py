@@ -199,3 +199,43 @@ def test_rank_death_stops_the_job_then_two_ranks_resume_to_the_one_process_bits(
         for k in want[name]:
             assert torch.equal(want[name][k], got[name][k]), (name, k)
     assert (one_process / "ptq_params" / "meta.json").read_text() == (out / "ptq_params" / "meta.json").read_text()
+
+
+def test_watchdog_flags_a_silent_peer_and_ignores_finished_ones():
+    """Fake clock, in-process store: a peer whose counter stops for > stale_s is reported once;
+    one that marked itself done is not; a broken store is a failure too."""
+    from torch.distributed import HashStore
+
+    store, now, dead = HashStore(), [0.0], []
+    clock = lambda: now[0]   # noqa: E731
+    w0 = dist.Watchdog(store, 0, 3, stale_s=10, on_dead=dead.append, clock=clock)
+    w1 = dist.Watchdog(store, 1, 3, stale_s=10, on_dead=dead.append, clock=clock)
+    w2 = dist.Watchdog(store, 2, 3, stale_s=10, on_dead=dead.append, clock=clock)
+    for t in range(0, 30, 5):          # everybody alive: no alarm over 30 s
+        now[0] = float(t)
+        assert w0.step() and w1.step() and w2.step()
+    w2.finish()                        # rank 2 is done: silence from it is fine
+    alive_until = None
+    for t in range(30, 100, 5):        # rank 1 dies after its beat at t=25: only rank 0 keeps beating
+        now[0] = float(t)
+        if not w0.step():
+            break
+        alive_until = t
+    # its last change was seen at t=30; stale after > 10 s: reported at t=45, not before
+    assert alive_until == 40 and now[0] == 45
+    assert dead == ["rank 1 gave no sign of life for 15 s (> AMCT_DIST_HEARTBEAT_S=10): its process died or is frozen"]
+
+    class Broken:
+        def set(self, *a):
+            raise RuntimeError("Connection reset by peer\nmore")
+
+    dead.clear()
+    assert not dist.Watchdog(Broken(), 0, 2, on_dead=dead.append).step()
+    assert dead == ["the job's store is unreachable (RuntimeError: Connection reset by peer)"]
+
+
+def test_export_hook_runs_one_range_in_one_process():
+    seen = []
+    assert dist.run_layer_ranges(None, range(2, 6), [dist.LayerCost(1, 0)] * 6,
+                                 lambda rg: seen.append(rg) or len(rg)) == [4]
+    assert seen == [range(2, 6)]

@@ -206,6 +206,7 @@ def run(args) -> int:
     if dist is not None:   # each rank on the device of its LOCAL_RANK, in the job's process group
         dist = distributed.init(dist, args.device)
         distributed.install_stop_handler(dist)
+        distributed.start_watchdog(dist)
     main_rank = dist is None or dist.is_main
     run_cfg = RunConfig(model_path=model_path, device=str(dist.device) if dist else args.device, dtype=dtype,
                         progress=not args.quiet and main_rank)
@@ -304,11 +305,14 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from amct_ext import distributed
 
+    ok = False
     try:
         try:
-            return run(args)
+            code = run(args)
+            ok = code == 0
+            return code
         finally:
-            distributed.shutdown()
+            distributed.shutdown(ok)
     except AmctError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
