@@ -650,7 +650,7 @@ def run_ptq(dist_env: DistEnv | None, adapter: BaseModel, scheme: QuantScheme, t
                                     calib_windows=calib_windows, on_unit_done=hook, start=(first, stream))
     local_units = [u.to_dict() for u in res.units] if res is not None else []
     peak = res.memory.peak_memory_bytes if res is not None else devmod.peak_memory_bytes(adapter.device)
-    gathered = all_gather_json({"units": local_units, "peak": peak}, dist_env)
+    gathered = all_gather_json({"units": local_units, "peak": peak, "seconds": time.perf_counter() - t0}, dist_env)
     units = [UnitResult(**u) for g in gathered for u in g["units"]]
     mem = MemoryStats(device=str(adapter.device), peak_memory_bytes=max(g["peak"] for g in gathered),
                       max_layer_bytes=res.memory.max_layer_bytes if res is not None else 0,
@@ -659,6 +659,7 @@ def run_ptq(dist_env: DistEnv | None, adapter: BaseModel, scheme: QuantScheme, t
                     seconds=time.perf_counter() - t0, memory=mem)
     out.ranges = ranges
     out.rank_peaks = [g["peak"] for g in gathered]
+    out.rank_seconds = [g["seconds"] for g in gathered]   # each rank's own work, before the gather
     return out
 
 

@@ -15,6 +15,10 @@ once while capturing, then solved).
 - send: the boundary travels the chain: arrive_r = arrive_{r-1} + (float pass of rank r-1's
   range) + bytes / link; T_r = arrive_r + (own float pass, if r is not last) + sum (t_f + t_q).
 
+Storage: the ranks of one node share its read bandwidth (``--node-read-gbps``, default 6: the
+page-cache read of RESULTS §5; ``--per-node`` ranks per node). A node's time is at least the
+bytes its ranks build / that bandwidth; the "IO-bound" columns take the max of both.
+
 t_q per layer is ``--solve-ref-s`` (the solving of one V4-Flash ratio-4 layer at 128 x 2048)
 scaled by the layer's solve cost in ``distributed.v4_layer_cost`` against that reference
 layer; t_f is the same model's load + forward (rates from RESULTS §4.0 and §5).
@@ -77,12 +81,36 @@ def send_makespan(costs, ranges, boundary_bytes: float, link: float) -> float:
     return worst
 
 
-def model(solve_ref_s: float, devices: list[int]) -> dict:
+def layer_disk_bytes(config, i: int) -> float:
+    """Bytes of layer i in the release layout (the cost model's load term times its rate)."""
+    c = dist.v4_layer_cost(config, i, [], TOKENS, 0)
+    forward_only = dist.v4_layer_cost(config, i, [], TOKENS, 0, dist.CostRates(load_bytes_per_s=float("inf")))
+    return (c.float_s - forward_only.float_s) * dist.CostRates().load_bytes_per_s
+
+
+def io_bound(ranges, layer_bytes, builds_per_layer: int, per_node: int, node_bw: float, prefix: bool) -> float:
+    """The largest node's read time: every rank builds its range (``builds_per_layer`` times) and,
+    with ``prefix``, every layer before it once."""
+    worst = 0.0
+    for node in range(0, len(ranges), per_node):
+        total = 0.0
+        for rg in ranges[node:node + per_node]:
+            if not len(rg):
+                continue
+            total += builds_per_layer * sum(layer_bytes[i] for i in rg)
+            if prefix:
+                total += sum(layer_bytes[i] for i in range(rg.start))
+        worst = max(worst, total / node_bw)
+    return worst
+
+
+def model(solve_ref_s: float, devices: list[int], per_node: int = 8, node_bw: float = 6e9) -> dict:
     cfgs = model_configs()
     ref = dist.v4_layer_cost(cfgs["V4-Flash"], 2, TARGETS, TOKENS, EPOCHS)   # Flash layer 2: ratio 4
     rows = []
     for name, cfg in cfgs.items():
         costs = layer_times(cfg, ref, solve_ref_s)
+        layer_bytes = [layer_disk_bytes(cfg, i) for i in range(len(costs))]
         layers = range(len(costs))
         t1 = sum(c.ptq_s for c in costs)
         chain = sum(c.float_s for c in costs)
@@ -94,16 +122,22 @@ def model(solve_ref_s: float, devices: list[int]) -> dict:
             row = {"model": name, "layers": len(costs), "devices": n, "t1_s": t1, "float_chain_s": chain,
                    "boundary_gb": boundary / 1e9, "recompute_s": rec, "recompute_speedup": t1 / rec,
                    "layer_loads_recompute": loads_rec, "layer_loads_send": 2 * len(costs),
-                   "max_layers_per_rank": max(len(r) for r in ranges)}
+                   "max_layers_per_rank": max(len(r) for r in ranges),
+                   "layer_gb": sum(layer_bytes) / len(layer_bytes) / 1e9,
+                   "recompute_io_s": max(rec, io_bound(ranges, layer_bytes, 1, per_node, node_bw, True))}
+            row["recompute_io_speedup"] = t1 / row["recompute_io_s"]
             for link_name, bw in LINKS.items():
                 s = send_makespan(costs, ranges, boundary, bw)
                 row[f"send_s[{link_name}]"] = s
                 row[f"send_speedup[{link_name}]"] = t1 / s
+            s_io = max(row[f"send_s[{list(LINKS)[1]}]"], io_bound(ranges, layer_bytes, 2, per_node, node_bw, False))
+            row["send_io_s"], row["send_io_speedup"] = s_io, t1 / s_io
             rows.append(row)
     return {"inputs": {"solve_ref_s": solve_ref_s, "tokens": TOKENS, "epochs": EPOCHS, "targets": TARGETS,
                        "rates": dist.CostRates().__dict__, "links_bytes_per_s": LINKS,
                        "ref_layer": "V4-Flash layer 2 (ratio 4, hash)",
-                       "ref_float_s": ref.float_s}, "rows": rows}
+                       "ref_float_s": ref.float_s, "per_node": per_node, "node_read_bytes_per_s": node_bw},
+            "rows": rows}
 
 
 def main() -> int:
@@ -112,25 +146,30 @@ def main() -> int:
                     help="solving of one Flash ratio-4 layer at 128 x 2048, seconds (repeatable); "
                          "default: 60 (issue 15's target) and 1080 (today's ~18 min projection)")
     ap.add_argument("--devices", default="8,16,64")
+    ap.add_argument("--per-node", type=int, default=8, help="ranks per node (they share its storage)")
+    ap.add_argument("--node-read-gbps", type=float, default=6.0, help="read bandwidth of one node's storage, GB/s")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     refs = args.solve_ref_s or [60.0, 1080.0]
     devices = [int(x) for x in args.devices.split(",")]
-    results = [model(r, devices) for r in refs]
+    results = [model(r, devices, args.per_node, args.node_read_gbps * 1e9) for r in refs]
     for res in results:
         inp = res["inputs"]
         print(f"\nsolve of the reference layer: {inp['solve_ref_s']:.0f} s; its float pass "
               f"(load + forward of {TOKENS} tokens): {inp['ref_float_s']:.2f} s")
         link_names = list(LINKS)
         print(f"| model | devices | one device | float chain | recompute | speedup | send (intra) | speedup "
-              f"| send (IB) | speedup | layers/rank (max) | layer loads recompute / send |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+              f"| send (IB) | speedup | layers/rank (max) | layer loads recompute / send "
+              f"| recompute, IO-bound | speedup | send (IB), IO-bound | speedup |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in res["rows"]:
             print(f"| {r['model']} | {r['devices']} | {r['t1_s'] / 60:.1f} min | {r['float_chain_s'] / 60:.1f} min "
                   f"| {r['recompute_s'] / 60:.1f} min | {r['recompute_speedup']:.1f}x "
                   f"| {r[f'send_s[{link_names[0]}]'] / 60:.1f} min | {r[f'send_speedup[{link_names[0]}]']:.1f}x "
                   f"| {r[f'send_s[{link_names[1]}]'] / 60:.1f} min | {r[f'send_speedup[{link_names[1]}]']:.1f}x "
-                  f"| {r['max_layers_per_rank']} | {r['layer_loads_recompute']} / {r['layer_loads_send']} |")
+                  f"| {r['max_layers_per_rank']} | {r['layer_loads_recompute']} / {r['layer_loads_send']} "
+                  f"| {r['recompute_io_s'] / 60:.1f} min | {r['recompute_io_speedup']:.1f}x "
+                  f"| {r['send_io_s'] / 60:.1f} min | {r['send_io_speedup']:.1f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -188,7 +188,9 @@ def test_rank_death_stops_the_job_then_two_ranks_resume_to_the_one_process_bits(
     report = json.loads((out / "report.json").read_text())
     # the finished units were skipped, not solved again
     assert sum(u["resumed"] for u in report["units"]) == len(done) and len(report["units"]) == 4 * 10
-    assert report["distributed"] == {"world_size": 2, "boundary": "send", "ptq_ranges": [[0, 2], [2, 4]]}
+    d = report["distributed"]
+    assert (d["world_size"], d["boundary"], d["ptq_ranges"]) == (2, "send", [[0, 2], [2, 4]])
+    assert len(d["ptq_rank_seconds"]) == 2 and all(t > 0 for t in d["ptq_rank_seconds"])
 
     ref = json.loads((one_process / "report.json").read_text())
     assert report["ppl"] == ref["ppl"]                         # float, rtn and quant: the same floats

@@ -289,7 +289,8 @@ def run(args) -> int:
         if dist is not None:   # PTQ peaks are gathered over the ranks; evaluation peaks are rank 0's
             report["distributed"] = {"world_size": dist.world_size, "boundary": args.boundary,
                                      "ptq_ranges": ([[r.start, r.stop] for r in res.ranges] if not args.no_ptq
-                                                    else None)}
+                                                    else None),
+                                     "ptq_rank_seconds": None if args.no_ptq else res.rank_seconds}
     if not main_rank:
         return 0
     atomic_write_json(report, out / "report.json")
