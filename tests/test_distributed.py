@@ -24,8 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "run_ptq.py"
 sys.path.insert(0, str(REPO / "tools"))
 
-FAST = ["--model", "tiny", "--calib-samples", "2", "--seq-len", "64", "--eval-windows", "4", "--epochs", "1",
-        "--quiet"]
+# 4 windows in batches of 2: two window batches flow through the perplexity pipeline
+FAST = ["--model", "tiny", "--calib-samples", "2", "--seq-len", "64", "--eval-windows", "4", "--eval-batch-size", "2",
+        "--epochs", "1", "--quiet"]
 
 
 # ----------------------------------------------------------------------------- small pieces
