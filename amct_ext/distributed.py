@@ -142,8 +142,8 @@ def init(dist_env: DistEnv, device_pref: str) -> DistEnv:
     dev = devmod.local_rank_device(device_pref, dist_env.local_rank)
     backend = devmod.dist_backend(dev.type)
     kwargs: dict[str, Any] = {}
-    if dev.type != "cpu":
-        kwargs["device_id"] = dev   # binds the communicator to this rank's device
+    if dev.type == "cuda":
+        kwargs["device_id"] = dev   # binds the NCCL communicator to this rank's device
     tdist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s()), **kwargs)
     if tdist.get_rank() != dist_env.rank or tdist.get_world_size() != dist_env.world_size:
         raise DistributedError(f"process group rank {tdist.get_rank()}/{tdist.get_world_size()} does not match "
@@ -522,10 +522,11 @@ class Watchdog:
             msg = self.check()
         except Exception as e:  # noqa: BLE001 - the store's host is gone: the job is broken
             msg = f"the job's store is unreachable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        if msg:
+        if msg and not (self._stop is not None and self._stop.is_set()):
+            # (once this rank is finishing, a vanished peer or store is the normal end of the job)
             self.on_dead(msg)
             return False
-        return True
+        return msg is None
 
     def start(self) -> "Watchdog":
         import threading

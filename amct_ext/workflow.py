@@ -430,6 +430,9 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     t0 = time.perf_counter()
     result = PtqResult(params_dir=str(pdir))
 
+    if start is not None and not 0 <= start[0] <= layers.start:
+        raise ConfigError(f"run_blockwise_ptq: the given stream enters layer {start[0]}, after the first "
+                          f"layer to quantize ({layers.start})")
     first, calib = start if start is not None else (0, embed_stream(adapter, calib_windows, cfg.batch_size))
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes)
     last = layers.stop
