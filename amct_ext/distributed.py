@@ -175,10 +175,11 @@ def barrier(dist_env: DistEnv) -> None:
         tdist.barrier(device_ids=[dist_env.comm_device.index])
 
 
-def check_propagate(propagate: str) -> None:
+def check_propagate(propagate: str | None) -> None:
     """Quantized predecessors make layer i+1's inputs depend on layer i's solved parameters:
-    the layers are a chain, so their ranges cannot be solved side by side."""
-    if propagate != "float":
+    the layers are a chain, so their ranges cannot be solved side by side. None = the default
+    (float). Call it with the RESOLVED value (a recipe's default propagation included)."""
+    if propagate not in (None, "float"):
         raise DistributedError(f"--propagate {propagate} is refused under torchrun: with quantized "
                                "predecessors each layer needs the solved layer before it, so layer ranges "
                                "cannot run in parallel (use --propagate float, or one process)")
@@ -602,11 +603,15 @@ def eval_ranges(adapter: BaseModel, dist_env: DistEnv, n_tokens: int) -> list[ra
 def run_ptq(dist_env: DistEnv | None, adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str],
             cfg: PtqConfig, output_dir: str | Path, *, layers: range, calib_windows: torch.Tensor,
             boundary: str = "recompute", ranges: Sequence[range] | None = None,
-            on_unit_done: Callable[[UnitResult], None] | None = None):
+            on_unit_done: Callable[[UnitResult], None] | None = None, meta_kwargs: dict[str, Any] | None = None,
+            **ptq_kwargs: Any):
     """``workflow.run_blockwise_ptq`` over the ranks (one process when ``dist_env`` is None).
 
     Every rank returns the whole run's unit results (gathered, in layer order) and the largest
-    peak memory; ``result.ranges`` holds the split."""
+    peak memory; ``result.ranges`` holds the split. ``ptq_kwargs`` go to every
+    ``run_blockwise_ptq`` call (e.g. a recipe); ``meta_kwargs`` to rank 0's
+    ``prepare_params_dir`` (it must write the meta.json that run_blockwise_ptq expects, e.g.
+    ``recipe_settings``)."""
     from .workflow import (MemoryStats, PtqResult, embed_stream, float_layer_output, prepare_params_dir,
                            run_blockwise_ptq)
 
@@ -614,20 +619,21 @@ def run_ptq(dist_env: DistEnv | None, adapter: BaseModel, scheme: QuantScheme, t
         raise ConfigError(f"boundary mode {boundary!r} is unknown; valid: {', '.join(BOUNDARY_MODES)}")
     if dist_env is None:
         return run_blockwise_ptq(adapter, scheme, targets, cfg, output_dir, layers=layers,
-                                 calib_windows=calib_windows, on_unit_done=on_unit_done)
+                                 calib_windows=calib_windows, on_unit_done=on_unit_done, **ptq_kwargs)
+    check_propagate(ptq_kwargs.get("propagate"))
     t0 = time.perf_counter()
     targets = scheme.check_targets(parse_targets(targets))
     ranges = list(ranges) if ranges is not None else ptq_ranges(adapter, dist_env, layers, targets, cfg)
     mine = ranges[dist_env.rank]
     if dist_env.is_main:
-        prepare_params_dir(adapter, output_dir, scheme, targets, cfg)   # meta.json before any unit
+        prepare_params_dir(adapter, output_dir, scheme, targets, cfg, **(meta_kwargs or {}))   # before any unit
     barrier(dist_env)
     hook = on_unit_done or die_hook(dist_env)
     res = None
     if boundary == "recompute":
         if len(mine):
             res = run_blockwise_ptq(adapter, scheme, targets, cfg, output_dir, layers=mine,
-                                    calib_windows=calib_windows, on_unit_done=hook, float_like=layers)
+                                    calib_windows=calib_windows, on_unit_done=hook, float_like=layers, **ptq_kwargs)
     else:
         # the boundary stream: rank 0 embeds and runs the float layers before the quantized range
         first = mine.start
@@ -648,7 +654,8 @@ def run_ptq(dist_env: DistEnv | None, adapter: BaseModel, scheme: QuantScheme, t
             send_stream(out, dist_env.rank + 1, dist_env)
         if len(mine):
             res = run_blockwise_ptq(adapter, scheme, targets, cfg, output_dir, layers=mine,
-                                    calib_windows=calib_windows, on_unit_done=hook, start=(first, stream))
+                                    calib_windows=calib_windows, on_unit_done=hook, start=(first, stream),
+                                    **ptq_kwargs)
     local_units = [u.to_dict() for u in res.units] if res is not None else []
     peak = res.memory.peak_memory_bytes if res is not None else devmod.peak_memory_bytes(adapter.device)
     gathered = all_gather_json({"units": local_units, "peak": peak, "seconds": time.perf_counter() - t0}, dist_env)

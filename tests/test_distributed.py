@@ -53,6 +53,7 @@ def test_torchrun_environment():
 
 def test_quantized_propagation_is_refused_in_one_line():
     dist.check_propagate("float")
+    dist.check_propagate(None)                # not given: the default, float
     with pytest.raises(dist.DistributedError) as info:
         dist.check_propagate("quant")
     msg = str(info.value)
