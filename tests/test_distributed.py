@@ -24,9 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "run_ptq.py"
 sys.path.insert(0, str(REPO / "tools"))
 
-# 4 windows in batches of 2: two window batches flow through the perplexity pipeline
+# 4 windows in batches of 2: two window batches flow through the perplexity pipeline (all 4
+# layers); layers 0-1 (ratio 0 and ratio 4, hash-routed) are quantized, split over the 2 ranks
 FAST = ["--model", "tiny", "--calib-samples", "2", "--seq-len", "64", "--eval-windows", "4", "--eval-batch-size", "2",
-        "--epochs", "1", "--quiet"]
+        "--epochs", "1", "--quiet", "--end-layer", "2"]
 
 
 # ----------------------------------------------------------------------------- small pieces
@@ -178,7 +179,12 @@ def test_rank_death_stops_the_job_then_two_ranks_resume_to_the_one_process_bits(
     assert proc.returncode != 0
     assert died_at, err[-3000:]
     assert ended - died_at[0] < 30, f"the job took {ended - died_at[0]:.1f} s to stop after rank 1 died"
-    assert "error: rank 0/2: stopped by torchrun" in err and "rerun the same command to resume" in err, err[-3000:]
+    # rank 0 ends in one line: torchrun's SIGTERM if it was solving, or the failed gloo collective
+    # if it was already waiting in the final gather (both happen, depending on timing)
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: rank 0")]
+    assert len(lines) == 1, err[-3000:]
+    assert ("stopped by torchrun" in lines[0] or "another rank stopped or is unreachable" in lines[0])
+    assert "rerun the same command to resume" in lines[0]
     assert "exitcode  : 17" in err                              # torchrun names the rank that failed first
     assert not (out / "report.json").exists()
     done = set(_pt_files(out))
@@ -189,15 +195,15 @@ def test_rank_death_stops_the_job_then_two_ranks_resume_to_the_one_process_bits(
     assert proc.returncode == 0, stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     # the finished units were skipped, not solved again
-    assert sum(u["resumed"] for u in report["units"]) == len(done) and len(report["units"]) == 4 * 10
+    assert sum(u["resumed"] for u in report["units"]) == len(done) and len(report["units"]) == 2 * 10
     d = report["distributed"]
-    assert (d["world_size"], d["boundary"], d["ptq_ranges"]) == (2, "send", [[0, 2], [2, 4]])
+    assert (d["world_size"], d["boundary"], d["ptq_ranges"]) == (2, "send", [[0, 1], [1, 2]])
     assert len(d["ptq_rank_seconds"]) == 2 and all(t > 0 for t in d["ptq_rank_seconds"])
 
     ref = json.loads((one_process / "report.json").read_text())
     assert report["ppl"] == ref["ppl"]                         # float, rtn and quant: the same floats
     want, got = _pt_files(one_process), _pt_files(out)
-    assert sorted(want) == sorted(got) and len(want) == 40
+    assert sorted(want) == sorted(got) and len(want) == 20
     for name in want:
         assert want[name].keys() == got[name].keys(), name
         for k in want[name]:
