@@ -29,7 +29,9 @@ An interrupted run resumes: rerun the same command (finished units are skipped).
 Several processes: `torchrun --nproc-per-node N [--nnodes M --rdzv-...] tools/run_ptq.py ...`
 spreads the layers over the ranks (amct_ext/distributed.py): each rank solves a cost-balanced
 layer range into the same OUTPUT, perplexity runs as a pipeline over the ranks, rank 0 writes
-the report. The parameters and PPLs are those of one process. An output
+the report. The parameters and PPLs are those of one process. If a rank dies the others stop
+with one `error:` line (torchrun on its node; a heartbeat watchdog across nodes,
+AMCT_DIST_HEARTBEAT_S=120; collectives time out after AMCT_DIST_TIMEOUT_S=7200); rerun to resume. An output
 folder holding parameters of another scheme / targets / model is refused.
 
 Errors in the input (missing checkpoint, bad config, impossible sequence length, unknown
