@@ -350,21 +350,12 @@ class EvalResult:
         return d
 
 
-def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfig, mode: str = "float", *,
-                       scheme: QuantScheme | None = None, targets: Sequence[str] | None = None,
-                       layers: range | None = None, calib_windows: torch.Tensor | None = None,
-                       calib_batch_size: int = 1, params_dir: str | Path | None = None) -> EvalResult:
-    """Perplexity of ``windows`` ``[n, S]`` with the model run layer by layer.
-
-    ``mode``: 'float'; 'rtn' (``quantize_block`` on ``layers``, no learning; static activation
-    specs observed on ``calib_windows`` flowing through the FLOAT layers); 'ptq' (the same
-    wrappers with the parameters saved in ``params_dir``, i.e. OUTPUT/ptq_params). Layers
-    outside ``layers`` stay float.
-    """
+def check_eval_args(mode: str, cfg: EvalConfig, scheme: QuantScheme | None, targets: Sequence[str] | None,
+                    params_dir: str | Path | None) -> tuple[Sequence[str] | None, Path | None]:
+    """Validate an evaluation request before any work: (checked targets, the params folder)."""
     if mode not in MODES:
         raise ConfigError(f"evaluation mode {mode!r} is unknown; valid: {', '.join(MODES)}")
     cfg.check()
-    layers = layers if layers is not None else layer_range(adapter)
     if mode != "float":
         if scheme is None or targets is None:
             raise ConfigError(f"evaluation mode {mode!r} needs a scheme and quant targets")
@@ -378,6 +369,52 @@ def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfi
         if meta.get("scheme_fingerprint") != scheme.fingerprint() or meta.get("targets") != list(targets):
             raise ParamsMismatchError(f"{pdir}: parameters were learned for scheme {meta.get('scheme')!r} "
                                       f"targets {meta.get('targets')}, not {scheme.name!r} {list(targets)}")
+    return targets, pdir
+
+
+def eval_block(adapter: BaseModel, i: int, mode: str, quant: bool, cfg: EvalConfig, *,
+               scheme: QuantScheme | None, targets: Sequence[str] | None, calib: Stream | None,
+               pdir: Path | None) -> tuple[nn.Module, Stream | None, int]:
+    """Layer ``i`` ready for evaluation (float, RTN-observed or with its PTQ parameters loaded),
+    the calibration stream advanced past it (None stays None), and the number of its static
+    activation quantizers that saw no calibration data (left in float, counted)."""
+    unobserved = 0
+    # non-sharded: the layer is built on the compute device itself (not CPU-staged: the
+    # forward passes of evaluation belong on the accelerator -- casebook S10)
+    block = adapter.block(i, sharded=cfg.sharded, device=None if cfg.sharded else adapter.device)
+    if quant:
+        adapter.quantize_block(block, scheme, targets)
+        if mode == "rtn":
+            if calib is not None:
+                # the next layer's calibration inputs come from the float layer (quantizers off);
+                # the observe pass runs on the same float inputs
+                adapter.set_quant_enabled(block, False)
+                next_calib = adapter.do_block_forward(block, calib.hidden, calib.state)
+                unobserved += observe_static(adapter, block, calib, i)
+                calib = Stream(next_calib, calib.state)
+        else:
+            for unit in adapter.iter_ptq_units(block, i, targets):
+                load_unit_params(unit, pdir)
+            unobserved += finish_static(block, i)
+        adapter.set_quant_enabled(block, True)
+    elif calib is not None:
+        calib = Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
+    return block, calib, unobserved
+
+
+def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfig, mode: str = "float", *,
+                       scheme: QuantScheme | None = None, targets: Sequence[str] | None = None,
+                       layers: range | None = None, calib_windows: torch.Tensor | None = None,
+                       calib_batch_size: int = 1, params_dir: str | Path | None = None) -> EvalResult:
+    """Perplexity of ``windows`` ``[n, S]`` with the model run layer by layer.
+
+    ``mode``: 'float'; 'rtn' (``quantize_block`` on ``layers``, no learning; static activation
+    specs observed on ``calib_windows`` flowing through the FLOAT layers); 'ptq' (the same
+    wrappers with the parameters saved in ``params_dir``, i.e. OUTPUT/ptq_params). Layers
+    outside ``layers`` stay float.
+    """
+    targets, pdir = check_eval_args(mode, cfg, scheme, targets, params_dir)
+    layers = layers if layers is not None else layer_range(adapter)
     dev = adapter.device
     devmod.reset_peak_memory(dev)
     t0 = time.perf_counter()
@@ -392,27 +429,9 @@ def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfi
     unobserved = 0
 
     for i in _tqdm(range(adapter.num_layers), desc=f"ppl[{mode}] layers", disable=not adapter.run.progress):
-        # non-sharded: the layer is built on the compute device itself (not CPU-staged: the
-        # forward passes of evaluation belong on the accelerator -- casebook S10)
-        block = adapter.block(i, sharded=cfg.sharded, device=None if cfg.sharded else dev)
-        quant = mode != "float" and i in layers
-        if quant:
-            adapter.quantize_block(block, scheme, targets)
-            if mode == "rtn":
-                if calib is not None:
-                    # the next layer's calibration inputs come from the float layer (quantizers off);
-                    # the observe pass runs on the same float inputs
-                    adapter.set_quant_enabled(block, False)
-                    next_calib = adapter.do_block_forward(block, calib.hidden, calib.state)
-                    unobserved += observe_static(adapter, block, calib, i)
-                    calib = Stream(next_calib, calib.state)
-            else:
-                for unit in adapter.iter_ptq_units(block, i, targets):
-                    load_unit_params(unit, pdir)
-                unobserved += finish_static(block, i)
-            adapter.set_quant_enabled(block, True)
-        elif calib is not None:
-            calib = Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
+        block, calib, n_unobserved = eval_block(adapter, i, mode, mode != "float" and i in layers, cfg,
+                                                scheme=scheme, targets=targets, calib=calib, pdir=pdir)
+        unobserved += n_unobserved
         mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
         stream = Stream(adapter.do_block_forward(block, stream.hidden, stream.state, progress=f"layer {i}",
                                                  graphed=cfg.graphs and not cfg.sharded), stream.state)
@@ -474,7 +493,8 @@ def prepare_params_dir(adapter: BaseModel, output_dir: str | Path, scheme: Quant
 def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig,
                       output_dir: str | Path, *, layers: range | None = None,
                       calib_windows: torch.Tensor | None = None,
-                      on_unit_done: Callable[[UnitResult], None] | None = None) -> PtqResult:
+                      on_unit_done: Callable[[UnitResult], None] | None = None,
+                      float_like: range | None = None, start: tuple[int, Stream] | None = None) -> PtqResult:
     """Learn clipping factors for every unit of ``layers`` and save them under OUTPUT/ptq_params.
 
     Per layer i (CPU staging): build it, ``quantize_block``, run it once with quantizers OFF over
@@ -482,6 +502,11 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     layer, bit for bit, and its output is X_{i+1}); observe static activation ranges; then per
     unit: move it to the compute device, ``solve_unit``, save, move it back. ``on_unit_done``
     is called after each unit is saved (progress reporting; tests use it to interrupt).
+
+    For a layer range of a larger run (amct_ext.distributed): ``float_like`` is that run's
+    range; predecessors inside it run as its quantized layers did (``float_layer_output``), so
+    the hidden states are bit for bit those of the larger run. ``start = (k, stream)``: the
+    float inputs of layer k are given (received from another rank); layers < k are not run.
     """
     cfg.check()
     targets = scheme.check_targets(parse_targets(targets))
@@ -494,15 +519,18 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     t0 = time.perf_counter()
     result = PtqResult(params_dir=str(pdir))
 
-    calib = embed_stream(adapter, calib_windows, cfg.batch_size)
+    if start is not None and not 0 <= start[0] <= layers.start:
+        raise ConfigError(f"run_blockwise_ptq: the given stream enters layer {start[0]}, after the first "
+                          f"layer to quantize ({layers.start})")
+    first, calib = start if start is not None else (0, embed_stream(adapter, calib_windows, cfg.batch_size))
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes)
     last = layers.stop
-    for i in _tqdm(range(last), desc="ptq layers", disable=not adapter.run.progress):
+    for i in _tqdm(range(first, last), desc="ptq layers", disable=not adapter.run.progress):
         block = adapter.block(i)
         mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
         if i not in layers:  # a float predecessor: only its output is needed
-            with _on_device(adapter, block):
-                calib = Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
+            calib = float_layer_output(adapter, block, calib, float_like is not None and i in float_like,
+                                       scheme, targets)
             adapter.release_block(block)
             continue
         adapter.quantize_block(block, scheme, targets)
@@ -538,6 +566,20 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     result.memory = mem
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def float_layer_output(adapter: BaseModel, block: nn.Module, calib: Stream, like_quantized: bool,
+                       scheme: QuantScheme, targets: Sequence[str]) -> Stream:
+    """The float output of a (CPU-staged) layer over ``calib``. ``like_quantized``: computed as
+    ``run_blockwise_ptq`` computes it for a layer it quantizes (wrapped, quantizers off, capture
+    paths), so a rank recomputing another rank's layers gets the very same bits even where the
+    plain and the capture paths round differently (grouped vs per-expert MoE on accelerators)."""
+    if like_quantized:
+        adapter.quantize_block(block, scheme, targets)
+        adapter.prepare_capture(block)
+        adapter.set_quant_enabled(block, False)
+    with _on_device(adapter, block):
+        return Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,13 @@ An interrupted run resumes: rerun the same command (finished units are skipped).
 folder holding parameters of another run (any fingerprint field differs) is refused with one
 line naming the field and both values.
 
+Several processes: `torchrun --nproc-per-node N [--nnodes M --rdzv-...] tools/run_ptq.py ...`
+spreads the layers over the ranks (amct_ext/distributed.py): each rank solves a cost-balanced
+layer range into the same OUTPUT, perplexity runs as a pipeline over the ranks, rank 0 writes
+the report. The parameters and PPLs are those of one process. If a rank dies the others stop
+with one `error:` line (torchrun on its node; a heartbeat watchdog across nodes,
+AMCT_DIST_HEARTBEAT_S=120; collectives time out after AMCT_DIST_TIMEOUT_S=7200); rerun to resume.
+
 Errors in the input (missing checkpoint, bad config, impossible sequence length, unknown
 scheme or target, mismatched output folder) print one line `error: ...` and exit with code 2.
 """
@@ -191,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after the run, export the quantized model (tools/export.py --from OUTPUT) "
                          "into OUTPUT/export-FORMAT")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--boundary", choices=("recompute", "send"), default="recompute",
+                    help="under torchrun: how a rank gets the float inputs of its first layer (recompute the "
+                         "layers before it, or receive them from the previous rank); same results")
     return ap
 
 
@@ -204,17 +214,20 @@ def _default(args, name: str):
 def run(args) -> int:
     import torch
 
-    from amct_ext import device as devmod
+    from amct_ext import device as devmod, distributed
     from amct_ext.base import EvalConfig, PtqConfig, RunConfig
     from amct_ext.calibration import DEFAULT_CALIBRATION_PATH, refuse_test_split
     from amct_ext.errors import DataError
     from amct_ext.io_utils import atomic_write_json
     from amct_ext.schemes import load_scheme, parse_targets
-    from amct_ext.workflow import (PARAMS_DIR, check_seq_len, evaluate_blockwise, layer_range, load_calib_windows,
-                                   load_eval_windows, prepare_params_dir, run_blockwise_ptq, summary_table)
+    from amct_ext.workflow import (PARAMS_DIR, check_seq_len, layer_range, load_calib_windows, load_eval_windows,
+                                   prepare_params_dir, summary_table)
     from models.deepseek_v4.adapter import DeepseekV4Adapter
 
     t_start = time.perf_counter()
+    dist = distributed.env_from()
+    if dist is not None:
+        distributed.check_propagate(getattr(args, "propagate", "float"))
     threads = _default(args, "threads")
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads {threads}: must be >= 1 (omit it for torch's default)")
@@ -241,7 +254,13 @@ def run(args) -> int:
     check_weights_present(model_path, args.model)
     dtype_name = _default(args, "dtype")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    run_cfg = RunConfig(model_path=model_path, device=args.device, dtype=dtype, progress=not args.quiet)
+    if dist is not None:   # each rank on the device of its LOCAL_RANK, in the job's process group
+        dist = distributed.init(dist, args.device)
+        distributed.install_stop_handler(dist)
+        distributed.start_watchdog(dist)
+    main_rank = dist is None or dist.is_main
+    run_cfg = RunConfig(model_path=model_path, device=str(dist.device) if dist else args.device, dtype=dtype,
+                        progress=not args.quiet and main_rank)
     seq_len = _default(args, "seq_len")
     eval_ppl = _default(args, "eval_ppl")
     ptq_cfg = PtqConfig(epochs=args.epochs, lr=args.lr, n_samples=_default(args, "calib_samples"), seq_len=seq_len,
@@ -279,29 +298,33 @@ def run(args) -> int:
         unobserved = {}
         if eval_ppl:
             for mode in (("float",) if exported else ("float", "rtn")):
-                r = evaluate_blockwise(adapter, windows, eval_cfg, mode, scheme=scheme, targets=targets,
-                                       layers=layers, calib_windows=calib, calib_batch_size=ptq_cfg.batch_size)
+                r = distributed.evaluate(dist, adapter, windows, eval_cfg, mode, scheme=scheme, targets=targets,
+                                         layers=layers, calib_windows=calib, calib_batch_size=ptq_cfg.batch_size)
                 ppl[mode] = r.ppl
                 evals[mode] = r.to_dict()
                 if mode == "rtn":
                     unobserved["rtn"] = r.unobserved_static
                 peaks.append(r.memory.peak_memory_bytes)
-                print(f"ppl[{mode}] = {r.ppl:.4f}  ({r.n_windows} windows x {r.seq_len}, {r.seconds:.1f} s)", flush=True)
+                if main_rank:
+                    print(f"ppl[{mode}] = {r.ppl:.4f}  ({r.n_windows} windows x {r.seq_len}, {r.seconds:.1f} s)", flush=True)
         units = []
         if not args.no_ptq:
-            res = run_blockwise_ptq(adapter, scheme, targets, ptq_cfg, out, layers=layers, calib_windows=calib)
+            res = distributed.run_ptq(dist, adapter, scheme, targets, ptq_cfg, out, layers=layers,
+                                      calib_windows=calib, boundary=args.boundary)
             units = res.units
             unobserved["ptq_calibration"] = res.unobserved_static
             peaks.append(res.memory.peak_memory_bytes)
-            print(summary_table(units), flush=True)
+            if main_rank:
+                print(summary_table(units), flush=True)
             if eval_ppl:
-                r = evaluate_blockwise(adapter, windows, eval_cfg, "ptq", scheme=scheme, targets=targets,
-                                       layers=layers, params_dir=out / PARAMS_DIR)
+                r = distributed.evaluate(dist, adapter, windows, eval_cfg, "ptq", scheme=scheme, targets=targets,
+                                         layers=layers, params_dir=out / PARAMS_DIR)
                 ppl["quant"] = r.ppl
                 evals["ptq"] = r.to_dict()
                 unobserved["ptq"] = r.unobserved_static
                 peaks.append(r.memory.peak_memory_bytes)
-                print(f"ppl[ptq] = {r.ppl:.4f}  ({r.seconds:.1f} s)", flush=True)
+                if main_rank:
+                    print(f"ppl[ptq] = {r.ppl:.4f}  ({r.seconds:.1f} s)", flush=True)
 
         report = {
             "model": args.model, "model_path": str(model_path), "scheme": scheme.name,
@@ -323,6 +346,13 @@ def run(args) -> int:
             "peak_memory_note": ("process peak RSS (cpu)" if adapter.device.type == "cpu"
                                  else f"{adapter.device.type} allocator peak"),
         }
+        if dist is not None:   # PTQ peaks are gathered over the ranks; evaluation peaks are rank 0's
+            report["distributed"] = {"world_size": dist.world_size, "boundary": args.boundary,
+                                     "ptq_ranges": ([[r.start, r.stop] for r in res.ranges] if not args.no_ptq
+                                                    else None),
+                                     "ptq_rank_seconds": None if args.no_ptq else res.rank_seconds}
+    if not main_rank:
+        return 0
     if args.export:
         from tools.export import build_parser as export_parser, export_from_args
 
@@ -351,11 +381,27 @@ def main(argv=None) -> int:
     # transformers' config base class warns about rope_scaling on every load: not the user's concern
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\..*")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from amct_ext import distributed
+
+    ok = False
     try:
-        return run(args)
+        try:
+            code = run(args)
+            ok = code == 0
+            return code
+        finally:
+            distributed.shutdown(ok)
     except AmctError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a rank lost its peers: one line instead of a traceback per rank
+        if distributed.env_from() is None or not distributed.is_comm_failure(e):
+            raise
+        rank = os.environ.get("RANK", "?")
+        print(f"error: rank {rank}: another rank stopped or is unreachable ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}); rerun the same command to resume, finished units "
+              "are kept", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("interrupted: rerun the same command to resume (finished units are kept)", file=sys.stderr)
         return 130
