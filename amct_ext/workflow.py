@@ -43,10 +43,11 @@ from torch import nn
 from . import device as devmod
 from .base import BaseModel, EvalConfig, PtqConfig, batches
 from .calibration import load_calibration_windows
-from .capture import capture_unit_io
+from .capture import CallSink, CaptureStore, capture_unit_io
 from .errors import AmctError, ConfigError, DataError
 from .io_utils import atomic_save, atomic_write_json, safe_torch_load
 from .perplexity import NllAccumulator, load_eval_text, tokenize_windows
+from .phases import NO_PHASES
 from .quantizers import ActivationQuantizer
 from .schemes import QuantScheme, parse_targets
 from .solver import UnitResult, timed_solve
@@ -137,6 +138,8 @@ class MemoryStats:
     peak_memory_bytes: int           # device allocator peak; on cpu the PROCESS peak RSS
     max_layer_bytes: int = 0         # largest layer's parameters + buffers
     hidden_bytes: int = 0            # hidden states of all samples between layers
+    capture_memory_peak_bytes: int = 0   # PTQ: captured unit calls held in host memory at once (max)
+    capture_spilled_bytes: int = 0       # PTQ: captured unit calls written to the scratch folder (sum)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -357,6 +360,30 @@ class PtqResult:
     memory: MemoryStats | None = None
 
 
+SCRATCH_DIR = ".scratch"
+
+
+@dataclass
+class PtqRuntime:
+    """How a PTQ run executes -- never what it computes, so nothing here goes into meta.json.
+
+    ``capture_memory_bytes``: host-memory budget of one layer's captured unit calls; calls
+    beyond it spill to OUTPUT/.scratch/layer_{i}/ (removed once the unit / layer is solved).
+    None = no budget (everything in memory). ``sharded``: build each layer spread over
+    ``adapter.shard_devices()`` (``dispatch.build_layer_device_map``, the ``--sharded-eval``
+    placement) and solve every unit on the device that holds it, for layers that do not fit
+    one device. ``make_sink(unit)``: a ``capture.CallSink`` for the unit (e.g. an algorithm's
+    statistics sink), or None for the store's default."""
+
+    capture_memory_bytes: int | None = None
+    sharded: bool = False
+    make_sink: Callable[[Any], CallSink | None] | None = None
+
+    def check(self) -> None:
+        if self.capture_memory_bytes is not None and self.capture_memory_bytes < 0:
+            raise ConfigError(f"capture memory budget must be >= 0 bytes, got {self.capture_memory_bytes}")
+
+
 def _unit_stats_path(params_dir: Path, unit) -> Path:
     return params_dir / f"{unit.file_stem}.json"
 
@@ -388,7 +415,8 @@ def prepare_params_dir(adapter: BaseModel, output_dir: str | Path, scheme: Quant
 def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig,
                       output_dir: str | Path, *, layers: range | None = None,
                       calib_windows: torch.Tensor | None = None,
-                      on_unit_done: Callable[[UnitResult], None] | None = None) -> PtqResult:
+                      on_unit_done: Callable[[UnitResult], None] | None = None,
+                      runtime: PtqRuntime | None = None, phases=None) -> PtqResult:
     """Learn clipping factors for every unit of ``layers`` and save them under OUTPUT/ptq_params.
 
     Per layer i (CPU staging): build it, ``quantize_block``, run it once with quantizers OFF over
@@ -396,8 +424,15 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     layer, bit for bit, and its output is X_{i+1}); observe static activation ranges; then per
     unit: move it to the compute device, ``solve_unit``, save, move it back. ``on_unit_done``
     is called after each unit is saved (progress reporting; tests use it to interrupt).
+
+    ``runtime`` (``PtqRuntime``): capture memory budget / spilling, sharded layers.
+    ``phases``: a ``phases.PhaseTimer`` recording each step's time and peak memory (benchmarks).
     """
     cfg.check()
+    runtime = runtime or PtqRuntime()
+    runtime.check()
+    ph = phases if phases is not None else NO_PHASES
+    sharded = runtime.sharded
     targets = scheme.check_targets(parse_targets(targets))
     layers = layers if layers is not None else layer_range(adapter)
     pdir = prepare_params_dir(adapter, output_dir, scheme, targets, cfg)
@@ -408,47 +443,80 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     t0 = time.perf_counter()
     result = PtqResult(params_dir=str(pdir))
 
-    calib = embed_stream(adapter, calib_windows, cfg.batch_size)
+    with ph.phase("embed"):
+        calib = embed_stream(adapter, calib_windows, cfg.batch_size)
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes)
     last = layers.stop
+    # a sharded layer's passes run where its modules are; a CPU-staged one is moved over whole
+    on_device = (lambda blk: contextlib.nullcontext()) if sharded else (lambda blk: _on_device(adapter, blk))
     for i in _tqdm(range(last), desc="ptq layers", disable=not adapter.run.progress):
-        block = adapter.block(i)
+        with ph.phase("build", layer=i):
+            block = adapter.block(i, sharded=sharded)
         mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
         if i not in layers:  # a float predecessor: only its output is needed
-            with _on_device(adapter, block):
+            with ph.phase("float_forward", layer=i), on_device(block):
                 calib = Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
             adapter.release_block(block)
             continue
-        adapter.quantize_block(block, scheme, targets)
+        with ph.phase("build", layer=i):
+            adapter.quantize_block(block, scheme, targets)
         units = list(adapter.iter_ptq_units(block, i, targets))
         todo = {u.name for u in units if not (pdir / f"{u.file_stem}.pt").is_file()}
         adapter.prepare_capture(block)            # every unit called as a module: hooks see it
-        with _on_device(adapter, block):
-            adapter.set_quant_enabled(block, False)   # float math, bit for bit
-            if todo:
-                calls, next_hidden = capture_unit_io([u for u in units if u.name in todo],
-                                                     lambda: adapter.do_block_forward(block, calib.hidden, calib.state))
-                observe_static(adapter, block, calib, i)
-            else:  # the whole layer was done by an earlier run: only its float output is needed
-                calls, next_hidden = {}, adapter.do_block_forward(block, calib.hidden, calib.state)
-        adapter.set_quant_enabled(block, True)
-        for unit in _tqdm(units, desc=f"layer {i} units", leave=False, disable=not adapter.run.progress):
-            if unit.name not in todo:
-                result.units.append(_resumed_result(pdir, unit))
-                continue
-            unit.module.to(dev)
-            r = timed_solve(unit, calls.pop(unit.name), epochs=cfg.epochs, lr=cfg.lr, device=dev, seed=cfg.seed)
-            # stats first, then the .pt: the .pt's existence is what marks the unit done
-            atomic_write_json(r.to_dict(), _unit_stats_path(pdir, unit))
-            atomic_save(unit.module.export_ptq_params(), pdir / f"{unit.file_stem}.pt")
-            unit.module.to("cpu")
-            result.units.append(r)
-            if on_unit_done is not None:
-                on_unit_done(r)
+        store = CaptureStore(runtime.capture_memory_bytes,
+                             None if runtime.capture_memory_bytes is None
+                             else Path(output_dir) / SCRATCH_DIR / f"layer_{i}")
+        sinks = {}
+        for u in units:
+            if u.name in todo:
+                made = runtime.make_sink(u) if runtime.make_sink is not None else None
+                sinks[u.name] = made if made is not None else store.sink(u.file_stem)
+        try:
+            with ph.phase("capture", layer=i), on_device(block):
+                adapter.set_quant_enabled(block, False)   # float math, bit for bit
+                if todo:
+                    calls, next_hidden = capture_unit_io(
+                        [u for u in units if u.name in todo],
+                        lambda: adapter.do_block_forward(block, calib.hidden, calib.state), sinks=sinks)
+                    observe_static(adapter, block, calib, i)
+                else:  # the whole layer was done by an earlier run: only its float output is needed
+                    calls, next_hidden = {}, adapter.do_block_forward(block, calib.hidden, calib.state)
+            mem.capture_memory_peak_bytes = max(mem.capture_memory_peak_bytes,
+                                                store.peak_in_memory if store.memory_bytes is not None
+                                                else sum(s.nbytes for s in sinks.values()))
+            mem.capture_spilled_bytes += store.spilled_bytes
+            adapter.set_quant_enabled(block, True)
+            for unit in _tqdm(units, desc=f"layer {i} units", leave=False, disable=not adapter.run.progress):
+                if unit.name not in todo:
+                    result.units.append(_resumed_result(pdir, unit))
+                    continue
+                with ph.phase(f"solve:{unit.kind}", layer=i):
+                    if sharded:   # solved where the layer's placement put it
+                        udev = adapter.unit_device(block, unit)
+                    else:
+                        unit.module.to(dev)
+                        udev = dev
+                    r = timed_solve(unit, calls.pop(unit.name), epochs=cfg.epochs, lr=cfg.lr, device=udev,
+                                    seed=cfg.seed)
+                    sinks.pop(unit.name).discard()      # its spilled calls are no longer needed
+                with ph.phase("write", layer=i):
+                    # stats first, then the .pt: the .pt's existence is what marks the unit done
+                    atomic_write_json(r.to_dict(), _unit_stats_path(pdir, unit))
+                    atomic_save(unit.module.export_ptq_params(), pdir / f"{unit.file_stem}.pt")
+                if not sharded:
+                    unit.module.to("cpu")
+                result.units.append(r)
+                if on_unit_done is not None:
+                    on_unit_done(r)
+        finally:
+            for s in sinks.values():
+                s.discard()
+            store.cleanup()
         calib = Stream(next_hidden, calib.state)
-        adapter.release_block(block)
+        with ph.phase("release", layer=i):
+            adapter.release_block(block)
     devmod.synchronize(dev)
-    mem.peak_memory_bytes = devmod.peak_memory_bytes(dev)
+    mem.peak_memory_bytes = max(devmod.peak_memory_bytes(dev), getattr(ph, "max_device_peak", lambda: 0)())
     result.memory = mem
     result.seconds = time.perf_counter() - t0
     return result

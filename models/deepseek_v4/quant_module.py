@@ -172,7 +172,9 @@ def _rebind(cls: type, module: nn.Module) -> nn.Module:
     """A ``cls`` instance sharing ``module``'s parameters, buffers and submodules (containers
     copied, so swapping a child in the wrapper leaves the float module untouched)."""
     new = cls.__new__(cls)
-    state = dict(module.__dict__)
+    # never carry a bound forward (or accelerate's saved one) over from the float module: it
+    # would run the float module's forward on the float children (casebook i15-1)
+    state = {k: v for k, v in module.__dict__.items() if k not in ("forward", "_old_forward", "_hf_hook")}
     for key, value in state.items():
         if isinstance(value, (dict, set)) and key.startswith("_"):
             state[key] = type(value)(value)
