@@ -50,6 +50,10 @@ class _NoPhases:
         yield
 
 
+    def note(self, **tags: Any) -> None:
+        pass
+
+
 NO_PHASES = _NoPhases()
 
 
@@ -103,6 +107,11 @@ class PhaseTimer:
             self.records.append(PhaseRecord(name, layer, seconds,
                                             {str(d): devmod.peak_memory_bytes(d) for d in self.devices},
                                             host, dict(tags)))
+
+    def note(self, **tags: Any) -> None:
+        """Attach facts (e.g. captured bytes) to the last finished phase."""
+        if self.records:
+            self.records[-1].tags.update(tags)
 
     # ------------------------------------------------------------------ summaries
     def max_device_peak(self) -> int:

@@ -43,7 +43,7 @@ from torch import nn
 from . import device as devmod
 from .base import BaseModel, EvalConfig, PtqConfig, batches
 from .calibration import load_calibration_windows
-from .capture import CallSink, CaptureStore, capture_unit_io
+from .capture import CallSink, CaptureStore, call_nbytes, capture_unit_io
 from .errors import AmctError, ConfigError, DataError
 from .io_utils import atomic_save, atomic_write_json, safe_torch_load
 from .perplexity import NllAccumulator, load_eval_text, tokenize_windows
@@ -107,6 +107,14 @@ def load_calib_windows(adapter: BaseModel, cfg: PtqConfig) -> torch.Tensor:
 
 def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def call_bytes(calls) -> int:
+    """Bytes of a unit's captured calls; a spilled sequence is measured from its chunk files."""
+    chunks = getattr(calls, "chunks", None)
+    if chunks is not None:
+        return sum(call_nbytes(c) for c in calls.head) + sum(p.stat().st_size for p, _ in chunks)
+    return sum(call_nbytes(c) for c in calls)
 
 
 def _module_bytes(module: nn.Module) -> int:
@@ -485,6 +493,8 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                                                 store.peak_in_memory if store.memory_bytes is not None
                                                 else sum(s.nbytes for s in sinks.values()))
             mem.capture_spilled_bytes += store.spilled_bytes
+            ph.note(capture_bytes=sum(call_bytes(c) for c in calls.values() if isinstance(c, Sequence)),
+                    spilled_bytes=store.spilled_bytes, in_memory_peak_bytes=store.peak_in_memory)
             adapter.set_quant_enabled(block, True)
             for unit in _tqdm(units, desc=f"layer {i} units", leave=False, disable=not adapter.run.progress):
                 if unit.name not in todo:

@@ -59,7 +59,7 @@ DEFAULTS = {
     "tiny-trained": dict(calib_samples=16, seq_len=256, eval_windows=64, eval_ppl=True, dtype="fp32", threads=1,
                          batch_size=1, eval_batch_size=8),
     "v4": dict(calib_samples=128, seq_len=2048, eval_windows=None, eval_ppl=False, dtype="bf16", threads=None,
-               batch_size=1, eval_batch_size=1),
+               batch_size=1, eval_batch_size=1, capture_memory_gb=12.0),
 }
 
 
@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sharded-eval", action="store_true",
                     help="evaluate with each layer spread over every device (needed when one layer does not "
                          "fit one device, e.g. V4-Pro on 64 GB); otherwise each layer is built on --device")
+    ap.add_argument("--sharded-ptq", action="store_true",
+                    help="PTQ with each layer spread over every device (the --sharded-eval placement), each unit "
+                         "solved on the device that holds it: for layers that do not fit one device (V4-Pro on 64 GB)")
+    ap.add_argument("--capture-memory-gb", type=float, default=None,
+                    help="host memory for one layer's captured unit inputs / outputs; the rest spills to "
+                         "OUTPUT/.scratch (removed as units finish). Default: V4 12, tiny unlimited; 0 = spill all")
     ap.add_argument("--start-layer", type=int, default=None, help="first layer to quantize")
     ap.add_argument("--end-layer", type=int, default=None, help="layers [start, end) are quantized (end exclusive)")
     ap.add_argument("--epochs", type=int, default=2)
@@ -164,10 +170,12 @@ def _default(args, name: str):
     value = getattr(args, name)
     if value is not None:
         return value
-    return DEFAULTS[args.model if args.model in DEFAULTS else "v4"][name]
+    return DEFAULTS[args.model if args.model in DEFAULTS else "v4"].get(name)
 
 
-def run(args) -> int:
+def run(args, phases=None) -> int:
+    """The whole job. ``phases``: an ``amct_ext.phases.PhaseTimer`` given to the PTQ loop
+    (benchmarks/bench_ptq.py reads its per-phase times and memory)."""
     import torch
 
     from amct_ext import device as devmod
@@ -177,7 +185,8 @@ def run(args) -> int:
     from amct_ext.io_utils import atomic_write_json
     from amct_ext.schemes import load_scheme, parse_targets
     from amct_ext.workflow import (PARAMS_DIR, check_seq_len, evaluate_blockwise, layer_range, load_calib_windows,
-                                   load_eval_windows, prepare_params_dir, run_blockwise_ptq, summary_table)
+                                   load_eval_windows, prepare_params_dir, run_blockwise_ptq, summary_table,
+                                   PtqRuntime)
     from models.deepseek_v4.adapter import DeepseekV4Adapter
 
     t_start = time.perf_counter()
@@ -204,6 +213,10 @@ def run(args) -> int:
                           batch_size=_default(args, "eval_batch_size"), data_path=eval_path,
                           sharded=args.sharded_eval)
     eval_cfg.check()
+    capture_gb = _default(args, "capture_memory_gb")
+    runtime = PtqRuntime(capture_memory_bytes=None if capture_gb is None else int(capture_gb * 2 ** 30),
+                         sharded=args.sharded_ptq)
+    runtime.check()
     calib_path = Path(ptq_cfg.calib_path)
     if not calib_path.is_file():
         raise DataError(f"calibration text not found: {calib_path} (pass --calib-data FILE)")
@@ -233,9 +246,12 @@ def run(args) -> int:
                 peaks.append(r.memory.peak_memory_bytes)
                 print(f"ppl[{mode}] = {r.ppl:.4f}  ({r.n_windows} windows x {r.seq_len}, {r.seconds:.1f} s)", flush=True)
         units = []
+        ptq_memory = None
         if not args.no_ptq:
-            res = run_blockwise_ptq(adapter, scheme, targets, ptq_cfg, out, layers=layers, calib_windows=calib)
+            res = run_blockwise_ptq(adapter, scheme, targets, ptq_cfg, out, layers=layers, calib_windows=calib,
+                                    runtime=runtime, phases=phases)
             units = res.units
+            ptq_memory = res.memory.to_dict()
             peaks.append(res.memory.peak_memory_bytes)
             print(summary_table(units), flush=True)
             if eval_ppl:
@@ -260,6 +276,8 @@ def run(args) -> int:
                        "loss_after": u.loss_after, "seconds": u.seconds, "n_calls": u.n_calls,
                        "resumed": u.resumed} for u in units],
             "evaluations": evals,
+            "ptq_runtime": {"capture_memory_gb": capture_gb, "sharded": args.sharded_ptq,
+                            "batch_size": ptq_cfg.batch_size, "memory": ptq_memory},
             "wall_s": time.perf_counter() - t_start,
             "peak_memory_bytes": max(peaks) if peaks else devmod.peak_memory_bytes(adapter.device),
             "peak_memory_note": ("process peak RSS (cpu)" if adapter.device.type == "cpu"
