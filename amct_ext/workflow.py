@@ -28,14 +28,13 @@ meta.json names another scheme / targets / model / settings is refused (never mi
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -427,10 +426,11 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                       runtime: PtqRuntime | None = None, phases=None) -> PtqResult:
     """Learn clipping factors for every unit of ``layers`` and save them under OUTPUT/ptq_params.
 
-    Per layer i (CPU staging): build it, ``quantize_block``, run it once with quantizers OFF over
+    Per layer i (built on the compute device, or spread over the devices with
+    ``runtime.sharded``): build it, ``quantize_block``, run it once with quantizers OFF over
     the float calibration inputs X_i while capturing every unit's calls (this is the float
     layer, bit for bit, and its output is X_{i+1}); observe static activation ranges; then per
-    unit: move it to the compute device, ``solve_unit``, save, move it back. ``on_unit_done``
+    unit: ``solve_unit`` where the unit is, save. ``on_unit_done``
     is called after each unit is saved (progress reporting; tests use it to interrupt).
 
     ``runtime`` (``PtqRuntime``): capture memory budget / spilling, sharded layers.
@@ -455,14 +455,15 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
         calib = embed_stream(adapter, calib_windows, cfg.batch_size)
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes)
     last = layers.stop
-    # a sharded layer's passes run where its modules are; a CPU-staged one is moved over whole
-    on_device = (lambda blk: contextlib.nullcontext()) if sharded else (lambda blk: _on_device(adapter, blk))
+    # The layer is built where it runs (decoded there, never staged in host memory): the float
+    # capture needs the whole layer on the device anyway, and a host-staged V4-Flash layer cost
+    # ~3x its 13 GB in host RSS (build, .to(device), .to('cpu') after; benchmarks/results_i15.md).
     for i in _tqdm(range(last), desc="ptq layers", disable=not adapter.run.progress):
         with ph.phase("build", layer=i):
-            block = adapter.block(i, sharded=sharded)
+            block = adapter.block(i, sharded=True) if sharded else adapter.block(i, device=dev)
         mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
         if i not in layers:  # a float predecessor: only its output is needed
-            with ph.phase("float_forward", layer=i), on_device(block):
+            with ph.phase("float_forward", layer=i):
                 calib = Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
             adapter.release_block(block)
             continue
@@ -480,7 +481,7 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                 made = runtime.make_sink(u) if runtime.make_sink is not None else None
                 sinks[u.name] = made if made is not None else store.sink(u.file_stem)
         try:
-            with ph.phase("capture", layer=i), on_device(block):
+            with ph.phase("capture", layer=i):
                 adapter.set_quant_enabled(block, False)   # float math, bit for bit
                 if todo:
                     calls, next_hidden = capture_unit_io(
@@ -501,11 +502,9 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                     result.units.append(_resumed_result(pdir, unit))
                     continue
                 with ph.phase(f"solve:{unit.kind}", layer=i):
-                    if sharded:   # solved where the layer's placement put it
-                        udev = adapter.unit_device(block, unit)
-                    else:
-                        unit.module.to(dev)
-                        udev = dev
+                    # solved where the layer is: the compute device, or where the sharded
+                    # placement put the unit
+                    udev = adapter.unit_device(block, unit) if sharded else dev
                     r = timed_solve(unit, calls.pop(unit.name), epochs=cfg.epochs, lr=cfg.lr, device=udev,
                                     seed=cfg.seed)
                     sinks.pop(unit.name).discard()      # its spilled calls are no longer needed
@@ -513,8 +512,6 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                     # stats first, then the .pt: the .pt's existence is what marks the unit done
                     atomic_write_json(r.to_dict(), _unit_stats_path(pdir, unit))
                     atomic_save(unit.module.export_ptq_params(), pdir / f"{unit.file_stem}.pt")
-                if not sharded:
-                    unit.module.to("cpu")
                 result.units.append(r)
                 if on_unit_done is not None:
                     on_unit_done(r)
@@ -530,23 +527,6 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     result.memory = mem
     result.seconds = time.perf_counter() - t0
     return result
-
-
-@contextlib.contextmanager
-def _on_device(adapter: BaseModel, block: nn.Module) -> Iterator[None]:
-    """Hold a CPU-staged block on the compute device for its whole-layer passes (float capture,
-    observation), so they are not CPU passes on accelerator machines; back to the host after,
-    so the solver then moves one unit at a time."""
-    dev = adapter.device
-    moved = dev.type != "cpu"
-    if moved:
-        block.to(dev)
-    try:
-        yield
-    finally:
-        if moved:
-            block.to("cpu")
-            devmod.empty_cache(dev)
 
 
 def summary_table(units: Sequence[UnitResult]) -> str:
