@@ -12,6 +12,9 @@ Per phase:
 - host_peak_bytes: the largest resident set size (RSS) seen by a sampling thread (every
   ``interval`` s) during the phase; the process's peak RSS cannot be reset, so a sampler is the
   only per-phase view. Short spikes between two samples can be missed: it is a lower bound.
+  RSS counts the checkpoint's memory-mapped shard pages (file-backed, reclaimable page cache);
+  host_anon_peak_bytes is the anonymous part alone (``RssAnon`` of /proc/self/status, Linux):
+  tensors, Python, libraries -- the memory a job really needs.
 """
 from __future__ import annotations
 
@@ -34,10 +37,23 @@ class PhaseRecord:
     seconds: float
     device_peak_bytes: dict[str, int] = field(default_factory=dict)
     host_peak_bytes: int = 0
+    host_anon_peak_bytes: int = 0
     tags: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def rss_anon_bytes() -> int:
+    """Anonymous resident memory of this process (0 where /proc/self/status has no RssAnon)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 class _NoPhases:
@@ -66,6 +82,7 @@ class PhaseTimer:
         self.records: list[PhaseRecord] = []
         self.interval = interval
         self._host_peak = 0
+        self._anon_peak = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if sample_host:
@@ -77,6 +94,9 @@ class PhaseTimer:
             rss = devmod.memory_allocated("cpu")
             if rss > self._host_peak:
                 self._host_peak = rss
+            anon = rss_anon_bytes()
+            if anon > self._anon_peak:
+                self._anon_peak = anon
             self._stop.wait(self.interval)
 
     def close(self) -> None:
@@ -96,6 +116,7 @@ class PhaseTimer:
             devmod.synchronize(d)
             devmod.reset_peak_memory(d)
         self._host_peak = devmod.memory_allocated("cpu")
+        self._anon_peak = rss_anon_bytes()
         t0 = time.perf_counter()
         try:
             yield
@@ -104,9 +125,10 @@ class PhaseTimer:
                 devmod.synchronize(d)
             seconds = time.perf_counter() - t0
             host = max(self._host_peak, devmod.memory_allocated("cpu"))
+            anon = max(self._anon_peak, rss_anon_bytes())
             self.records.append(PhaseRecord(name, layer, seconds,
                                             {str(d): devmod.peak_memory_bytes(d) for d in self.devices},
-                                            host, dict(tags)))
+                                            host, anon, dict(tags)))
 
     def note(self, **tags: Any) -> None:
         """Attach facts (e.g. captured bytes) to the last finished phase."""
@@ -120,7 +142,8 @@ class PhaseTimer:
     def by_name(self, layer: int | None = None) -> dict[str, dict[str, Any]]:
         """Totals per phase name (optionally of one layer): count, seconds, peaks."""
         out: dict[str, dict[str, Any]] = defaultdict(lambda: {"count": 0, "seconds": 0.0,
-                                                              "device_peak_bytes": 0, "host_peak_bytes": 0})
+                                                              "device_peak_bytes": 0, "host_peak_bytes": 0,
+                                                              "host_anon_peak_bytes": 0})
         for r in self.records:
             if layer is not None and r.layer != layer:
                 continue
@@ -129,4 +152,5 @@ class PhaseTimer:
             s["seconds"] += r.seconds
             s["device_peak_bytes"] = max(s["device_peak_bytes"], max(r.device_peak_bytes.values(), default=0))
             s["host_peak_bytes"] = max(s["host_peak_bytes"], r.host_peak_bytes)
+            s["host_anon_peak_bytes"] = max(s["host_anon_peak_bytes"], r.host_anon_peak_bytes)
         return dict(out)

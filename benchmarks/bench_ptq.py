@@ -131,7 +131,8 @@ def summarize(timer: PhaseTimer, layers: range) -> dict[int, dict]:
         by = timer.by_name(layer=i)
         rec = {"phases": by, "seconds": sum(v["seconds"] for v in by.values()),
                "device_peak_bytes": max((v["device_peak_bytes"] for v in by.values()), default=0),
-               "host_peak_bytes": max((v["host_peak_bytes"] for v in by.values()), default=0)}
+               "host_peak_bytes": max((v["host_peak_bytes"] for v in by.values()), default=0),
+               "host_anon_peak_bytes": max((v["host_anon_peak_bytes"] for v in by.values()), default=0)}
         cap = [r for r in timer.records if r.layer == i and r.name == "capture"]
         rec["capture_bytes"] = sum(r.tags.get("capture_bytes", 0) for r in cap)
         rec["spilled_bytes"] = sum(r.tags.get("spilled_bytes", 0) for r in cap)
@@ -213,7 +214,10 @@ def main(argv=None) -> int:
         per_layer = summarize(timer, layers)
         phase_total = sum(r.seconds for r in timer.records)
         once = wall - sum(rec["seconds"] for rec in per_layer.values())
+        float_layers = sorted({r.layer for r in timer.records if r.layer is not None and r.layer not in layers})
+        float_s = sum(r.seconds for r in timer.records if r.layer in float_layers)
         results["ptq"] = {"wall_s": wall, "phases_s": phase_total, "outside_layers_s": once,
+                          "float_predecessors": {"layers": float_layers, "seconds": float_s},
                           "embed_s": sum(r.seconds for r in timer.records if r.name == "embed"),
                           "per_layer": per_layer, "report": {k: report[k] for k in
                                                              ("calibration", "dtype", "device", "ptq_runtime",
@@ -235,7 +239,8 @@ def main(argv=None) -> int:
                              "solve_s": solve_s,
                              "capture_bytes_moved": rec["capture_bytes"] * (1 + 2 * epochs),
                              "h2d_floor_s": rec["capture_bytes"] * (1 + 2 * epochs) / h2d["bytes_per_s"]}
-        results["projection"] = project(per_layer, config, "tiny" if a.smoke else a.like, once)
+        # once per run: setup, calibration, embedding (float predecessors would be quantized layers)
+        results["projection"] = project(per_layer, config, "tiny" if a.smoke else a.like, once - float_s)
         print_report(results, config)
     finally:
         C.write_json(a.json, results)
@@ -256,12 +261,15 @@ def print_report(r: dict, config) -> None:
         kind = f"{config.compress_ratios[i]}/{'hash' if i < config.n_hash_layers else 'score'}"
         cells = [f"{i} ({kind})"] + [C.fmt_ms(ph[n]["seconds"] * 1e3) if n in ph else "-" for n in PHASES]
         f = rec["floors"]
-        cells += [f"{rec['seconds']:.1f}", C.fmt_bytes(rec["device_peak_bytes"]), C.fmt_bytes(rec["host_peak_bytes"]),
+        cells += [f"{rec['seconds']:.1f}", C.fmt_bytes(rec["device_peak_bytes"]),
+                  f"{C.fmt_bytes(rec['host_peak_bytes'])} ({C.fmt_bytes(rec['host_anon_peak_bytes'])})",
                   C.fmt_bytes(rec["capture_bytes"]), f"{f['solve_flops_floor_s']:.2f}", f"{f['h2d_floor_s']:.2f}"]
         rows.append(cells)
     print(C.table(rows, ["layer"] + [f"{n} ms" for n in PHASES] +
-                  ["total s", "dev peak", "host peak", "captured", "flop floor s", "h2d floor s"]))
-    print(f"outside the layer loop (setup, calibration, embedding, report): {p['outside_layers_s']:.1f} s; "
+                  ["total s", "dev peak", "host RSS peak (anon)", "captured", "flop floor s", "h2d floor s"]))
+    fp = p["float_predecessors"]
+    print(f"outside the quantized layers: {p['outside_layers_s']:.1f} s (float predecessor layers {fp['layers']}: "
+          f"{fp['seconds']:.1f} s; embedding {p['embed_s']:.1f} s; the rest is setup, calibration, report); "
           f"wall {p['wall_s']:.1f} s")
     for name in FULL_LAYERS:
         pr = r["projection"][name]

@@ -26,7 +26,7 @@ def test_bench_ptq_smoke(tmp_path, one_thread):
     for i, rec in per.items():
         assert {"build", "capture", "solve:attn", "solve:expert", "solve:shared_expert", "write"} <= set(rec["phases"])
         assert rec["phases"]["solve:expert"]["count"] == 8 and rec["seconds"] > 0
-        assert rec["host_peak_bytes"] > 0 and rec["capture_bytes"] > 0
+        assert rec["host_peak_bytes"] >= rec["host_anon_peak_bytes"] > 0 and rec["capture_bytes"] > 0
         assert rec["spilled_bytes"] > 0                     # the smoke budget forces spilling
     assert r["ptq"]["units"] == 4 * 10
     # the per-layer phases cover the PTQ loop: their sum never exceeds the job's wall time
