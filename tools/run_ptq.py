@@ -59,7 +59,7 @@ DEFAULTS = {
     "tiny-trained": dict(calib_samples=16, seq_len=256, eval_windows=64, eval_ppl=True, dtype="fp32", threads=1,
                          batch_size=1, eval_batch_size=8),
     "v4": dict(calib_samples=128, seq_len=2048, eval_windows=None, eval_ppl=False, dtype="bf16", threads=None,
-               batch_size=1, eval_batch_size=1, capture_memory_gb=12.0),
+               batch_size=1, eval_batch_size=1, capture_memory_gb=8.0),
 }
 
 
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "solved on the device that holds it: for layers that do not fit one device (V4-Pro on 64 GB)")
     ap.add_argument("--capture-memory-gb", type=float, default=None,
                     help="host memory for one layer's captured unit inputs / outputs; the rest spills to "
-                         "OUTPUT/.scratch (removed as units finish). Default: V4 12, tiny unlimited; 0 = spill all")
+                         "OUTPUT/.scratch (removed as units finish). Default: V4 8, tiny unlimited; 0 = spill all")
     ap.add_argument("--start-layer", type=int, default=None, help="first layer to quantize")
     ap.add_argument("--end-layer", type=int, default=None, help="layers [start, end) are quantized (end exclusive)")
     ap.add_argument("--epochs", type=int, default=2)
