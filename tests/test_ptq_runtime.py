@@ -189,3 +189,16 @@ def test_quantized_sharded_layer_is_really_quantized(tiny_adapter):
         tiny_adapter.run.shard_devices = None
     assert not torch.equal(y_rtn, y_float)
     assert torch.equal(y_sharded, y_rtn)
+
+
+def test_ptq_builds_layers_on_the_compute_device(tiny_adapter, calib, reference, tmp_path, monkeypatch):
+    """Casebook i15-3: a host-staged layer cost ~3x its size in host RSS on the H200. Every layer
+    (float predecessors too) is built where it runs; the result does not change."""
+    ref_out, _ = reference
+    built = []
+    real_block = tiny_adapter.block
+    monkeypatch.setattr(tiny_adapter, "block", lambda i, sharded=False, device=None:
+                        built.append((i, sharded, device)) or real_block(i, sharded=sharded, device=device))
+    run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS, calib_windows=calib)
+    assert built == [(0, False, tiny_adapter.device), (1, False, tiny_adapter.device)]
+    _equal_params(_params(ref_out), _params(tmp_path))
