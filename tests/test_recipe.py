@@ -129,3 +129,29 @@ def test_unit_data_map_inputs_keeps_targets():
     d = UnitData([UnitCall((torch.zeros(2),), {"w": 1}, out)])
     d.map_inputs(lambda a, k: ((a[0] + 3,), k))
     assert torch.equal(d.calls[0].args[0], torch.full((2,), 3.0)) and d.calls[0].output is out
+
+
+def test_cli_refuses_bad_recipes_before_any_work(tmp_path, capsys):
+    from tools import run_ptq
+
+    out = tmp_path / "out"
+    for argv, needle in ((["--algo", "gptq,nope"], "unknown algorithm 'nope'"),
+                         (["--algo", "gptq:act_ordr=true"], "has no field 'act_ordr'"),
+                         (["--algo", "gptq", "--recipe", str(tmp_path / "r.json")], "not both"),
+                         (["--recipe", str(tmp_path / "missing.json")], "not found"),
+                         (["--legacy-solver", "--algo", "gptq"], "--legacy-solver")):
+        code = run_ptq.main(["--model", "tiny-trained", "--output-dir", str(out), "--quiet", *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err[-1].startswith("error: ") and needle in err[-1], err
+    assert not out.exists()
+
+
+def test_every_builtin_scheme_has_a_default_recipe():
+    from amct_ext.algorithms.recipe import DEFAULT_RECIPES, default_recipe
+    from amct_ext.schemes import builtin_schemes
+
+    assert set(builtin_schemes()) <= set(DEFAULT_RECIPES)
+    for name in builtin_schemes():
+        algo, prop = default_recipe(name)
+        assert prop in ("float", "quant")
+        parse_algo(algo)       # every default parses (its algorithms are registered)
