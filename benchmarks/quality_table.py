@@ -131,6 +131,10 @@ def algorithms_main(args) -> int:
                 row[title] = {"ppl": None, "wall_s": None, "note": "n/a (algorithm not registered)"}
                 continue
             key = (algo, prop)
+            if args.render_only and key not in done and not (
+                    out / "runs" / scheme / _column_tag(algo, prop) / "report.json").is_file():
+                row[title] = {"ppl": None, "wall_s": None, "note": "not run"}
+                continue
             rep = done.get(key) or run_algo(scheme, algo, prop, out, args, with_float=float_ppl is None)
             done[key] = rep
             if algo is None:
@@ -169,6 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--schemes", default=None, help="algorithm table: comma list of schemes (default: all weight schemes)")
     ap.add_argument("--extra", nargs="*", default=[], help="algorithm table: extra columns algo[,algo][@propagate]")
     ap.add_argument("--targets", default="attn-linear,moe", help="algorithm table: quant targets")
+    ap.add_argument("--render-only", action="store_true", help="algorithm table: no new runs (missing cells 'not run')")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "quality"))
     ap.add_argument("--eval-windows", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
