@@ -24,8 +24,10 @@ def test_bench_ptq_smoke(tmp_path, one_thread):
     per = r["ptq"]["per_layer"]
     assert sorted(per) == ["0", "1", "2", "3"]
     for i, rec in per.items():
-        assert {"build", "capture", "solve:attn", "solve:expert", "solve:shared_expert", "write"} <= set(rec["phases"])
-        assert rec["phases"]["solve:expert"]["count"] == 8 and rec["seconds"] > 0
+        assert {"build", "capture", "write"} <= set(rec["phases"]) and rec["seconds"] > 0
+        # the default recipe solves a layer's units together; the legacy solver one unit at a time
+        assert "solve:recipe" in rec["phases"] or rec["phases"]["solve:expert"]["count"] == 8
+        assert rec["phases"]["write"]["count"] == 10
         assert rec["host_peak_bytes"] >= rec["host_anon_peak_bytes"] > 0 and rec["capture_bytes"] > 0
         assert rec["spilled_bytes"] > 0                     # the smoke budget forces spilling
     assert r["ptq"]["units"] == 4 * 10

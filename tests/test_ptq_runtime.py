@@ -202,3 +202,22 @@ def test_ptq_builds_layers_on_the_compute_device(tiny_adapter, calib, reference,
     run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS, calib_windows=calib)
     assert built == [(0, False, tiny_adapter.device), (1, False, tiny_adapter.device)]
     _equal_params(_params(ref_out), _params(tmp_path))
+
+
+def test_sharded_recipe_run_equals_one_device(tiny_adapter, calib, tmp_path):
+    """A recipe (the scheme's default, grouped over experts) on a sharded layer runs once per
+    device holding units, each group on its own device; same parameters as on one device."""
+    from amct_ext.algorithms.recipe import default_recipe, resolve_recipe
+
+    algo, _ = default_recipe("w8a8")
+    recipe = resolve_recipe(None, None, default=algo)
+    one = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "one", layers=LAYERS,
+                            calib_windows=calib, recipe=recipe)
+    tiny_adapter.run.shard_devices = ["cpu:0", "cpu:1", "cpu:2"]
+    try:
+        sh = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "sh", layers=LAYERS,
+                               calib_windows=calib, recipe=recipe, runtime=PtqRuntime(sharded=True))
+    finally:
+        tiny_adapter.run.shard_devices = None
+    assert [u.name for u in sh.units] == [u.name for u in one.units]
+    _equal_params(_params(tmp_path / "one"), _params(tmp_path / "sh"))
