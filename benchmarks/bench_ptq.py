@@ -21,6 +21,8 @@ parameter count: an estimate, marked as such.
 Floors per layer (printed beside the measurement): linear FLOPs of the solve passes (RTN loss,
 ``epochs`` x (forward + backward ~ 3 forwards), ``epochs`` x loss) over the measured bf16 matmul
 rate, and the captured bytes moved to the device once per pass over the host-to-device bandwidth.
+These count the passes of the learned-clip solver (``--legacy-solver``); a recipe (GPTQ's
+Hessians, clipping's grid search) makes other passes, so for it they are indicative only.
 """
 from __future__ import annotations
 
