@@ -204,20 +204,50 @@ def test_ptq_builds_layers_on_the_compute_device(tiny_adapter, calib, reference,
     _equal_params(_params(ref_out), _params(tmp_path))
 
 
-def test_sharded_recipe_run_equals_one_device(tiny_adapter, calib, tmp_path):
-    """A recipe (the scheme's default, grouped over experts) on a sharded layer runs once per
-    device holding units, each group on its own device; same parameters as on one device."""
+@pytest.fixture(scope="module")
+def recipe_reference(tiny_adapter, calib, tmp_path_factory):
+    """The scheme's default recipe (grouped over experts) on one device, everything in memory."""
     from amct_ext.algorithms.recipe import default_recipe, resolve_recipe
 
     algo, _ = default_recipe("w8a8")
     recipe = resolve_recipe(None, None, default=algo)
-    one = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "one", layers=LAYERS,
+    out = tmp_path_factory.mktemp("recipe-ref")
+    res = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, out, layers=LAYERS,
                             calib_windows=calib, recipe=recipe)
+    return recipe, out, res
+
+
+def test_sharded_recipe_run_equals_one_device(tiny_adapter, calib, recipe_reference, tmp_path):
+    """A recipe on a sharded layer runs once per device holding units, each group on its own
+    device; same parameters as on one device."""
+    recipe, ref_out, ref = recipe_reference
     tiny_adapter.run.shard_devices = ["cpu:0", "cpu:1", "cpu:2"]
     try:
-        sh = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "sh", layers=LAYERS,
+        sh = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
                                calib_windows=calib, recipe=recipe, runtime=PtqRuntime(sharded=True))
     finally:
         tiny_adapter.run.shard_devices = None
-    assert [u.name for u in sh.units] == [u.name for u in one.units]
-    _equal_params(_params(tmp_path / "one"), _params(tmp_path / "sh"))
+    assert [u.name for u in sh.units] == [u.name for u in ref.units]
+    _equal_params(_params(ref_out), _params(tmp_path))
+
+
+def test_recipe_run_reads_spilled_calls_lazily(tiny_adapter, calib, recipe_reference, tmp_path, monkeypatch):
+    """With a capture budget the recipe gets the spilled calls as a lazily read sequence
+    (algorithms.base.UnitData keeps it) and learns the same parameters."""
+    from amct_ext.algorithms import base as algo_base
+    from amct_ext.capture import SpilledCalls
+
+    recipe, ref_out, ref = recipe_reference
+    kept = []
+    real_init = algo_base.UnitData.__init__
+
+    def spy(self, calls=None):
+        real_init(self, calls)
+        kept.append(isinstance(self.calls, SpilledCalls))
+
+    monkeypatch.setattr(algo_base.UnitData, "__init__", spy)
+    spill = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
+                              calib_windows=calib, recipe=recipe, runtime=PtqRuntime(capture_memory_bytes=0))
+    assert spill.memory.capture_spilled_bytes > 0 and kept and all(kept)
+    _equal_params(_params(ref_out), _params(tmp_path))
+    assert [u.loss_after for u in spill.units] == [u.loss_after for u in ref.units]

@@ -47,7 +47,7 @@ from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
-from ..capture import UnitCall
+from ..capture import SpilledCalls, UnitCall
 from ..ptq_units import PtqUnit
 
 #: unit kinds the V4 adapter yields (ptq_units.PtqUnit.kind)
@@ -85,10 +85,12 @@ class UnitData:
     float targets)."""
 
     def __init__(self, calls: Sequence[UnitCall] | None = None):
-        self._calls: list[UnitCall] = list(calls or [])
+        # calls spilled to disk (capture.SpilledCalls) stay a lazily read sequence: list() would
+        # load every call of every unit of the layer back into host memory at once
+        self._calls: Sequence[UnitCall] = calls if isinstance(calls, SpilledCalls) else list(calls or [])
 
     @property
-    def calls(self) -> list[UnitCall]:
+    def calls(self) -> Sequence[UnitCall]:
         return self._calls
 
     def __len__(self) -> int:
