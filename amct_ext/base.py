@@ -243,6 +243,13 @@ class BaseModel(abc.ABC):
             outs.append(y.to("cpu") if self.run.offload_hidden else y)
         return outs
 
+    def unit_device(self, block: nn.Module, unit: PtqUnit) -> torch.device:
+        """The device holding ``unit`` of ``block`` (where its solve runs when the layer is
+        sharded). Default: the device of its first parameter, else the compute device."""
+        for p in unit.module.parameters():
+            return p.device
+        return self.device
+
     def release_block(self, block: nn.Module) -> None:
         """Drop a layer built by :meth:`block`: remove dispatch hooks, free its memory."""
         from .dispatch import undispatch_layer

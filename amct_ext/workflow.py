@@ -35,7 +35,6 @@ refused with one line naming the field and both values (never mixed).
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -43,7 +42,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -52,10 +51,11 @@ from . import device as devmod
 from .base import BaseModel, EvalConfig, PtqConfig, batches
 from .calibration import load_calibration_windows
 from .data import EVAL_DEFAULT
-from .capture import capture_unit_io
+from .capture import CallSink, CaptureStore, call_nbytes, capture_unit_io
 from .errors import AmctError, ConfigError, DataError
 from .io_utils import atomic_save, atomic_write_json, safe_torch_load
 from .perplexity import NllAccumulator, load_eval_text, tokenize_windows
+from .phases import NO_PHASES
 from .quantizers import ActivationQuantizer
 from .schemes import QuantScheme, parse_targets
 from .solver import UnitResult, timed_solve
@@ -67,6 +67,8 @@ META_NAME = "meta.json"
 # 2: the full fingerprint (dtype, device type, calibration hashes, checkpoint identity)
 META_VERSION = 2
 MODES = ("float", "rtn", "ptq")
+#: what later layers are calibrated on: float predecessors, or the quantized ones (sequential)
+PROPAGATE = ("float", "quant")
 
 
 class ParamsMismatchError(AmctError):
@@ -120,6 +122,14 @@ def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def call_bytes(calls) -> int:
+    """Bytes of a unit's captured calls; a spilled sequence is measured from its chunk files."""
+    chunks = getattr(calls, "chunks", None)
+    if chunks is not None:
+        return sum(call_nbytes(c) for c in calls.head) + sum(p.stat().st_size for p, _ in chunks)
+    return sum(call_nbytes(c) for c in calls)
+
+
 def _module_bytes(module: nn.Module) -> int:
     return _tensor_bytes(list(module.parameters()) + [b for b in module.buffers() if b is not None])
 
@@ -149,6 +159,8 @@ class MemoryStats:
     peak_memory_bytes: int           # device allocator peak; on cpu the PROCESS peak RSS
     max_layer_bytes: int = 0         # largest layer's parameters + buffers
     hidden_bytes: int = 0            # hidden states of all samples between layers
+    capture_memory_peak_bytes: int = 0   # PTQ: captured unit calls held in host memory at once (max)
+    capture_spilled_bytes: int = 0       # PTQ: captured unit calls written to the scratch folder (sum)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -239,7 +251,8 @@ def checkpoint_identity(model_path: Path) -> dict[str, Any]:
 
 
 def params_meta(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig,
-                calib_windows: torch.Tensor | None = None) -> dict[str, Any]:
+                calib_windows: torch.Tensor | None = None,
+                recipe_meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything that changes a unit's result (ptq_params/meta.json). A resumed run must agree
     on every field; display-only entries (names) are listed in ``_DISPLAY_ONLY``."""
     model_id = adapter.model_id() if hasattr(adapter, "model_id") else {"name": str(adapter.model_path)}
@@ -248,9 +261,12 @@ def params_meta(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str],
     calib["text_sha256"] = _sha256_file(text) if text.is_file() else None
     if calib_windows is not None:
         calib["windows_sha256"] = windows_sha256(calib_windows)
+    solver = cfg.solver_settings()
+    if recipe_meta:  # recipe runs (algorithms/): the recipe's settings, propagation, guard
+        solver = {**solver, **recipe_meta}
     return {"version": META_VERSION, "scheme": scheme.name,
             "scheme_fingerprint": scheme.fingerprint(), "targets": list(targets),
-            "solver": cfg.solver_settings(), "dtype": dtype_name(adapter.run.dtype),
+            "solver": solver, "dtype": dtype_name(adapter.run.dtype),
             "device_type": adapter.device.type, "calibration": calib, "model": model_id,
             "checkpoint": checkpoint_identity(Path(adapter.model_path))}
 
@@ -457,6 +473,30 @@ class PtqResult:
     unobserved_static: int = 0       # static activation quantizers no calibration data reached
 
 
+SCRATCH_DIR = ".scratch"
+
+
+@dataclass
+class PtqRuntime:
+    """How a PTQ run executes -- never what it computes, so nothing here goes into meta.json.
+
+    ``capture_memory_bytes``: host-memory budget of one layer's captured unit calls; calls
+    beyond it spill to OUTPUT/.scratch/layer_{i}/ (removed once the unit / layer is solved).
+    None = no budget (everything in memory). ``sharded``: build each layer spread over
+    ``adapter.shard_devices()`` (``dispatch.build_layer_device_map``, the ``--sharded-eval``
+    placement) and solve every unit on the device that holds it, for layers that do not fit
+    one device. ``make_sink(unit)``: a ``capture.CallSink`` for the unit (e.g. an algorithm's
+    statistics sink), or None for the store's default."""
+
+    capture_memory_bytes: int | None = None
+    sharded: bool = False
+    make_sink: Callable[[Any], CallSink | None] | None = None
+
+    def check(self) -> None:
+        if self.capture_memory_bytes is not None and self.capture_memory_bytes < 0:
+            raise ConfigError(f"capture memory budget must be >= 0 bytes, got {self.capture_memory_bytes}")
+
+
 def _unit_stats_path(params_dir: Path, unit) -> Path:
     return params_dir / f"{unit.file_stem}.json"
 
@@ -473,9 +513,17 @@ def _resumed_result(params_dir: Path, unit) -> UnitResult:
     return r
 
 
+def recipe_meta(recipe, propagate: str = "float", holdout: float = 0.25, guard: bool = True) -> dict[str, Any] | None:
+    """What a recipe run adds to meta.json's solver settings (None: the legacy clip solver)."""
+    if recipe is None:
+        return None if propagate == "float" else {"propagate": propagate}
+    return {"recipe": recipe.settings(), "propagate": propagate, "holdout": holdout, "guard": guard}
+
+
 def prepare_params_dir(adapter: BaseModel, output_dir: str | Path, scheme: QuantScheme,
                        targets: Sequence[str], cfg: PtqConfig, create: bool = True,
-                       calib_windows: torch.Tensor | None = None) -> Path:
+                       calib_windows: torch.Tensor | None = None,
+                       recipe_settings: dict[str, Any] | None = None) -> Path:
     """Check (and, with ``create``, write) OUTPUT/ptq_params/meta.json; returns the folder.
     With ``create=False`` nothing is written: the caller validates before doing any work.
     ``calib_windows``: the windows the run calibrates on (default: drawn from ``cfg``); their
@@ -483,7 +531,7 @@ def prepare_params_dir(adapter: BaseModel, output_dir: str | Path, scheme: Quant
     pdir = Path(output_dir) / PARAMS_DIR
     if calib_windows is None:
         calib_windows = load_calib_windows(adapter, cfg)
-    meta = params_meta(adapter, scheme, targets, cfg, calib_windows)
+    meta = params_meta(adapter, scheme, targets, cfg, calib_windows, recipe_settings)
     exists = check_params_dir(pdir, meta)
     if create and not exists:
         atomic_write_json(meta, pdir / META_NAME)
@@ -494,14 +542,32 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                       output_dir: str | Path, *, layers: range | None = None,
                       calib_windows: torch.Tensor | None = None,
                       on_unit_done: Callable[[UnitResult], None] | None = None,
+                      recipe=None, propagate: str = "float", holdout: float = 0.25,
+                      guard: bool = True, runtime: PtqRuntime | None = None, phases=None,
                       float_like: range | None = None, start: tuple[int, Stream] | None = None) -> PtqResult:
-    """Learn clipping factors for every unit of ``layers`` and save them under OUTPUT/ptq_params.
+    """Quantize every unit of ``layers`` and save its parameters under OUTPUT/ptq_params.
 
-    Per layer i (CPU staging): build it, ``quantize_block``, run it once with quantizers OFF over
-    the float calibration inputs X_i while capturing every unit's calls (this is the float
-    layer, bit for bit, and its output is X_{i+1}); observe static activation ranges; then per
-    unit: move it to the compute device, ``solve_unit``, save, move it back. ``on_unit_done``
-    is called after each unit is saved (progress reporting; tests use it to interrupt).
+    Per layer i (built on the compute device, or spread over the devices with
+    ``runtime.sharded``): build it, ``quantize_block``, run it once with quantizers OFF over
+    the calibration inputs X_i while capturing every unit's calls (this is the float layer, bit
+    for bit: the targets are float outputs); observe static activation ranges; then solve, each
+    unit where it is.
+
+    ``recipe`` None: the legacy solver (learned clipping, ``cfg.epochs`` / ``cfg.lr``) per unit.
+    A ``algorithms.Recipe``: its algorithms in order on the layer's units
+    (``algorithms.runner.run_recipe_on_units``; group entry points for the routed experts),
+    with ``guard`` (fall back to RTN for a unit the recipe made worse on its calibration calls)
+    and ``holdout`` (the share of calls held out by algorithms that validate, e.g. clip).
+
+    ``propagate``: 'float' -- X_{i+1} is the float layer's output (see the module doc);
+    'quant' -- X_{i+1} is the output of the quantized layer i after solving (sequential, as
+    GPTQ / llm-compressor do: later layers compensate earlier errors; one more forward per layer).
+
+    ``runtime`` (``PtqRuntime``): capture memory budget / spilling, sharded layers.
+    ``phases``: a ``phases.PhaseTimer`` recording each step's time and peak memory (benchmarks).
+
+    ``on_unit_done`` is called after each unit is saved (progress reporting; tests use it to
+    interrupt).
 
     For a layer range of a larger run (amct_ext.distributed): ``float_like`` is that run's
     range; predecessors inside it run as its quantized layers did (``float_layer_output``), so
@@ -509,11 +575,20 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     float inputs of layer k are given (received from another rank); layers < k are not run.
     """
     cfg.check()
+    if propagate not in PROPAGATE:
+        raise ConfigError(f"propagate={propagate!r} is unknown; valid: {', '.join(PROPAGATE)}")
+    if not (0 <= holdout < 1):
+        raise ConfigError(f"holdout={holdout} must lie in [0, 1)")
+    runtime = runtime or PtqRuntime()
+    runtime.check()
+    ph = phases if phases is not None else NO_PHASES
+    sharded = runtime.sharded
     targets = scheme.check_targets(parse_targets(targets))
     layers = layers if layers is not None else layer_range(adapter)
     if calib_windows is None:
         calib_windows = load_calib_windows(adapter, cfg)
-    pdir = prepare_params_dir(adapter, output_dir, scheme, targets, cfg, calib_windows=calib_windows)
+    pdir = prepare_params_dir(adapter, output_dir, scheme, targets, cfg, calib_windows=calib_windows,
+                              recipe_settings=recipe_meta(recipe, propagate, holdout, guard))
     dev = adapter.device
     devmod.reset_peak_memory(dev)
     t0 = time.perf_counter()
@@ -522,47 +597,116 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     if start is not None and not 0 <= start[0] <= layers.start:
         raise ConfigError(f"run_blockwise_ptq: the given stream enters layer {start[0]}, after the first "
                           f"layer to quantize ({layers.start})")
-    first, calib = start if start is not None else (0, embed_stream(adapter, calib_windows, cfg.batch_size))
+    if start is not None:
+        first, calib = start
+    else:
+        first = 0
+        with ph.phase("embed"):
+            calib = embed_stream(adapter, calib_windows, cfg.batch_size)
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes)
     last = layers.stop
+    # The layer is built where it runs (decoded there, never staged in host memory): the float
+    # capture needs the whole layer on the device anyway, and a host-staged V4-Flash layer cost
+    # ~3x its 13 GB in host RSS (build, .to(device), .to('cpu') after; benchmarks/results_i15.md).
     for i in _tqdm(range(first, last), desc="ptq layers", disable=not adapter.run.progress):
-        block = adapter.block(i)
+        with ph.phase("build", layer=i):
+            block = adapter.block(i, sharded=True) if sharded else adapter.block(i, device=dev)
         mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
         if i not in layers:  # a float predecessor: only its output is needed
-            calib = float_layer_output(adapter, block, calib, float_like is not None and i in float_like,
-                                       scheme, targets)
+            with ph.phase("float_forward", layer=i):
+                calib = float_layer_output(adapter, block, calib, float_like is not None and i in float_like,
+                                           scheme, targets)
             adapter.release_block(block)
             continue
-        adapter.quantize_block(block, scheme, targets)
+        with ph.phase("build", layer=i):
+            adapter.quantize_block(block, scheme, targets)
         units = list(adapter.iter_ptq_units(block, i, targets))
         todo = {u.name for u in units if not (pdir / f"{u.file_stem}.pt").is_file()}
         adapter.prepare_capture(block)            # every unit called as a module: hooks see it
-        with _on_device(adapter, block):
-            adapter.set_quant_enabled(block, False)   # float math, bit for bit
-            if todo:
-                calls, next_hidden = capture_unit_io([u for u in units if u.name in todo],
-                                                     lambda: adapter.do_block_forward(block, calib.hidden, calib.state))
-                result.unobserved_static += observe_static(adapter, block, calib, i)
-            else:  # the whole layer was done by an earlier run: only its float output is needed
-                calls, next_hidden = {}, adapter.do_block_forward(block, calib.hidden, calib.state)
-        adapter.set_quant_enabled(block, True)
-        for unit in _tqdm(units, desc=f"layer {i} units", leave=False, disable=not adapter.run.progress):
-            if unit.name not in todo:
-                result.units.append(_resumed_result(pdir, unit))
-                continue
-            unit.module.to(dev)
-            r = timed_solve(unit, calls.pop(unit.name), epochs=cfg.epochs, lr=cfg.lr, device=dev, seed=cfg.seed)
-            # stats first, then the .pt: the .pt's existence is what marks the unit done
-            atomic_write_json(r.to_dict(), _unit_stats_path(pdir, unit))
-            atomic_save(unit.module.export_ptq_params(), pdir / f"{unit.file_stem}.pt")
-            unit.module.to("cpu")
-            result.units.append(r)
-            if on_unit_done is not None:
-                on_unit_done(r)
+        store = CaptureStore(runtime.capture_memory_bytes,
+                             None if runtime.capture_memory_bytes is None
+                             else Path(output_dir) / SCRATCH_DIR / f"layer_{i}")
+        sinks = {}
+        for u in units:
+            if u.name in todo:
+                made = runtime.make_sink(u) if runtime.make_sink is not None else None
+                sinks[u.name] = made if made is not None else store.sink(u.file_stem)
+        try:
+            with ph.phase("capture", layer=i):
+                adapter.set_quant_enabled(block, False)   # float math, bit for bit
+                if todo:
+                    calls, next_hidden = capture_unit_io(
+                        [u for u in units if u.name in todo],
+                        lambda: adapter.do_block_forward(block, calib.hidden, calib.state), sinks=sinks)
+                    result.unobserved_static += observe_static(adapter, block, calib, i)
+                else:  # the whole layer was done by an earlier run: only its float output is needed
+                    calls, next_hidden = {}, adapter.do_block_forward(block, calib.hidden, calib.state)
+            mem.capture_memory_peak_bytes = max(mem.capture_memory_peak_bytes,
+                                                store.peak_in_memory if store.memory_bytes is not None
+                                                else sum(s.nbytes for s in sinks.values()))
+            mem.capture_spilled_bytes += store.spilled_bytes
+            ph.note(capture_bytes=sum(call_bytes(c) for c in calls.values() if isinstance(c, Sequence)),
+                    spilled_bytes=store.spilled_bytes, in_memory_peak_bytes=store.peak_in_memory)
+            adapter.set_quant_enabled(block, True)
+            if propagate == "quant":   # the next layer's inputs go through the units done earlier
+                for unit in units:
+                    if unit.name not in todo:
+                        load_unit_params(unit, pdir)
+                finish_static(block, i)   # counted once, by the observe pass above
+            if recipe is None:
+                for unit in _tqdm(units, desc=f"layer {i} units", leave=False, disable=not adapter.run.progress):
+                    if unit.name not in todo:
+                        result.units.append(_resumed_result(pdir, unit))
+                        continue
+                    with ph.phase(f"solve:{unit.kind}", layer=i):
+                        # solved where the layer is: the compute device, or where the sharded
+                        # placement put the unit
+                        udev = adapter.unit_device(block, unit) if sharded else dev
+                        r = timed_solve(unit, calls.pop(unit.name), epochs=cfg.epochs, lr=cfg.lr, device=udev,
+                                        seed=cfg.seed)
+                        sinks.pop(unit.name).discard()      # its spilled calls are no longer needed
+                    with ph.phase("write", layer=i):
+                        _save_unit(pdir, unit, r)
+                    result.units.append(r)
+                    if on_unit_done is not None:
+                        on_unit_done(r)
+            else:
+                from .algorithms.runner import run_recipe_on_units
+
+                todo_units = [u for u in units if u.name in todo]
+                solved: dict[str, UnitResult] = {}
+                # one recipe run per device holding units (a sharded layer): the grouped
+                # algorithms stack a group's experts, which must share a device
+                by_dev: dict[torch.device, list] = {}
+                for u in todo_units:
+                    by_dev.setdefault(adapter.unit_device(block, u) if sharded else dev, []).append(u)
+                done: dict[str, UnitResult] = {}
+                for udev, group in by_dev.items():
+                    with ph.phase("solve:recipe", layer=i, device=str(udev)):
+                        rs = run_recipe_on_units(group, calls, recipe, device=udev, seed=cfg.seed,
+                                                 dtype=adapter.run.dtype, holdout=holdout, guard=guard)
+                    done.update({u.name: r for u, r in zip(group, rs)})
+                if todo_units:
+                    for unit, r in zip(todo_units, [done[u.name] for u in todo_units]):
+                        with ph.phase("write", layer=i):
+                            _save_unit(pdir, unit, r)
+                        solved[unit.name] = r
+                        if on_unit_done is not None:
+                            on_unit_done(r)
+                calls = {}
+                result.units += [solved[u.name] if u.name in solved else _resumed_result(pdir, u) for u in units]
+        finally:
+            for s in sinks.values():
+                s.discard()
+            store.cleanup()
+        if propagate == "quant":
+            with ph.phase("propagate", layer=i):
+                next_hidden = adapter.do_block_forward(block, calib.hidden, calib.state)
         calib = Stream(next_hidden, calib.state)
-        adapter.release_block(block)
+        with ph.phase("release", layer=i):
+            adapter.release_block(block)
     devmod.synchronize(dev)
-    mem.peak_memory_bytes = devmod.peak_memory_bytes(dev)
+    mem.peak_memory_bytes = max(devmod.peak_memory_bytes(dev), getattr(ph, "max_device_peak", lambda: 0)())
     result.memory = mem
     result.seconds = time.perf_counter() - t0
     return result
@@ -570,33 +714,22 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
 
 def float_layer_output(adapter: BaseModel, block: nn.Module, calib: Stream, like_quantized: bool,
                        scheme: QuantScheme, targets: Sequence[str]) -> Stream:
-    """The float output of a (CPU-staged) layer over ``calib``. ``like_quantized``: computed as
-    ``run_blockwise_ptq`` computes it for a layer it quantizes (wrapped, quantizers off, capture
-    paths), so a rank recomputing another rank's layers gets the very same bits even where the
-    plain and the capture paths round differently (grouped vs per-expert MoE on accelerators)."""
+    """The float output of a layer (built on its device) over ``calib``. ``like_quantized``:
+    computed as ``run_blockwise_ptq`` computes it for a layer it quantizes (wrapped, quantizers
+    off, capture paths), so a rank recomputing another rank's layers gets the very same bits even
+    where the plain and the capture paths round differently (grouped vs per-expert MoE on
+    accelerators)."""
     if like_quantized:
         adapter.quantize_block(block, scheme, targets)
         adapter.prepare_capture(block)
         adapter.set_quant_enabled(block, False)
-    with _on_device(adapter, block):
-        return Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
+    return Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
 
 
-@contextlib.contextmanager
-def _on_device(adapter: BaseModel, block: nn.Module) -> Iterator[None]:
-    """Hold a CPU-staged block on the compute device for its whole-layer passes (float capture,
-    observation), so they are not CPU passes on accelerator machines; back to the host after,
-    so the solver then moves one unit at a time."""
-    dev = adapter.device
-    moved = dev.type != "cpu"
-    if moved:
-        block.to(dev)
-    try:
-        yield
-    finally:
-        if moved:
-            block.to("cpu")
-            devmod.empty_cache(dev)
+def _save_unit(pdir: Path, unit, r: UnitResult) -> None:
+    # stats first, then the .pt: the .pt's existence is what marks the unit done
+    atomic_write_json(r.to_dict(), _unit_stats_path(pdir, unit))
+    atomic_save(unit.module.export_ptq_params(), pdir / f"{unit.file_stem}.pt")
 
 
 def summary_table(units: Sequence[UnitResult]) -> str:

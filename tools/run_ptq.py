@@ -80,7 +80,7 @@ DEFAULTS = {
     "tiny-trained": dict(calib_samples=16, seq_len=256, eval_windows=64, eval_ppl=True, dtype="fp32", threads=1,
                          batch_size=1, eval_batch_size=8),
     "v4": dict(calib_samples=128, seq_len=2048, eval_windows=None, eval_ppl=False, dtype="bf16", threads=None,
-               batch_size=1, eval_batch_size=1),
+               batch_size=1, eval_batch_size=1, capture_memory_gb=8.0),
 }
 
 
@@ -180,16 +180,38 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-ppl", action=argparse.BooleanOptionalAction, default=None,
                     help="float / RTN / PTQ perplexity (default: on for tiny, off otherwise)")
     ap.add_argument("--no-ptq", action="store_true", help="skip learning (PPL of float and RTN only)")
+    ap.add_argument("--ppl-modes", default="float,rtn",
+                    help="reference perplexities computed before PTQ (comma list of float, rtn; '' for none)")
     ap.add_argument("--device", default="auto", help="auto | npu | cuda | cpu (or cuda:1, npu:2)")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="compute dtype (default: tiny fp32, V4 bf16)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: tiny 1, else torch's)")
     ap.add_argument("--sharded-eval", action="store_true",
                     help="evaluate with each layer spread over every device (needed when one layer does not "
                          "fit one device, e.g. V4-Pro on 64 GB); otherwise each layer is built on --device")
+    ap.add_argument("--sharded-ptq", action="store_true",
+                    help="PTQ with each layer spread over every device (the --sharded-eval placement), each unit "
+                         "solved on the device that holds it: for layers that do not fit one device (V4-Pro on 64 GB)")
+    ap.add_argument("--capture-memory-gb", type=float, default=None,
+                    help="host memory for one layer's captured unit inputs / outputs; the rest spills to "
+                         "OUTPUT/.scratch (removed as units finish). Default: V4 8, tiny unlimited; 0 = spill all")
     ap.add_argument("--start-layer", type=int, default=None, help="first layer to quantize")
     ap.add_argument("--end-layer", type=int, default=None, help="layers [start, end) are quantized (end exclusive)")
-    ap.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
-    ap.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"solver learning rate (default {DEFAULT_LR})")
+    ap.add_argument("--algo", default=None,
+                    help="comma list of algorithms run in order on every unit, e.g. gptq or clip,gptq or "
+                         "gptq:act_order=true (default: the scheme's default recipe, algorithms/recipe.py)")
+    ap.add_argument("--recipe", default=None, help="recipe file (JSON; YAML with PyYAML), instead of --algo")
+    ap.add_argument("--propagate", choices=("float", "quant"), default=None,
+                    help="calibrate later layers on float predecessors or on the quantized ones "
+                         "(default: the scheme's default recipe's choice)")
+    ap.add_argument("--holdout", type=float, default=0.25,
+                    help="share of each unit's calibration calls held out by validating algorithms (clip)")
+    ap.add_argument("--no-guard", action="store_true",
+                    help="keep an algorithm's result even where a unit ends worse than RTN on its calls")
+    ap.add_argument("--legacy-solver", action="store_true",
+                    help="the pre-recipe solver: learned clipping only, --epochs / --lr (no held-out check)")
+    ap.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS, help="--legacy-solver epochs")
+    ap.add_argument("--lr", type=float, default=DEFAULT_LR,
+                    help=f"--legacy-solver learning rate (default {DEFAULT_LR})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=None, help="calibration windows per forward")
     ap.add_argument("--eval-batch-size", type=int, default=None)
@@ -208,10 +230,12 @@ def _default(args, name: str):
     value = getattr(args, name)
     if value is not None:
         return value
-    return DEFAULTS[args.model if args.model in DEFAULTS else "v4"][name]
+    return DEFAULTS[args.model if args.model in DEFAULTS else "v4"].get(name)
 
 
-def run(args) -> int:
+def run(args, phases=None) -> int:
+    """The whole job. ``phases``: an ``amct_ext.phases.PhaseTimer`` given to the PTQ loop
+    (benchmarks/bench_ptq.py reads its per-phase times and memory)."""
     import torch
 
     from amct_ext import device as devmod, distributed
@@ -220,14 +244,12 @@ def run(args) -> int:
     from amct_ext.errors import DataError
     from amct_ext.io_utils import atomic_write_json
     from amct_ext.schemes import load_scheme, parse_targets
-    from amct_ext.workflow import (PARAMS_DIR, check_seq_len, layer_range, load_calib_windows, load_eval_windows,
-                                   prepare_params_dir, summary_table)
+    from amct_ext.workflow import (PARAMS_DIR, PtqRuntime, check_seq_len, layer_range, load_calib_windows,
+                                   load_eval_windows, prepare_params_dir, recipe_meta, summary_table)
     from models.deepseek_v4.adapter import DeepseekV4Adapter
 
     t_start = time.perf_counter()
     dist = distributed.env_from()
-    if dist is not None:
-        distributed.check_propagate(getattr(args, "propagate", "float"))
     threads = _default(args, "threads")
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads {threads}: must be >= 1 (omit it for torch's default)")
@@ -236,6 +258,17 @@ def run(args) -> int:
 
     # ---- validate everything before writing anything
     scheme = load_scheme(args.scheme)
+    from amct_ext.algorithms.recipe import default_recipe, resolve_recipe
+
+    if args.legacy_solver and (args.algo or args.recipe):
+        raise ConfigError("--legacy-solver runs the learned-clip solver alone: drop --algo / --recipe")
+    recipe, default_propagate = None, "float"
+    if not args.legacy_solver:
+        d_algo, default_propagate = default_recipe(scheme.name)
+        recipe = resolve_recipe(args.algo, args.recipe, default=d_algo)
+    propagate = args.propagate or default_propagate
+    if dist is not None:   # quantized predecessors make the layers sequential: refused under torchrun
+        distributed.check_propagate(propagate)
     targets = scheme.check_targets(parse_targets(args.quant_target))
     if args.calib_data and args.calib_dataset:
         raise ConfigError("pass either --calib-data FILE or --calib-dataset NAME, not both")
@@ -271,6 +304,10 @@ def run(args) -> int:
                           batch_size=_default(args, "eval_batch_size"), data_path=eval_path,
                           sharded=args.sharded_eval)
     eval_cfg.check()
+    capture_gb = _default(args, "capture_memory_gb")
+    runtime = PtqRuntime(capture_memory_bytes=None if capture_gb is None else int(capture_gb * 2 ** 30),
+                         sharded=args.sharded_ptq)
+    runtime.check()
     if eval_ppl and not eval_path.is_file():
         raise DataError(f"evaluation text not found: {eval_path} (pass --eval-data wiki.test.raw)")
 
@@ -285,9 +322,11 @@ def run(args) -> int:
                               "activation quantization)")
         if args.export and args.no_ptq:
             raise ConfigError("--export needs learned parameters: drop --no-ptq (or use tools/export.py --scheme for RTN)")
+        rmeta = recipe_meta(recipe, propagate, args.holdout, not args.no_guard)
         calib = load_calib_windows(adapter, ptq_cfg)
         if not args.no_ptq:
-            prepare_params_dir(adapter, out, scheme, targets, ptq_cfg, create=False, calib_windows=calib)
+            prepare_params_dir(adapter, out, scheme, targets, ptq_cfg, create=False, calib_windows=calib,
+                               recipe_settings=rmeta)
         windows = load_eval_windows(adapter, eval_cfg) if eval_ppl else None
 
         # ---- work
@@ -297,7 +336,10 @@ def run(args) -> int:
         # static activation quantizers left in float because no calibration data reached them
         unobserved = {}
         if eval_ppl:
-            for mode in (("float",) if exported else ("float", "rtn")):
+            modes = ("float",) if exported else [m for m in args.ppl_modes.split(",") if m]
+            for mode in modes:
+                if mode not in ("float", "rtn"):
+                    raise ConfigError(f"--ppl-modes: {mode!r} is not float or rtn")
                 r = distributed.evaluate(dist, adapter, windows, eval_cfg, mode, scheme=scheme, targets=targets,
                                          layers=layers, calib_windows=calib, calib_batch_size=ptq_cfg.batch_size)
                 ppl[mode] = r.ppl
@@ -308,11 +350,19 @@ def run(args) -> int:
                 if main_rank:
                     print(f"ppl[{mode}] = {r.ppl:.4f}  ({r.n_windows} windows x {r.seq_len}, {r.seconds:.1f} s)", flush=True)
         units = []
+        ptq_memory = None
+        ptq_wall = None
         if not args.no_ptq:
+            t_ptq = time.perf_counter()
             res = distributed.run_ptq(dist, adapter, scheme, targets, ptq_cfg, out, layers=layers,
-                                      calib_windows=calib, boundary=args.boundary)
+                                      calib_windows=calib, boundary=args.boundary,
+                                      meta_kwargs={"recipe_settings": rmeta},
+                                      recipe=recipe, propagate=propagate, holdout=args.holdout,
+                                      guard=not args.no_guard, runtime=runtime, phases=phases)
+            ptq_wall = time.perf_counter() - t_ptq
             units = res.units
             unobserved["ptq_calibration"] = res.unobserved_static
+            ptq_memory = res.memory.to_dict()
             peaks.append(res.memory.peak_memory_bytes)
             if main_rank:
                 print(summary_table(units), flush=True)
@@ -335,12 +385,17 @@ def run(args) -> int:
                             "epochs": ptq_cfg.epochs, "lr": ptq_cfg.lr, "seed": ptq_cfg.seed},
             "eval": None if not eval_ppl else {"path": str(eval_path), "windows": int(windows.shape[0]),
                                                "seq_len": seq_len},
+            "recipe": None if recipe is None else {"algorithms": recipe.settings(), "propagate": propagate,
+                                                   "holdout": args.holdout, "guard": not args.no_guard},
+            "ptq_wall_s": ptq_wall,
             "ppl": ppl,
             "units": [{"name": u.name, "kind": u.kind, "layer": u.layer, "loss_before": u.loss_before,
                        "loss_after": u.loss_after, "seconds": u.seconds, "n_calls": u.n_calls,
-                       "resumed": u.resumed} for u in units],
+                       "resumed": u.resumed, "stats": u.stats} for u in units],
             "evaluations": evals,
             "unobserved_static_quantizers": unobserved,
+            "ptq_runtime": {"capture_memory_gb": capture_gb, "sharded": args.sharded_ptq,
+                            "batch_size": ptq_cfg.batch_size, "memory": ptq_memory},
             "wall_s": time.perf_counter() - t_start,
             "peak_memory_bytes": max(peaks) if peaks else devmod.peak_memory_bytes(adapter.device),
             "peak_memory_note": ("process peak RSS (cpu)" if adapter.device.type == "cpu"

@@ -203,6 +203,16 @@ class DeepseekV4Adapter(BaseModel):
             delattr(block, _SHARD_ATTR)
         super().release_block(block)
 
+    def unit_device(self, block: nn.Module, unit: PtqUnit) -> torch.device:
+        """A sharded layer: the device its placement map gives the unit (the map is rebuilt from
+        the block's module names, as ``quantize_block`` does); otherwise the base rule."""
+        devices = getattr(block, _SHARD_ATTR, None)
+        if devices is None:
+            return super().unit_device(block, unit)
+        names = [n for n, _ in block.named_modules() if n]
+        local = unit.name[len(f"layers.{unit.layer_idx}."):]
+        return resolve_device_for(local, build_layer_device_map(names, devices))
+
     # ------------------------------------------------------------------ quantization hooks
     def quantize_block(self, block: Block, scheme, targets: Sequence[str]) -> Block:
         """``quant_module.quantize_block``; a sharded block is re-dispatched afterwards because
