@@ -7,7 +7,13 @@ setup(
     description="Blockwise PTQ for DeepSeek-V4 on Ascend NPUs, CUDA GPUs and CPUs",
     python_requires=">=3.10",
     packages=find_packages(include=["amct_ext", "amct_ext.*", "models", "models.*"]),
-    package_data={"amct_ext": ["schemes/*.json"]},
+    # the data a run needs offline ships inside the packages (amct_ext/data/README.md: licence)
+    package_data={
+        "amct_ext": ["schemes/*.json"],
+        "amct_ext.data": ["README.md", "LICENSE", "wikitext-2/*", "wikitext-2-raw/*"],
+        "models.deepseek_v4": ["configs/*.json", "SPEC.md"],
+    },
+    include_package_data=True,
     install_requires=[
         # torch: on machines with a local CPU wheel, install `torch==2.13.0` first; any
         # release >= 2.4 works.
@@ -23,7 +29,12 @@ setup(
         "npu": ["torch_npu"],
         "hub": ["modelscope"],
         "plot": ["matplotlib"],
+        # --calib-dataset NAME: fetch a calibration split from the Hugging Face hub (online only)
+        "datasets": ["datasets>=2.14"],
         # triton: the CUDA fast paths' kernels; the CPU tests run them under Triton's interpreter
-        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "triton>=3.2,<4; platform_system == 'Linux'"],
+        # compressed-tensors: the export tests' independent check (its compressors decompress our
+        # exported weights, its config model parses our quantization_config)
+        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "triton>=3.2,<4; platform_system == 'Linux'",
+                 "compressed-tensors>=0.20"],
     },
 )

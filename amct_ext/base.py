@@ -40,6 +40,11 @@ from .ptq_units import PtqUnit
 
 
 # ------------------------------------------------------------------------------------ configs
+# The solver's defaults, shared by PtqConfig and the CLI (tools/run_ptq.py) so they cannot drift.
+DEFAULT_EPOCHS = 2
+DEFAULT_LR = 5e-3
+
+
 @dataclass
 class RunConfig:
     """Where the model comes from and where it runs.
@@ -62,15 +67,20 @@ class RunConfig:
 
 @dataclass
 class PtqConfig:
-    """Blockwise PTQ settings. ``seed`` fixes the calibration windows and the solver's RNG."""
+    """Blockwise PTQ settings. ``seed`` fixes the calibration windows and the solver's RNG.
 
-    epochs: int = 2
-    lr: float = 1e-3
+    ``calib_path=None``: the shipped WikiText-2 validation split. ``eval_paths``: evaluation
+    texts the calibration text must not share a 64-word run with (the shipped test split is
+    always checked)."""
+
+    epochs: int = DEFAULT_EPOCHS
+    lr: float = DEFAULT_LR
     n_samples: int = 8
     seq_len: int = 128
     batch_size: int = 1
     seed: int = 0
     calib_path: str | os.PathLike | None = None
+    eval_paths: Sequence[str | os.PathLike] = ()
 
     def check(self) -> None:
         if self.epochs < 0:
@@ -82,15 +92,26 @@ class PtqConfig:
                               f"got {self.n_samples}, {self.batch_size}")
 
     def solver_settings(self) -> dict[str, Any]:
-        """What makes saved parameters reproducible (recorded in ptq_params/meta.json)."""
-        return {"epochs": self.epochs, "lr": self.lr, "n_samples": self.n_samples,
-                "seq_len": self.seq_len, "batch_size": self.batch_size, "seed": self.seed,
-                "calib_path": None if self.calib_path is None else str(Path(self.calib_path).name)}
+        """The solver / recipe settings that change a unit's result (ptq_params/meta.json
+        "solver"; a generic dict: algorithm recipes add their own entries, e.g. "recipe")."""
+        return {"epochs": self.epochs, "lr": self.lr}
+
+    def calibration_settings(self) -> dict[str, Any]:
+        """How the calibration windows are drawn (meta.json "calibration", with the hashes of
+        the text and of the windows the workflow adds)."""
+        return {"samples": self.n_samples, "seq_len": self.seq_len, "seed": self.seed,
+                "batch_size": self.batch_size}
+
+    def calibration_text(self) -> Path:
+        from .data import CALIB_DEFAULT
+
+        return Path(self.calib_path) if self.calib_path is not None else CALIB_DEFAULT
 
 
 @dataclass
 class EvalConfig:
-    """Perplexity settings: windows of ``seq_len`` tokens, the first ``max_windows`` of them."""
+    """Perplexity settings: windows of ``seq_len`` tokens, the first ``max_windows`` of them.
+    ``data_path=None``: the shipped wikitext-2-raw-v1 test split (``amct_ext/data``)."""
 
     seq_len: int = 128
     max_windows: int | None = None
@@ -221,6 +242,13 @@ class BaseModel(abc.ABC):
                 y = call(x.to(dev), **kw)
             outs.append(y.to("cpu") if self.run.offload_hidden else y)
         return outs
+
+    def unit_device(self, block: nn.Module, unit: PtqUnit) -> torch.device:
+        """The device holding ``unit`` of ``block`` (where its solve runs when the layer is
+        sharded). Default: the device of its first parameter, else the compute device."""
+        for p in unit.module.parameters():
+            return p.device
+        return self.device
 
     def release_block(self, block: nn.Module) -> None:
         """Drop a layer built by :meth:`block`: remove dispatch hooks, free its memory."""

@@ -1,39 +1,34 @@
 """Calibration samples: random token windows from a text file (GPTQ-style).
 
-The default source is the WikiText-2 *validation* split (``wikitext-2/valid.txt`` of the
-shared data). The test split is reserved for perplexity; calibrating (or training a
-tokenizer) on it would leak the evaluation data, so such paths are refused by name.
+The default source is the WikiText-2 *validation* split that ships with the package
+(``amct_ext/data/wikitext-2/wiki.valid.tokens``). The test split is reserved for perplexity;
+calibrating (or training a tokenizer) on it would leak the evaluation data, so a text sharing
+any 64-word run with an evaluation text is refused, whatever its name (``leak_guard``).
 """
 from __future__ import annotations
 
 import os
 import random
-import re
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
+from .data import CALIB_DEFAULT, EVAL_DEFAULT
 from .errors import DataError
+from .leak_guard import refuse_eval_overlap
 from .perplexity import encode_text
 
-# <repo>/../shared/data/wikitext-2/valid.txt: where the project's shared data lives.
-DEFAULT_CALIBRATION_PATH = (
-    Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2" / "valid.txt"
-)
-
-# "test" as a whole dot/dash/underscore-separated word of the file name: wiki.test.raw,
-# test.txt, wikitext-2-test.txt; not "latest.txt" or "contest.txt".
-_TEST_SPLIT_NAME = re.compile(r"(^|[._\-])test([._\-]|$)", re.IGNORECASE)
+# the shipped validation split (package data): a fresh clone or an installed wheel has it
+DEFAULT_CALIBRATION_PATH = CALIB_DEFAULT
 
 
-def refuse_test_split(path: str | os.PathLike, purpose: str) -> None:
-    """Raise DataError if ``path`` names a test split (evaluation data must not leak)."""
-    name = Path(path).name
-    if _TEST_SPLIT_NAME.search(name):
-        raise DataError(
-            f"{path} looks like a test split; it is reserved for perplexity evaluation and "
-            f"must not be used for {purpose} (use the validation split, e.g. wikitext-2/valid.txt)"
-        )
+def refuse_test_split(path: str | os.PathLike, purpose: str,
+                      eval_paths: Iterable[str | os.PathLike | None] = ()) -> None:
+    """Raise DataError if the text at ``path`` shares a 64-word run with the shipped test split
+    or with any of ``eval_paths`` (by content: a renamed test split is refused, a file that
+    merely has "test" in its name is not)."""
+    refuse_eval_overlap(path, purpose, [EVAL_DEFAULT, *eval_paths])
 
 
 def load_calibration_windows(
@@ -42,6 +37,7 @@ def load_calibration_windows(
     seq_len: int,
     n_samples: int,
     seed: int = 0,
+    eval_paths: Iterable[str | os.PathLike | None] = (),
 ) -> torch.LongTensor:
     """``n_samples`` windows of ``seq_len`` tokens at random offsets of a text file.
 
@@ -51,6 +47,7 @@ def load_calibration_windows(
     - Offsets are drawn like GPTQ's loaders (``randint`` over every valid start) with a
       private ``random.Random(seed)``: the same seed gives the same windows, and the global
       RNG state is neither used nor changed. Windows may overlap, as in GPTQ.
+    - A text sharing a 64-word run with the shipped test split or ``eval_paths`` is refused.
 
     Returns a LongTensor ``[n_samples, seq_len]``.
     """
@@ -60,9 +57,9 @@ def load_calibration_windows(
     if not path.is_file():
         raise DataError(
             f"calibration text not found: {path} (pass a text file, e.g. the WikiText-2 "
-            "validation split wikitext-2/valid.txt)"
+            "validation split amct_ext/data/wikitext-2/wiki.valid.tokens)"
         )
-    refuse_test_split(path, "calibration")
+    refuse_test_split(path, "calibration", eval_paths)
     if seq_len < 1 or n_samples < 1:
         raise DataError(f"calibration needs seq_len >= 1 and n_samples >= 1, got {seq_len}, {n_samples}")
 

@@ -5,14 +5,36 @@ whatever precedes layer 0 execute, the Catcher records the hidden state and the 
 arguments the model passes to its layers, then raises ``StopForward`` so nothing after it
 runs (layers 1.. may still be on the meta device; they are never touched).
 
-``capture_unit_io`` hooks sub-modules (PTQ units) while a block runs and keeps every call's
-positional args, kwargs and output: the solver's training data.
+``capture_unit_io`` hooks sub-modules (PTQ units) while a block runs and hands every call's
+positional args, kwargs and output to that unit's ``CallSink``: the solver's training data.
+
+Sinks (bounded host memory)
+---------------------------
+A V4-Flash layer at the default calibration (128 x 2048 tokens) produces ~30 GB of unit inputs
+and outputs; keeping them all on the host (the old behaviour) does not fit next to the layer.
+What happens to a call is the sink's business:
+
+- ``StoreCalls``: keep it in memory (on ``store_device``; the default, the old behaviour);
+- ``SpillCalls``: write it to safetensors chunk files under a scratch folder and read it back on
+  iteration; ``discard()`` removes the files once the unit is solved;
+- ``CaptureStore``: one memory budget shared by every unit of a layer; a unit's calls stay in
+  memory while the budget lasts, later ones spill (``--capture-memory-gb``);
+- a statistics sink (an algorithm that needs only e.g. a Hessian ``sum x^T x``): subclass
+  ``CallSink``, fold each call into the statistic in ``add`` and return it from ``result``;
+  nothing is stored.
+
+``CallSink.result()`` is what the solver gets for the unit: for storing sinks a re-iterable
+``Sequence[UnitCall]`` (``len``, iteration in capture order, indexing), so the solver needs no
+change whether the calls are in memory or on disk.
 """
 from __future__ import annotations
 
 import inspect
+import json
+import shutil
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -90,27 +112,302 @@ class UnitCall:
     output: Any
 
 
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    return 0
+
+
+def call_nbytes(call: UnitCall) -> int:
+    """Bytes of the tensors of one call (args + kwargs + output)."""
+    return _nbytes(call.args) + _nbytes(call.kwargs) + _nbytes(call.output)
+
+
+# ----------------------------------------------------------------------------- sinks
+class CallSink:
+    """Receives the calls of ONE unit during the float forward, in call order.
+
+    ``add(call)`` gets each call (tensors already detached and on the capture's
+    ``store_device``); ``result()`` is called once after the forward and returns what the unit's
+    solver receives; ``discard()`` frees whatever the sink still holds (files, memory) once the
+    unit is done. ``nbytes``: bytes the sink holds in host memory now (for accounting)."""
+
+    def add(self, call: UnitCall) -> None:
+        raise NotImplementedError
+
+    def result(self) -> Any:
+        raise NotImplementedError
+
+    def discard(self) -> None:
+        pass
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+class StoreCalls(CallSink):
+    """Keep every call in memory: ``result()`` is the list of calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[UnitCall] = []
+        self._bytes = 0
+
+    def add(self, call: UnitCall) -> None:
+        self.calls.append(call)
+        self._bytes += call_nbytes(call)
+
+    def result(self) -> list[UnitCall]:
+        return self.calls
+
+    def discard(self) -> None:
+        self.calls = []
+        self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """A JSON-able skeleton of ``obj`` with its tensors replaced by indices into ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return {"t": len(tensors) - 1}
+    if isinstance(obj, tuple):
+        return {"tuple": [_flatten(o, tensors) for o in obj]}
+    if isinstance(obj, list):
+        return {"list": [_flatten(o, tensors) for o in obj]}
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise TypeError("SpillCalls: only str-keyed dicts can be spilled")
+        return {"dict": {k: _flatten(v, tensors) for k, v in obj.items()}}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"v": obj}
+    raise TypeError(f"SpillCalls: cannot spill a {type(obj).__name__} (only tensors, containers, scalars)")
+
+
+def _unflatten(skel: Any, tensors: Mapping[str, torch.Tensor], prefix: str) -> Any:
+    (kind, val), = skel.items()
+    if kind == "t":
+        return tensors[f"{prefix}{val}"]
+    if kind == "tuple":
+        return tuple(_unflatten(o, tensors, prefix) for o in val)
+    if kind == "list":
+        return [_unflatten(o, tensors, prefix) for o in val]
+    if kind == "dict":
+        return {k: _unflatten(v, tensors, prefix) for k, v in val.items()}
+    return val
+
+
+class SpilledCalls(Sequence):
+    """The calls of a ``SpillCalls`` sink, read back from its chunk files (capture order).
+    Iteration loads one chunk at a time; indexing keeps the last chunk read."""
+
+    def __init__(self, chunks: list[tuple[Path, int]], head: Sequence[UnitCall] = ()):
+        self.head = list(head)            # calls kept in memory before the sink started spilling
+        self.chunks = chunks              # (file, number of calls)
+        self._n = len(self.head) + sum(n for _, n in chunks)
+        self._cached: tuple[int, list[UnitCall]] | None = None
+
+    def __len__(self) -> int:
+        return self._n
+
+    @staticmethod
+    def _load(path: Path) -> list[UnitCall]:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["calls"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        return [UnitCall(_unflatten(m["args"], tensors, f"c{j}."), _unflatten(m["kwargs"], tensors, f"c{j}."),
+                         _unflatten(m["output"], tensors, f"c{j}.")) for j, m in enumerate(meta)]
+
+    def __iter__(self) -> Iterator[UnitCall]:
+        yield from self.head
+        for path, _ in self.chunks:
+            yield from self._load(path)
+
+    def __getitem__(self, i: int) -> UnitCall:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        if i < len(self.head):
+            return self.head[i]
+        i -= len(self.head)
+        for c, (path, n) in enumerate(self.chunks):
+            if i < n:
+                if self._cached is None or self._cached[0] != c:
+                    self._cached = (c, self._load(path))
+                return self._cached[1][i]
+            i -= n
+        raise IndexError(i)
+
+
+class SpillCalls(CallSink):
+    """Write the calls to safetensors chunk files in ``folder`` (created on first write), about
+    ``chunk_bytes`` per file; ``result()`` reads them back lazily (``SpilledCalls``);
+    ``discard()`` removes the folder. ``head``: calls already held in memory that come first."""
+
+    def __init__(self, folder: str | Path, chunk_bytes: int = 256 * 2 ** 20, head: Sequence[UnitCall] = ()):
+        self.folder = Path(folder)
+        self.chunk_bytes = chunk_bytes
+        self.head = list(head)
+        self._pending: list[UnitCall] = []
+        self._pending_bytes = 0
+        self.chunks: list[tuple[Path, int]] = []
+        self.spilled_bytes = 0
+
+    def add(self, call: UnitCall) -> None:
+        self._pending.append(call)
+        self._pending_bytes += call_nbytes(call)
+        if self._pending_bytes >= self.chunk_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        from safetensors.torch import save_file
+
+        tensors: list[torch.Tensor] = []
+        meta, flat = [], {}
+        seen: set[int] = set()
+        for j, call in enumerate(self._pending):
+            start = len(tensors)
+            skel = {"args": _flatten(call.args, tensors), "kwargs": _flatten(call.kwargs, tensors),
+                    "output": _flatten(call.output, tensors)}
+            for k in range(start, len(tensors)):   # key c{j}.{k}: k counts over the whole chunk
+                t = tensors[k].detach().cpu().contiguous()
+                st = t.untyped_storage()
+                # safetensors refuses tensors that share storage (views of one buffer): own copies
+                if st.data_ptr() in seen or st.nbytes() != t.numel() * t.element_size():
+                    t = t.clone()
+                seen.add(t.untyped_storage().data_ptr())
+                flat[f"c{j}.{k}"] = t
+            meta.append(skel)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"chunk_{len(self.chunks):05d}.safetensors"
+        save_file(flat, str(path), metadata={"calls": json.dumps(meta)})
+        self.chunks.append((path, len(self._pending)))
+        self.spilled_bytes += self._pending_bytes
+        self._pending, self._pending_bytes = [], 0
+
+    def result(self) -> SpilledCalls:
+        self._flush()
+        return SpilledCalls(list(self.chunks), self.head)
+
+    def discard(self) -> None:
+        self._pending, self.head, self.chunks = [], [], []
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    @property
+    def nbytes(self) -> int:
+        return self._pending_bytes + sum(call_nbytes(c) for c in self.head)
+
+
+class CaptureStore:
+    """Sinks for the units of one layer sharing one host-memory budget.
+
+    ``memory_bytes``: None = no limit (every call in memory); otherwise a unit's calls stay in
+    memory while the store's total stays within the budget and spill to
+    ``scratch_dir/<unit>/`` from the first call that would exceed it (later calls of that unit
+    spill too, so capture order is kept). ``discard()`` of a sink returns its bytes to the budget."""
+
+    def __init__(self, memory_bytes: int | None = None, scratch_dir: str | Path | None = None,
+                 chunk_bytes: int = 256 * 2 ** 20):
+        if memory_bytes is not None and scratch_dir is None:
+            raise ValueError("CaptureStore: a memory budget needs a scratch_dir to spill into")
+        self.memory_bytes = memory_bytes
+        self.scratch_dir = None if scratch_dir is None else Path(scratch_dir)
+        self.chunk_bytes = chunk_bytes
+        self.in_memory = 0
+        self.peak_in_memory = 0
+        self.spilled_bytes = 0
+
+    def sink(self, name: str) -> CallSink:
+        if self.memory_bytes is None:
+            return StoreCalls()
+        return _BudgetedCalls(self, name)
+
+    def cleanup(self) -> None:
+        if self.scratch_dir is not None:
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)
+
+
+class _BudgetedCalls(CallSink):
+    def __init__(self, store: CaptureStore, name: str):
+        self.store = store
+        self.name = name
+        self.memory: list[UnitCall] = []
+        self.mem_bytes = 0
+        self.spill: SpillCalls | None = None
+
+    def add(self, call: UnitCall) -> None:
+        n = call_nbytes(call)
+        st = self.store
+        if self.spill is None and st.in_memory + n <= st.memory_bytes:
+            self.memory.append(call)
+            self.mem_bytes += n
+            st.in_memory += n
+            st.peak_in_memory = max(st.peak_in_memory, st.in_memory)
+            return
+        if self.spill is None:
+            self.spill = SpillCalls(st.scratch_dir / self.name.replace("/", "_"), st.chunk_bytes, head=self.memory)
+        self.spill.add(call)
+        st.spilled_bytes += n
+
+    def result(self) -> Sequence[UnitCall]:
+        return self.memory if self.spill is None else self.spill.result()
+
+    def discard(self) -> None:
+        if self.spill is not None:
+            self.spill.discard()
+            self.spill = None
+        self.store.in_memory -= self.mem_bytes
+        self.memory, self.mem_bytes = [], 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.mem_bytes + (self.spill._pending_bytes if self.spill is not None else 0)
+
+
 def capture_unit_io(modules: Mapping[str, nn.Module] | Iterable[Any], run_fn: Callable[[], Any],
-                    store_device: torch.device | str | None = "cpu") -> tuple[dict[str, list[UnitCall]], Any]:
-    """Run ``run_fn()`` with forward hooks on ``modules``; returns (calls per name, run_fn's result).
+                    store_device: torch.device | str | None = "cpu",
+                    sinks: Mapping[str, CallSink] | None = None) -> tuple[dict[str, Any], Any]:
+    """Run ``run_fn()`` with forward hooks on ``modules``; returns (per name the sink's
+    ``result()``, run_fn's result).
 
     ``modules``: a mapping name -> module, or an iterable of objects with ``.name`` and
     ``.module`` (PtqUnits). Every call's args / kwargs / output are detached and, by default,
     moved to the host (``store_device='cpu'``) so captured data does not pile up in device
-    memory; pass ``store_device=None`` to keep them where they are. Hooks are removed even if
+    memory; pass ``store_device=None`` to keep them where they are. ``sinks``: one ``CallSink``
+    per name (default: ``StoreCalls`` for each, i.e. lists of calls). Hooks are removed even if
     ``run_fn`` raises.
     """
     if isinstance(modules, Mapping):
         named = dict(modules)
     else:
         named = {u.name: u.module for u in modules}
-    calls: dict[str, list[UnitCall]] = {name: [] for name in named}
+    if sinks is None:
+        sinks = {name: StoreCalls() for name in named}
+    missing = [n for n in named if n not in sinks]
+    if missing:
+        raise ValueError(f"capture_unit_io: no sink for {missing[:3]}")
     handles = []
 
     def make_hook(name: str):
+        sink = sinks[name]
+
         def hook(_module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            calls[name].append(UnitCall(_detach(args, store_device), _detach(kwargs, store_device),
-                                        _detach(output, store_device)))
+            sink.add(UnitCall(_detach(args, store_device), _detach(kwargs, store_device),
+                              _detach(output, store_device)))
         return hook
 
     try:
@@ -120,4 +417,4 @@ def capture_unit_io(modules: Mapping[str, nn.Module] | Iterable[Any], run_fn: Ca
     finally:
         for h in handles:
             h.remove()
-    return calls, result
+    return {name: sinks[name].result() for name in named}, result

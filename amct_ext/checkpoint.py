@@ -10,6 +10,11 @@ Design points
 - ``load_prefix`` turns released storage (FP8 block / MXFP4 + ``.scale`` companions, see
   ``storage_formats``) into compute tensors, optionally on a target device, and accounts for
   every key: loaded / missing / unexpected / skipped. Nothing is dropped silently.
+- Every floating tensor a ``load_prefix`` call returns is checked for NaN / Inf after
+  dequantization and the cast (``check_finite``): garbage in a shard's data region (the header
+  intact) decodes to NaN and would otherwise surface as a NaN perplexity naming nothing. The
+  check is one ``aminmax`` per tensor on the tensor's device and ONE host read per call (per
+  layer), through ``device_checks.raise_first``; the error names the tensor and its shard file.
 """
 from __future__ import annotations
 
@@ -23,12 +28,15 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from safetensors import safe_open
 
+from . import device_checks
 from .errors import CheckpointError
 from .storage_formats import FP4_PACKED_DTYPES, decode_fp4, decode_fp8_block
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
+# the index of an Ascend ModelSlim v1 export (amct_ext.export.ascend)
+ASCEND_INDEX_NAME = "quant_model_weights.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SCALE_SUFFIX = ".scale"
 WEIGHT_SUFFIX = ".weight"
@@ -99,6 +107,8 @@ class CheckpointReader:
         if p.is_dir():
             if (p / INDEX_NAME).is_file():
                 index = p / INDEX_NAME
+            elif (p / ASCEND_INDEX_NAME).is_file():
+                index = p / ASCEND_INDEX_NAME
             elif (p / SINGLE_NAME).is_file():
                 index = None
                 p = p / SINGLE_NAME
@@ -250,7 +260,8 @@ class CheckpointReader:
                     dtype: torch.dtype = torch.bfloat16,
                     target_dtype: TargetDtype | None = None,
                     strip_prefix: bool = True, strict: bool = True,
-                    skip_prefixes: Sequence[str] = DEFAULT_SKIP) -> LoadResult:
+                    skip_prefixes: Sequence[str] = DEFAULT_SKIP,
+                    check_finite: bool = True) -> LoadResult:
         """Fetch every tensor under ``prefix`` as compute tensors.
 
         Storage handling (key ``X.weight`` with companion ``X.scale``):
@@ -273,6 +284,9 @@ class CheckpointReader:
         dtype raise; names under the prefix that are not expected are NOT loaded, are listed in
         ``unexpected`` and logged as a warning. Keys under ``skip_prefixes`` (``mtp.``) are
         recorded in ``skipped`` unless ``prefix`` itself asks for them.
+
+        ``check_finite``: a NaN / Inf in any returned floating tensor raises CheckpointError
+        naming the key and its shard (one device reduction per tensor, one host read per call).
         """
         result = LoadResult()
         rel = (lambda k: k[len(prefix):]) if strip_prefix else (lambda k: k)
@@ -294,8 +308,16 @@ class CheckpointReader:
                     scale_of[k] = s
         candidate_scales = set(scale_of.values())
 
+        # Exported weights (amct_ext.export): ``M.weight`` / ``M.weight_packed`` with
+        # ``M.weight_scale`` and friends form one logical ``M.weight``.
+        from .export.readback import group_parts
+
+        exported = group_parts(keys)
+        parts_of = {k for parts in exported.values() for k in parts.values()}
+
         # Logical tensors: every key except scales that have a weight companion.
-        tensors_keys = [k for k in keys if k not in candidate_scales]
+        tensors_keys = [k for k in keys if k not in candidate_scales and k not in parts_of]
+        tensors_keys += list(exported)
 
         exp: dict[str, tuple[tuple[int, ...], torch.dtype | None]] | None = None
         if expected is not None:
@@ -317,7 +339,10 @@ class CheckpointReader:
         for k in tensors_keys:
             name = rel(k)
             want_shape, want_dtype = exp[name] if exp is not None else (None, None)
-            t = self._load_one(k, scale_of.get(k), want_shape, device)
+            if k in exported:
+                t = self._load_exported(k, exported[k], want_shape, device)
+            else:
+                t = self._load_one(k, scale_of.get(k), want_shape, device)
             if t.dtype.is_floating_point:
                 target = want_dtype
                 if target is None and target_dtype is not None:
@@ -330,7 +355,31 @@ class CheckpointReader:
                 t = t.to(want_dtype)
             result.tensors[name] = t
             result.loaded.append(name)
+        if check_finite:
+            self.check_finite({k: result.tensors[rel(k)] for k in tensors_keys})
         return result
+
+    def check_finite(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Raise CheckpointError for the first (checkpoint order) floating tensor of ``tensors``
+        (full key -> tensor) holding a NaN or an Inf. Where the tensors live: one ``aminmax`` per
+        tensor (NaN propagates; Inf shows as an extreme), then per (device, dtype) group one
+        stack + isfinite; the flags are read with one host sync per device
+        (``device_checks.raise_first``), not one per tensor."""
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+        for key, t in tensors.items():
+            if t.dtype.is_floating_point and t.numel() > 0:
+                groups.setdefault((t.device, t.dtype), []).append((key, t))
+        checks = []
+        for members in groups.values():
+            ext = [torch.aminmax(t.detach().reshape(-1)) for _, t in members]
+            bounds = torch.stack([m for lo_hi in ext for m in lo_hi]).view(-1, 2)
+            flags = ~torch.isfinite(bounds).all(dim=1)
+            errors = [CheckpointError(f"tensor {key!r} in shard file {self.weight_map.get(key, '?')!r} holds NaN "
+                                      f"or Inf values after decoding (corrupt data region?); re-download that shard")
+                      for key, _ in members]
+            checks.append((flags, errors))
+        if checks:
+            device_checks.raise_first(checks)
 
     def _missing_message(self, missing: list[str], prefix: str, strip_prefix: bool) -> str:
         parts = []
@@ -340,6 +389,17 @@ class CheckpointReader:
             parts.append(f"{full!r} ({where})")
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         return f"missing checkpoint key(s) under {prefix!r}: " + ", ".join(parts) + more
+
+    def _load_exported(self, key: str, parts: dict[str, str], want_shape: tuple[int, ...] | None,
+                       device: str | torch.device | None) -> torch.Tensor:
+        """An exported (compressed-tensors / Ascend) weight -> fp32 compute tensor."""
+        from .export.readback import decode
+
+        t = decode(self.get_raw, parts, want_shape, device, key)
+        if want_shape is not None and tuple(t.shape) != tuple(want_shape):
+            raise CheckpointError(f"tensor {key!r}: shape mismatch, model expects {list(want_shape)}, "
+                                  f"the exported weight decodes to {list(t.shape)}")
+        return t
 
     def _load_one(self, key: str, scale_key: str | None,
                   want_shape: tuple[int, ...] | None,

@@ -133,6 +133,36 @@ def _as_device(device: str | torch.device | None) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device(device)
 
 
+# ----------------------------------------------------------------------------- torch.distributed
+#: the collective backend of each device type (HCCL is registered by importing torch_npu)
+DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def dist_backend(device_type: str) -> str:
+    """The ``torch.distributed`` backend for ranks computing on ``device_type``: gloo on cpu,
+    nccl on cuda, hccl on npu."""
+    try:
+        return DIST_BACKENDS[device_type]
+    except KeyError:
+        raise AmctError(f"no torch.distributed backend for device type {device_type!r}; "
+                        f"expected one of {tuple(DIST_BACKENDS)}") from None
+
+
+def local_rank_device(pref: str | torch.device, local_rank: int) -> torch.device:
+    """The device of the rank with ``local_rank`` on its host: cpu stays cpu; 'auto' / 'cuda' /
+    'npu' become device ``local_rank`` of that backend, made the current device (NCCL / HCCL
+    use the current device for their communicators). An explicit index ('cuda:1') is refused:
+    under torchrun each rank owns the device of its local rank."""
+    text = str(pref).strip().lower()
+    if ":" in text:
+        raise AmctError(f"--device {text!r}: under torchrun each rank uses the device of its LOCAL_RANK; "
+                        f"pass the backend only (auto, cuda, npu, cpu)")
+    dev = resolve_device(text, index=local_rank)
+    if dev.type in ("cuda", "npu"):
+        _accel_module(dev.type).set_device(dev)
+    return dev
+
+
 # ----------------------------------------------------------------------------- fast paths
 # AMCT_FAST_PATHS=0 makes every model run its plain torch paths (e.g. to compare the two)
 FAST_PATHS_ENV = "AMCT_FAST_PATHS"

@@ -165,6 +165,17 @@ def dispatch_layer(module: nn.Module, device_map: Mapping[str, torch.device | st
 
 
 def undispatch_layer(module: nn.Module) -> nn.Module:
-    """Remove the hooks ``dispatch_layer`` added (tensors stay where they are)."""
+    """Remove the hooks ``dispatch_layer`` added (tensors stay where they are).
+
+    accelerate's removal leaves ``module.forward`` as an INSTANCE attribute (the bound method it
+    had saved). Harmless by itself, but a wrapper built by copying the module's ``__dict__``
+    (``quant_module._rebind``) would inherit it and run the FLOAT module's forward on the float
+    children: a quantized layer silently computing in float (casebook i15-1). So the attribute
+    is dropped whenever it is just the module's own class forward."""
     remove_hook_from_module(module, recurse=True)
+    for sub in module.modules():
+        fwd = sub.__dict__.get("forward")
+        if fwd is not None and getattr(fwd, "__self__", None) is sub and \
+                getattr(fwd, "__func__", None) is getattr(type(sub), "forward", None):
+            del sub.__dict__["forward"]
     return module

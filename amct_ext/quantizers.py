@@ -51,6 +51,11 @@ class WeightQuantizer(nn.Module):
         super().__init__()
         self.spec = _active(spec)
         self.clip: nn.Parameter | None = None
+        # Fixed grid (public scale shape): set by algorithms that choose the scales themselves
+        # (GPTQ); then forward / export use them instead of computing scales from the weight,
+        # so a replaced weight reproduces exactly the grid values the algorithm wrote.
+        self.register_buffer("fixed_scale", None, persistent=False)
+        self.register_buffer("fixed_zero_point", None, persistent=False)
 
     # --------------------------------------------------------------------------- properties
     @property
@@ -59,7 +64,41 @@ class WeightQuantizer(nn.Module):
 
     @property
     def learnable(self) -> bool:
-        return self.spec is not None and self.spec.format in ("int", "fp8")
+        # a fixed grid leaves nothing for a clip to move (clear_fixed_qparams first)
+        return self.spec is not None and self.spec.format in ("int", "fp8") and self.fixed_scale is None
+
+    @property
+    def has_fixed_qparams(self) -> bool:
+        return self.fixed_scale is not None
+
+    def set_fixed_qparams(self, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
+        """Use the given public-shape scale (+ zero point) for ``weight`` from now on; the clip
+        (already folded into these scales by whoever computed them) is dropped."""
+        if self.spec is None:
+            raise QuantConfigError("fixed scales given for a weight quantizer that does not quantize")
+        shape = tuple(self.scale_shape(weight))
+        if tuple(scale.shape) != shape:
+            raise QuantConfigError(f"scale shape {tuple(scale.shape)} does not match the scale shape {shape}")
+        scale = scale.detach().to(weight.device, torch.float32)
+        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+            raise QuantConfigError("fixed scales must be finite and > 0")
+        needs_zp = self.spec.format == "int" and not self.spec.symmetric
+        if needs_zp != (zero_point is not None):
+            raise QuantConfigError(f"fixed scales of a {'n asymmetric' if needs_zp else ' symmetric / float'} "
+                                   f"spec {'need' if needs_zp else 'take no'} zero_point")
+        if zero_point is not None:
+            if tuple(zero_point.shape) != shape:
+                raise QuantConfigError(f"zero_point shape {tuple(zero_point.shape)} does not match {shape}")
+            zero_point = zero_point.detach().to(weight.device, torch.float32)
+            qmax = 2 ** self.spec.bits - 1
+            if not bool(((zero_point >= 0) & (zero_point <= qmax) & (zero_point == zero_point.round())).all()):
+                raise QuantConfigError(f"zero_point values must be integers in [0, {qmax}]")
+        self.fixed_scale, self.fixed_zero_point = scale, zero_point
+        self.clip = None
+
+    def clear_fixed_qparams(self) -> None:
+        self.fixed_scale = None
+        self.fixed_zero_point = None
 
     def scale_shape(self, weight: torch.Tensor) -> torch.Size:
         return formats.scale_shape(weight.shape, self.spec)
@@ -102,15 +141,32 @@ class WeightQuantizer(nn.Module):
 
     def ptq_params(self) -> dict[str, torch.Tensor]:
         """Learned state (detached copies, clip already clamped); {} when there is none."""
+        out = {}
         c = self.effective_clip()
-        return {} if c is None else {"clip": c.detach().clone()}
+        if c is not None:
+            out["clip"] = c.detach().clone()
+        if self.fixed_scale is not None:
+            out["scale"] = self.fixed_scale.detach().clone()
+            if self.fixed_zero_point is not None:
+                out["zero_point"] = self.fixed_zero_point.detach().clone()
+        return out
 
     def load_ptq_params(self, params: Mapping[str, torch.Tensor], weight: torch.Tensor | None = None) -> None:
         """Load what :meth:`ptq_params` returned. ``weight`` is needed to create the clip
         parameter when it does not exist yet."""
-        unknown = sorted(set(params) - {"clip"})
+        unknown = sorted(set(params) - {"clip", "scale", "zero_point"})
         if unknown:
-            raise QuantConfigError(f"unknown weight-quantizer parameter(s) {', '.join(unknown)}; expected: clip")
+            raise QuantConfigError(f"unknown weight-quantizer parameter(s) {', '.join(unknown)}; "
+                                   "expected: clip, scale, zero_point")
+        if "scale" in params or "zero_point" in params:
+            if "clip" in params:
+                raise QuantConfigError("weight-quantizer parameters: clip and fixed scales are exclusive")
+            if weight is None:
+                raise QuantConfigError("load_ptq_params: pass the weight to check the fixed scales' shape")
+            if "scale" not in params:
+                raise QuantConfigError("weight-quantizer parameters: zero_point without scale")
+            self.set_fixed_qparams(weight, params["scale"], params.get("zero_point"))
+            return
         if "clip" not in params:
             return
         value = params["clip"]
@@ -131,6 +187,8 @@ class WeightQuantizer(nn.Module):
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if self.spec is None:
             return w
+        if self.fixed_scale is not None:
+            return formats.fake_quant_with_qparams(w, self.spec, self.fixed_scale, self.fixed_zero_point)
         return formats.fake_quant(w, self.spec, self.effective_clip())
 
     @torch.no_grad()
@@ -139,7 +197,10 @@ class WeightQuantizer(nn.Module):
         ``scale`` / ``scale_e8m0``, ``zero_point``). Identity spec -> ``{"weight": w}``."""
         if self.spec is None:
             return {"weight": w.detach()}
-        d = formats.quantize(w, self.spec, self.effective_clip())
+        if self.fixed_scale is not None:
+            d = formats.quantize_with_qparams(w, self.spec, self.fixed_scale, self.fixed_zero_point)
+        else:
+            d = formats.quantize(w, self.spec, self.effective_clip())
         d["qweight"] = d.pop("q")
         return d
 

@@ -18,24 +18,31 @@ errors, at the cost of a second pass per layer and of resume determinism.)
 Static activation specs (``dynamic: false``) need observed ranges: after ``quantize_block`` an
 'observe' pass over the calibration inputs of the layer (float inputs, RTN weights) records
 them, then they switch to 'quant'. A static quantizer that saw no data (an expert no
-calibration token was routed to) is left 'off' (float activations) and counted in the logs.
+calibration token was routed to) has no range to quantize with: it is left 'off' (float
+activations), and COUNTED -- ``EvalResult.unobserved_static`` / ``PtqResult.unobserved_static``,
+which tools/run_ptq.py writes into report.json and its summary. Not an error: with a few
+calibration windows and many experts some experts receive no token, and refusing would make
+small calibration sets unusable; inventing a range (e.g. from another expert) would be a
+silent guess. A count in the report makes the float fraction visible (casebook i17).
 
-Parameter files: OUTPUT/ptq_params/meta.json (scheme fingerprint, targets, model, solver
-settings) is written before any unit; each unit then writes ``{file_stem}.pt`` (its
-``export_ptq_params()``) and ``{file_stem}.json`` (its losses) atomically. A unit whose
-``.pt`` exists is skipped, so an interrupted run resumes where it stopped. A folder whose
-meta.json names another scheme / targets / model / settings is refused (never mixed).
+Parameter files: OUTPUT/ptq_params/meta.json (the run's fingerprint: scheme, targets, solver /
+recipe settings, dtype, device type, calibration text and window hashes with samples, seq-len,
+seed, batch size, the model config hash, the checkpoint identity, a format version) is written
+before any unit; each unit then writes ``{file_stem}.pt`` (its ``export_ptq_params()``) and
+``{file_stem}.json`` (its losses) atomically. A unit whose ``.pt`` exists is skipped, so an
+interrupted run resumes where it stopped. A folder whose meta.json differs in any field is
+refused with one line naming the field and both values (never mixed).
 """
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import json
 import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -43,10 +50,12 @@ from torch import nn
 from . import device as devmod
 from .base import BaseModel, EvalConfig, PtqConfig, batches
 from .calibration import load_calibration_windows
-from .capture import capture_unit_io
+from .data import EVAL_DEFAULT
+from .capture import CallSink, CaptureStore, call_nbytes, capture_unit_io
 from .errors import AmctError, ConfigError, DataError
 from .io_utils import atomic_save, atomic_write_json, safe_torch_load
 from .perplexity import NllAccumulator, load_eval_text, tokenize_windows
+from .phases import NO_PHASES
 from .quantizers import ActivationQuantizer
 from .schemes import QuantScheme, parse_targets
 from .solver import UnitResult, timed_solve
@@ -55,8 +64,11 @@ log = logging.getLogger(__name__)
 
 PARAMS_DIR = "ptq_params"
 META_NAME = "meta.json"
-META_VERSION = 1
+# 2: the full fingerprint (dtype, device type, calibration hashes, checkpoint identity)
+META_VERSION = 2
 MODES = ("float", "rtn", "ptq")
+#: what later layers are calibrated on: float predecessors, or the quantized ones (sequential)
+PROPAGATE = ("float", "quant")
 
 
 class ParamsMismatchError(AmctError):
@@ -94,18 +106,28 @@ def load_eval_windows(adapter: BaseModel, cfg: EvalConfig) -> torch.Tensor:
     """The Wikitext protocol: rows joined with '\\n\\n', tokenized once, non-overlapping windows."""
     cfg.check()
     check_seq_len(adapter, cfg.seq_len, "eval seq_len")
-    text = load_eval_text(cfg.data_path)
+    # no path: the shipped wikitext-2-raw-v1 test split (offline), not a download
+    text = load_eval_text(cfg.data_path if cfg.data_path is not None else EVAL_DEFAULT)
     return tokenize_windows(text, adapter.tokenizer(), cfg.seq_len, cfg.max_windows)
 
 
 def load_calib_windows(adapter: BaseModel, cfg: PtqConfig) -> torch.Tensor:
     cfg.check()
     check_seq_len(adapter, cfg.seq_len, "calibration seq_len")
-    return load_calibration_windows(cfg.calib_path, adapter.tokenizer(), cfg.seq_len, cfg.n_samples, cfg.seed)
+    return load_calibration_windows(cfg.calib_path, adapter.tokenizer(), cfg.seq_len, cfg.n_samples, cfg.seed,
+                                    eval_paths=cfg.eval_paths)
 
 
 def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def call_bytes(calls) -> int:
+    """Bytes of a unit's captured calls; a spilled sequence is measured from its chunk files."""
+    chunks = getattr(calls, "chunks", None)
+    if chunks is not None:
+        return sum(call_nbytes(c) for c in calls.head) + sum(p.stat().st_size for p, _ in chunks)
+    return sum(call_nbytes(c) for c in calls)
 
 
 def _module_bytes(module: nn.Module) -> int:
@@ -137,6 +159,8 @@ class MemoryStats:
     peak_memory_bytes: int           # device allocator peak; on cpu the PROCESS peak RSS
     max_layer_bytes: int = 0         # largest layer's parameters + buffers
     hidden_bytes: int = 0            # hidden states of all samples between layers
+    capture_memory_peak_bytes: int = 0   # PTQ: captured unit calls held in host memory at once (max)
+    capture_spilled_bytes: int = 0       # PTQ: captured unit calls written to the scratch folder (sum)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -156,13 +180,13 @@ def scheme_has_static(scheme: QuantScheme, targets: Sequence[str]) -> bool:
     return False
 
 
-def observe_static(adapter: BaseModel, block: nn.Module, calib: Stream | None, layer_idx: int) -> None:
+def observe_static(adapter: BaseModel, block: nn.Module, calib: Stream | None, layer_idx: int) -> int:
     """Record the ranges of static activation quantizers over the layer's calibration inputs
-    (RTN weights), then switch them to 'quant' (unobserved ones to 'off'). No-op for
-    dynamic-only schemes."""
+    (RTN weights), then switch them to 'quant' (unobserved ones to 'off'). Returns the number
+    left unobserved. No-op (0) for dynamic-only schemes."""
     static = _static_quantizers(block)
     if not static:
-        return
+        return 0
     if calib is None:
         raise ConfigError("the scheme has static activation specs (dynamic: false): they need calibration data")
     for q in static:
@@ -170,10 +194,11 @@ def observe_static(adapter: BaseModel, block: nn.Module, calib: Stream | None, l
         q.mode = "observe"
     adapter.set_quant_enabled(block, True)
     adapter.do_block_forward(block, calib.hidden, calib.state)
-    finish_static(block, layer_idx)
+    return finish_static(block, layer_idx)
 
 
-def finish_static(block: nn.Module, layer_idx: int) -> None:
+def finish_static(block: nn.Module, layer_idx: int) -> int:
+    """Static quantizers with a range -> 'quant', without one -> 'off'; returns how many are off."""
     unobserved = 0
     for q in _static_quantizers(block):
         if q.observed:
@@ -185,28 +210,95 @@ def finish_static(block: nn.Module, layer_idx: int) -> None:
         log.warning("layer %d: %d static activation quantizer(s) saw no calibration data "
                     "(e.g. experts no calibration token was routed to); they stay in float",
                     layer_idx, unobserved)
+    return unobserved
 
 
 # ----------------------------------------------------------------------------- parameter folder
-def params_meta(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig) -> dict[str, Any]:
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def windows_sha256(windows: torch.Tensor) -> str:
+    """Hash of the calibration token windows (shape and ids): what the units are fitted on."""
+    w = windows.detach().to("cpu", torch.int64).contiguous()
+    return hashlib.sha256(repr(tuple(w.shape)).encode() + w.numpy().tobytes()).hexdigest()
+
+
+def checkpoint_identity(model_path: Path) -> dict[str, Any]:
+    """The checkpoint's identity without reading its weights: the hash of its shard index, or of
+    a single file's safetensors header (tensor names, dtypes, shapes and offsets)."""
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        return {"index_sha256": _sha256_file(index)}
+    single = model_path / "model.safetensors"
+    if single.is_file():
+        with open(single, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            return {"header_sha256": hashlib.sha256(head + f.read(min(n, 1 << 27))).hexdigest()}
+    return {}
+
+
+def params_meta(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig,
+                calib_windows: torch.Tensor | None = None,
+                recipe_meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything that changes a unit's result (ptq_params/meta.json). A resumed run must agree
+    on every field; display-only entries (names) are listed in ``_DISPLAY_ONLY``."""
     model_id = adapter.model_id() if hasattr(adapter, "model_id") else {"name": str(adapter.model_path)}
-    return {"version": META_VERSION, "model": model_id, "scheme": scheme.name,
+    calib = cfg.calibration_settings()
+    text = cfg.calibration_text()
+    calib["text_sha256"] = _sha256_file(text) if text.is_file() else None
+    if calib_windows is not None:
+        calib["windows_sha256"] = windows_sha256(calib_windows)
+    solver = cfg.solver_settings()
+    if recipe_meta:  # recipe runs (algorithms/): the recipe's settings, propagation, guard
+        solver = {**solver, **recipe_meta}
+    return {"version": META_VERSION, "scheme": scheme.name,
             "scheme_fingerprint": scheme.fingerprint(), "targets": list(targets),
-            "solver": cfg.solver_settings()}
+            "solver": solver, "dtype": dtype_name(adapter.run.dtype),
+            "device_type": adapter.device.type, "calibration": calib, "model": model_id,
+            "checkpoint": checkpoint_identity(Path(adapter.model_path))}
+
+
+# names shown in messages but not compared: a moved or renamed folder is the same run
+_DISPLAY_ONLY = {"scheme", "model.name"}
+_FIELD_NAMES = {"version": "format version", "scheme_fingerprint": "scheme"}
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out.update(_flatten(v, key) if isinstance(v, dict) and v else {key: v})
+    return out
 
 
 def _mismatch(old: dict[str, Any], new: dict[str, Any]) -> str | None:
-    """The first difference that matters (display names aside), or None."""
+    """The first field that differs, as ``field: OLD in the folder, NEW now``; or None."""
     if old.get("version") != new["version"]:
-        return f"format version {old.get('version')} != {new['version']}"
-    if old.get("scheme_fingerprint") != new["scheme_fingerprint"]:
-        return f"scheme {old.get('scheme')!r} != {new['scheme']!r} (different fingerprint)"
-    if old.get("targets") != new["targets"]:
-        return f"targets {old.get('targets')} != {new['targets']}"
-    if (old.get("model") or {}).get("config_sha256") != new["model"].get("config_sha256"):
-        return f"model {(old.get('model') or {}).get('name')!r} != {new['model'].get('name')!r} (different config.json)"
-    if old.get("solver") != new["solver"]:
-        return f"solver settings {old.get('solver')} != {new['solver']}"
+        return f"format version: {old.get('version')!r} in the folder, {new['version']!r} now"
+    flat_old, flat_new = _flatten(old), _flatten(new)
+    for key in [*flat_new, *(k for k in flat_old if k not in flat_new)]:
+        if key in _DISPLAY_ONLY:
+            continue
+        a, b = flat_old.get(key, "<absent>"), flat_new.get(key, "<absent>")
+        if a != b:
+            if key == "scheme_fingerprint":  # the names say more than two hashes
+                return f"scheme: {old.get('scheme')!r} in the folder, {new.get('scheme')!r} now (different fingerprint)"
+            return f"{_FIELD_NAMES.get(key, key)}: {a!r} in the folder, {b!r} now"
     return None
 
 
@@ -222,7 +314,7 @@ def check_params_dir(params_dir: Path, meta: dict[str, Any]) -> bool:
             raise ParamsMismatchError(f"{meta_path}: unreadable ({e}); {hint}") from None
         why = _mismatch(old if isinstance(old, dict) else {}, meta)
         if why:
-            raise ParamsMismatchError(f"{params_dir} holds PTQ parameters of another run ({why}); {hint}")
+            raise ParamsMismatchError(f"{params_dir} holds PTQ parameters of another run: {why}; {hint}")
         return True
     if params_dir.is_dir() and any(p.suffix == ".pt" for p in params_dir.iterdir()):
         raise ParamsMismatchError(f"{params_dir} holds .pt files but no {META_NAME} (unknown scheme); {hint}")
@@ -265,6 +357,8 @@ class EvalResult:
     n_tokens: int
     seconds: float
     memory: MemoryStats
+    # static activation quantizers left in float: no calibration data reached them
+    unobserved_static: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -272,21 +366,12 @@ class EvalResult:
         return d
 
 
-def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfig, mode: str = "float", *,
-                       scheme: QuantScheme | None = None, targets: Sequence[str] | None = None,
-                       layers: range | None = None, calib_windows: torch.Tensor | None = None,
-                       calib_batch_size: int = 1, params_dir: str | Path | None = None) -> EvalResult:
-    """Perplexity of ``windows`` ``[n, S]`` with the model run layer by layer.
-
-    ``mode``: 'float'; 'rtn' (``quantize_block`` on ``layers``, no learning; static activation
-    specs observed on ``calib_windows`` flowing through the FLOAT layers); 'ptq' (the same
-    wrappers with the parameters saved in ``params_dir``, i.e. OUTPUT/ptq_params). Layers
-    outside ``layers`` stay float.
-    """
+def check_eval_args(mode: str, cfg: EvalConfig, scheme: QuantScheme | None, targets: Sequence[str] | None,
+                    params_dir: str | Path | None) -> tuple[Sequence[str] | None, Path | None]:
+    """Validate an evaluation request before any work: (checked targets, the params folder)."""
     if mode not in MODES:
         raise ConfigError(f"evaluation mode {mode!r} is unknown; valid: {', '.join(MODES)}")
     cfg.check()
-    layers = layers if layers is not None else layer_range(adapter)
     if mode != "float":
         if scheme is None or targets is None:
             raise ConfigError(f"evaluation mode {mode!r} needs a scheme and quant targets")
@@ -300,6 +385,52 @@ def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfi
         if meta.get("scheme_fingerprint") != scheme.fingerprint() or meta.get("targets") != list(targets):
             raise ParamsMismatchError(f"{pdir}: parameters were learned for scheme {meta.get('scheme')!r} "
                                       f"targets {meta.get('targets')}, not {scheme.name!r} {list(targets)}")
+    return targets, pdir
+
+
+def eval_block(adapter: BaseModel, i: int, mode: str, quant: bool, cfg: EvalConfig, *,
+               scheme: QuantScheme | None, targets: Sequence[str] | None, calib: Stream | None,
+               pdir: Path | None) -> tuple[nn.Module, Stream | None, int]:
+    """Layer ``i`` ready for evaluation (float, RTN-observed or with its PTQ parameters loaded),
+    the calibration stream advanced past it (None stays None), and the number of its static
+    activation quantizers that saw no calibration data (left in float, counted)."""
+    unobserved = 0
+    # non-sharded: the layer is built on the compute device itself (not CPU-staged: the
+    # forward passes of evaluation belong on the accelerator -- casebook S10)
+    block = adapter.block(i, sharded=cfg.sharded, device=None if cfg.sharded else adapter.device)
+    if quant:
+        adapter.quantize_block(block, scheme, targets)
+        if mode == "rtn":
+            if calib is not None:
+                # the next layer's calibration inputs come from the float layer (quantizers off);
+                # the observe pass runs on the same float inputs
+                adapter.set_quant_enabled(block, False)
+                next_calib = adapter.do_block_forward(block, calib.hidden, calib.state)
+                unobserved += observe_static(adapter, block, calib, i)
+                calib = Stream(next_calib, calib.state)
+        else:
+            for unit in adapter.iter_ptq_units(block, i, targets):
+                load_unit_params(unit, pdir)
+            unobserved += finish_static(block, i)
+        adapter.set_quant_enabled(block, True)
+    elif calib is not None:
+        calib = Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
+    return block, calib, unobserved
+
+
+def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfig, mode: str = "float", *,
+                       scheme: QuantScheme | None = None, targets: Sequence[str] | None = None,
+                       layers: range | None = None, calib_windows: torch.Tensor | None = None,
+                       calib_batch_size: int = 1, params_dir: str | Path | None = None) -> EvalResult:
+    """Perplexity of ``windows`` ``[n, S]`` with the model run layer by layer.
+
+    ``mode``: 'float'; 'rtn' (``quantize_block`` on ``layers``, no learning; static activation
+    specs observed on ``calib_windows`` flowing through the FLOAT layers); 'ptq' (the same
+    wrappers with the parameters saved in ``params_dir``, i.e. OUTPUT/ptq_params). Layers
+    outside ``layers`` stay float.
+    """
+    targets, pdir = check_eval_args(mode, cfg, scheme, targets, params_dir)
+    layers = layers if layers is not None else layer_range(adapter)
     dev = adapter.device
     devmod.reset_peak_memory(dev)
     t0 = time.perf_counter()
@@ -311,29 +442,12 @@ def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfi
     stream = embed_stream(adapter, windows, cfg.batch_size)
     calib = embed_stream(adapter, calib_windows, calib_batch_size) if needs_calib else None
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=stream.nbytes + (calib.nbytes if calib else 0))
+    unobserved = 0
 
     for i in _tqdm(range(adapter.num_layers), desc=f"ppl[{mode}] layers", disable=not adapter.run.progress):
-        # non-sharded: the layer is built on the compute device itself (not CPU-staged: the
-        # forward passes of evaluation belong on the accelerator -- casebook S10)
-        block = adapter.block(i, sharded=cfg.sharded, device=None if cfg.sharded else dev)
-        quant = mode != "float" and i in layers
-        if quant:
-            adapter.quantize_block(block, scheme, targets)
-            if mode == "rtn":
-                if calib is not None:
-                    # the next layer's calibration inputs come from the float layer (quantizers off);
-                    # the observe pass runs on the same float inputs
-                    adapter.set_quant_enabled(block, False)
-                    next_calib = adapter.do_block_forward(block, calib.hidden, calib.state)
-                    observe_static(adapter, block, calib, i)
-                    calib = Stream(next_calib, calib.state)
-            else:
-                for unit in adapter.iter_ptq_units(block, i, targets):
-                    load_unit_params(unit, pdir)
-                finish_static(block, i)
-            adapter.set_quant_enabled(block, True)
-        elif calib is not None:
-            calib = Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
+        block, calib, n_unobserved = eval_block(adapter, i, mode, mode != "float" and i in layers, cfg,
+                                                scheme=scheme, targets=targets, calib=calib, pdir=pdir)
+        unobserved += n_unobserved
         mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
         stream = Stream(adapter.do_block_forward(block, stream.hidden, stream.state, progress=f"layer {i}",
                                                  graphed=cfg.graphs and not cfg.sharded), stream.state)
@@ -345,7 +459,8 @@ def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfi
     devmod.synchronize(dev)
     mem.peak_memory_bytes = devmod.peak_memory_bytes(dev)
     return EvalResult(mode=mode, ppl=acc.ppl, n_windows=int(windows.shape[0]), seq_len=int(windows.shape[1]),
-                      n_tokens=acc.count, seconds=time.perf_counter() - t0, memory=mem)
+                      n_tokens=acc.count, seconds=time.perf_counter() - t0, memory=mem,
+                      unobserved_static=unobserved)
 
 
 # ----------------------------------------------------------------------------- PTQ
@@ -355,6 +470,31 @@ class PtqResult:
     params_dir: str = ""
     seconds: float = 0.0
     memory: MemoryStats | None = None
+    unobserved_static: int = 0       # static activation quantizers no calibration data reached
+
+
+SCRATCH_DIR = ".scratch"
+
+
+@dataclass
+class PtqRuntime:
+    """How a PTQ run executes -- never what it computes, so nothing here goes into meta.json.
+
+    ``capture_memory_bytes``: host-memory budget of one layer's captured unit calls; calls
+    beyond it spill to OUTPUT/.scratch/layer_{i}/ (removed once the unit / layer is solved).
+    None = no budget (everything in memory). ``sharded``: build each layer spread over
+    ``adapter.shard_devices()`` (``dispatch.build_layer_device_map``, the ``--sharded-eval``
+    placement) and solve every unit on the device that holds it, for layers that do not fit
+    one device. ``make_sink(unit)``: a ``capture.CallSink`` for the unit (e.g. an algorithm's
+    statistics sink), or None for the store's default."""
+
+    capture_memory_bytes: int | None = None
+    sharded: bool = False
+    make_sink: Callable[[Any], CallSink | None] | None = None
+
+    def check(self) -> None:
+        if self.capture_memory_bytes is not None and self.capture_memory_bytes < 0:
+            raise ConfigError(f"capture memory budget must be >= 0 bytes, got {self.capture_memory_bytes}")
 
 
 def _unit_stats_path(params_dir: Path, unit) -> Path:
@@ -373,12 +513,25 @@ def _resumed_result(params_dir: Path, unit) -> UnitResult:
     return r
 
 
+def recipe_meta(recipe, propagate: str = "float", holdout: float = 0.25, guard: bool = True) -> dict[str, Any] | None:
+    """What a recipe run adds to meta.json's solver settings (None: the legacy clip solver)."""
+    if recipe is None:
+        return None if propagate == "float" else {"propagate": propagate}
+    return {"recipe": recipe.settings(), "propagate": propagate, "holdout": holdout, "guard": guard}
+
+
 def prepare_params_dir(adapter: BaseModel, output_dir: str | Path, scheme: QuantScheme,
-                       targets: Sequence[str], cfg: PtqConfig, create: bool = True) -> Path:
+                       targets: Sequence[str], cfg: PtqConfig, create: bool = True,
+                       calib_windows: torch.Tensor | None = None,
+                       recipe_settings: dict[str, Any] | None = None) -> Path:
     """Check (and, with ``create``, write) OUTPUT/ptq_params/meta.json; returns the folder.
-    With ``create=False`` nothing is written: the caller validates before doing any work."""
+    With ``create=False`` nothing is written: the caller validates before doing any work.
+    ``calib_windows``: the windows the run calibrates on (default: drawn from ``cfg``); their
+    hash is part of the fingerprint."""
     pdir = Path(output_dir) / PARAMS_DIR
-    meta = params_meta(adapter, scheme, targets, cfg)
+    if calib_windows is None:
+        calib_windows = load_calib_windows(adapter, cfg)
+    meta = params_meta(adapter, scheme, targets, cfg, calib_windows, recipe_settings)
     exists = check_params_dir(pdir, meta)
     if create and not exists:
         atomic_write_json(meta, pdir / META_NAME)
@@ -388,87 +541,195 @@ def prepare_params_dir(adapter: BaseModel, output_dir: str | Path, scheme: Quant
 def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig,
                       output_dir: str | Path, *, layers: range | None = None,
                       calib_windows: torch.Tensor | None = None,
-                      on_unit_done: Callable[[UnitResult], None] | None = None) -> PtqResult:
-    """Learn clipping factors for every unit of ``layers`` and save them under OUTPUT/ptq_params.
+                      on_unit_done: Callable[[UnitResult], None] | None = None,
+                      recipe=None, propagate: str = "float", holdout: float = 0.25,
+                      guard: bool = True, runtime: PtqRuntime | None = None, phases=None,
+                      float_like: range | None = None, start: tuple[int, Stream] | None = None) -> PtqResult:
+    """Quantize every unit of ``layers`` and save its parameters under OUTPUT/ptq_params.
 
-    Per layer i (CPU staging): build it, ``quantize_block``, run it once with quantizers OFF over
-    the float calibration inputs X_i while capturing every unit's calls (this is the float
-    layer, bit for bit, and its output is X_{i+1}); observe static activation ranges; then per
-    unit: move it to the compute device, ``solve_unit``, save, move it back. ``on_unit_done``
-    is called after each unit is saved (progress reporting; tests use it to interrupt).
+    Per layer i (built on the compute device, or spread over the devices with
+    ``runtime.sharded``): build it, ``quantize_block``, run it once with quantizers OFF over
+    the calibration inputs X_i while capturing every unit's calls (this is the float layer, bit
+    for bit: the targets are float outputs); observe static activation ranges; then solve, each
+    unit where it is.
+
+    ``recipe`` None: the legacy solver (learned clipping, ``cfg.epochs`` / ``cfg.lr``) per unit.
+    A ``algorithms.Recipe``: its algorithms in order on the layer's units
+    (``algorithms.runner.run_recipe_on_units``; group entry points for the routed experts),
+    with ``guard`` (fall back to RTN for a unit the recipe made worse on its calibration calls)
+    and ``holdout`` (the share of calls held out by algorithms that validate, e.g. clip).
+
+    ``propagate``: 'float' -- X_{i+1} is the float layer's output (see the module doc);
+    'quant' -- X_{i+1} is the output of the quantized layer i after solving (sequential, as
+    GPTQ / llm-compressor do: later layers compensate earlier errors; one more forward per layer).
+
+    ``runtime`` (``PtqRuntime``): capture memory budget / spilling, sharded layers.
+    ``phases``: a ``phases.PhaseTimer`` recording each step's time and peak memory (benchmarks).
+
+    ``on_unit_done`` is called after each unit is saved (progress reporting; tests use it to
+    interrupt).
+
+    For a layer range of a larger run (amct_ext.distributed): ``float_like`` is that run's
+    range; predecessors inside it run as its quantized layers did (``float_layer_output``), so
+    the hidden states are bit for bit those of the larger run. ``start = (k, stream)``: the
+    float inputs of layer k are given (received from another rank); layers < k are not run.
     """
     cfg.check()
+    if propagate not in PROPAGATE:
+        raise ConfigError(f"propagate={propagate!r} is unknown; valid: {', '.join(PROPAGATE)}")
+    if not (0 <= holdout < 1):
+        raise ConfigError(f"holdout={holdout} must lie in [0, 1)")
+    runtime = runtime or PtqRuntime()
+    runtime.check()
+    ph = phases if phases is not None else NO_PHASES
+    sharded = runtime.sharded
     targets = scheme.check_targets(parse_targets(targets))
     layers = layers if layers is not None else layer_range(adapter)
-    pdir = prepare_params_dir(adapter, output_dir, scheme, targets, cfg)
     if calib_windows is None:
         calib_windows = load_calib_windows(adapter, cfg)
+    pdir = prepare_params_dir(adapter, output_dir, scheme, targets, cfg, calib_windows=calib_windows,
+                              recipe_settings=recipe_meta(recipe, propagate, holdout, guard))
     dev = adapter.device
     devmod.reset_peak_memory(dev)
     t0 = time.perf_counter()
     result = PtqResult(params_dir=str(pdir))
 
-    calib = embed_stream(adapter, calib_windows, cfg.batch_size)
+    if start is not None and not 0 <= start[0] <= layers.start:
+        raise ConfigError(f"run_blockwise_ptq: the given stream enters layer {start[0]}, after the first "
+                          f"layer to quantize ({layers.start})")
+    if start is not None:
+        first, calib = start
+    else:
+        first = 0
+        with ph.phase("embed"):
+            calib = embed_stream(adapter, calib_windows, cfg.batch_size)
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes)
     last = layers.stop
-    for i in _tqdm(range(last), desc="ptq layers", disable=not adapter.run.progress):
-        block = adapter.block(i)
+    # The layer is built where it runs (decoded there, never staged in host memory): the float
+    # capture needs the whole layer on the device anyway, and a host-staged V4-Flash layer cost
+    # ~3x its 13 GB in host RSS (build, .to(device), .to('cpu') after; benchmarks/results_i15.md).
+    for i in _tqdm(range(first, last), desc="ptq layers", disable=not adapter.run.progress):
+        with ph.phase("build", layer=i):
+            block = adapter.block(i, sharded=True) if sharded else adapter.block(i, device=dev)
         mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
         if i not in layers:  # a float predecessor: only its output is needed
-            with _on_device(adapter, block):
-                calib = Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
+            with ph.phase("float_forward", layer=i):
+                calib = float_layer_output(adapter, block, calib, float_like is not None and i in float_like,
+                                           scheme, targets)
             adapter.release_block(block)
             continue
-        adapter.quantize_block(block, scheme, targets)
+        with ph.phase("build", layer=i):
+            adapter.quantize_block(block, scheme, targets)
         units = list(adapter.iter_ptq_units(block, i, targets))
         todo = {u.name for u in units if not (pdir / f"{u.file_stem}.pt").is_file()}
         adapter.prepare_capture(block)            # every unit called as a module: hooks see it
-        with _on_device(adapter, block):
-            adapter.set_quant_enabled(block, False)   # float math, bit for bit
-            if todo:
-                calls, next_hidden = capture_unit_io([u for u in units if u.name in todo],
-                                                     lambda: adapter.do_block_forward(block, calib.hidden, calib.state))
-                observe_static(adapter, block, calib, i)
-            else:  # the whole layer was done by an earlier run: only its float output is needed
-                calls, next_hidden = {}, adapter.do_block_forward(block, calib.hidden, calib.state)
-        adapter.set_quant_enabled(block, True)
-        for unit in _tqdm(units, desc=f"layer {i} units", leave=False, disable=not adapter.run.progress):
-            if unit.name not in todo:
-                result.units.append(_resumed_result(pdir, unit))
-                continue
-            unit.module.to(dev)
-            r = timed_solve(unit, calls.pop(unit.name), epochs=cfg.epochs, lr=cfg.lr, device=dev, seed=cfg.seed)
-            # stats first, then the .pt: the .pt's existence is what marks the unit done
-            atomic_write_json(r.to_dict(), _unit_stats_path(pdir, unit))
-            atomic_save(unit.module.export_ptq_params(), pdir / f"{unit.file_stem}.pt")
-            unit.module.to("cpu")
-            result.units.append(r)
-            if on_unit_done is not None:
-                on_unit_done(r)
+        store = CaptureStore(runtime.capture_memory_bytes,
+                             None if runtime.capture_memory_bytes is None
+                             else Path(output_dir) / SCRATCH_DIR / f"layer_{i}")
+        sinks = {}
+        for u in units:
+            if u.name in todo:
+                made = runtime.make_sink(u) if runtime.make_sink is not None else None
+                sinks[u.name] = made if made is not None else store.sink(u.file_stem)
+        try:
+            with ph.phase("capture", layer=i):
+                adapter.set_quant_enabled(block, False)   # float math, bit for bit
+                if todo:
+                    calls, next_hidden = capture_unit_io(
+                        [u for u in units if u.name in todo],
+                        lambda: adapter.do_block_forward(block, calib.hidden, calib.state), sinks=sinks)
+                    result.unobserved_static += observe_static(adapter, block, calib, i)
+                else:  # the whole layer was done by an earlier run: only its float output is needed
+                    calls, next_hidden = {}, adapter.do_block_forward(block, calib.hidden, calib.state)
+            mem.capture_memory_peak_bytes = max(mem.capture_memory_peak_bytes,
+                                                store.peak_in_memory if store.memory_bytes is not None
+                                                else sum(s.nbytes for s in sinks.values()))
+            mem.capture_spilled_bytes += store.spilled_bytes
+            ph.note(capture_bytes=sum(call_bytes(c) for c in calls.values() if isinstance(c, Sequence)),
+                    spilled_bytes=store.spilled_bytes, in_memory_peak_bytes=store.peak_in_memory)
+            adapter.set_quant_enabled(block, True)
+            if propagate == "quant":   # the next layer's inputs go through the units done earlier
+                for unit in units:
+                    if unit.name not in todo:
+                        load_unit_params(unit, pdir)
+                finish_static(block, i)   # counted once, by the observe pass above
+            if recipe is None:
+                for unit in _tqdm(units, desc=f"layer {i} units", leave=False, disable=not adapter.run.progress):
+                    if unit.name not in todo:
+                        result.units.append(_resumed_result(pdir, unit))
+                        continue
+                    with ph.phase(f"solve:{unit.kind}", layer=i):
+                        # solved where the layer is: the compute device, or where the sharded
+                        # placement put the unit
+                        udev = adapter.unit_device(block, unit) if sharded else dev
+                        r = timed_solve(unit, calls.pop(unit.name), epochs=cfg.epochs, lr=cfg.lr, device=udev,
+                                        seed=cfg.seed)
+                        sinks.pop(unit.name).discard()      # its spilled calls are no longer needed
+                    with ph.phase("write", layer=i):
+                        _save_unit(pdir, unit, r)
+                    result.units.append(r)
+                    if on_unit_done is not None:
+                        on_unit_done(r)
+            else:
+                from .algorithms.runner import run_recipe_on_units
+
+                todo_units = [u for u in units if u.name in todo]
+                solved: dict[str, UnitResult] = {}
+                # one recipe run per device holding units (a sharded layer): the grouped
+                # algorithms stack a group's experts, which must share a device
+                by_dev: dict[torch.device, list] = {}
+                for u in todo_units:
+                    by_dev.setdefault(adapter.unit_device(block, u) if sharded else dev, []).append(u)
+                done: dict[str, UnitResult] = {}
+                for udev, group in by_dev.items():
+                    with ph.phase("solve:recipe", layer=i, device=str(udev)):
+                        rs = run_recipe_on_units(group, calls, recipe, device=udev, seed=cfg.seed,
+                                                 dtype=adapter.run.dtype, holdout=holdout, guard=guard)
+                    done.update({u.name: r for u, r in zip(group, rs)})
+                if todo_units:
+                    for unit, r in zip(todo_units, [done[u.name] for u in todo_units]):
+                        with ph.phase("write", layer=i):
+                            _save_unit(pdir, unit, r)
+                        solved[unit.name] = r
+                        if on_unit_done is not None:
+                            on_unit_done(r)
+                calls = {}
+                result.units += [solved[u.name] if u.name in solved else _resumed_result(pdir, u) for u in units]
+        finally:
+            for s in sinks.values():
+                s.discard()
+            store.cleanup()
+        if propagate == "quant":
+            with ph.phase("propagate", layer=i):
+                next_hidden = adapter.do_block_forward(block, calib.hidden, calib.state)
         calib = Stream(next_hidden, calib.state)
-        adapter.release_block(block)
+        with ph.phase("release", layer=i):
+            adapter.release_block(block)
     devmod.synchronize(dev)
-    mem.peak_memory_bytes = devmod.peak_memory_bytes(dev)
+    mem.peak_memory_bytes = max(devmod.peak_memory_bytes(dev), getattr(ph, "max_device_peak", lambda: 0)())
     result.memory = mem
     result.seconds = time.perf_counter() - t0
     return result
 
 
-@contextlib.contextmanager
-def _on_device(adapter: BaseModel, block: nn.Module) -> Iterator[None]:
-    """Hold a CPU-staged block on the compute device for its whole-layer passes (float capture,
-    observation), so they are not CPU passes on accelerator machines; back to the host after,
-    so the solver then moves one unit at a time."""
-    dev = adapter.device
-    moved = dev.type != "cpu"
-    if moved:
-        block.to(dev)
-    try:
-        yield
-    finally:
-        if moved:
-            block.to("cpu")
-            devmod.empty_cache(dev)
+def float_layer_output(adapter: BaseModel, block: nn.Module, calib: Stream, like_quantized: bool,
+                       scheme: QuantScheme, targets: Sequence[str]) -> Stream:
+    """The float output of a layer (built on its device) over ``calib``. ``like_quantized``:
+    computed as ``run_blockwise_ptq`` computes it for a layer it quantizes (wrapped, quantizers
+    off, capture paths), so a rank recomputing another rank's layers gets the very same bits even
+    where the plain and the capture paths round differently (grouped vs per-expert MoE on
+    accelerators)."""
+    if like_quantized:
+        adapter.quantize_block(block, scheme, targets)
+        adapter.prepare_capture(block)
+        adapter.set_quant_enabled(block, False)
+    return Stream(adapter.do_block_forward(block, calib.hidden, calib.state), calib.state)
+
+
+def _save_unit(pdir: Path, unit, r: UnitResult) -> None:
+    # stats first, then the .pt: the .pt's existence is what marks the unit done
+    atomic_write_json(r.to_dict(), _unit_stats_path(pdir, unit))
+    atomic_save(unit.module.export_ptq_params(), pdir / f"{unit.file_stem}.pt")
 
 
 def summary_table(units: Sequence[UnitResult]) -> str:

@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", help="auto | cuda | npu | cpu | cuda:1 ...")
     p.add_argument("--smoke", action="store_true", help="tiny config on CPU, every variant, 1-2 repeats")
-    p.add_argument("--config", default=None, help="config.json (default: shared/configs V4-Flash)")
+    p.add_argument("--config", default=None, help="config.json (default: models/deepseek_v4/configs V4-Flash)")
     p.add_argument("--layers", default=None, help=f"layer ids (default {FLASH_LAYERS}; smoke {TINY_LAYERS})")
     p.add_argument("--batch", default=None, help="comma list of batch sizes (default 1,4; smoke 2)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default 4096; smoke 160)")

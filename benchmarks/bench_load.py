@@ -12,6 +12,9 @@ Steps
     reference), device copy bandwidth (for the decode's own traffic);
  4. time ``load_block(CheckpointReader(dir), config, layer, dtype=bf16, device=dev)``: median of
     --repeats after a warm-up, each build freed before the next; also the reader's raw fetch alone;
+ 4b. the NaN / Inf check on load (``CheckpointReader.check_finite``, on by default): ``load_block`` with
+    ``check_finite=False`` (same repeats), and the check alone over the decoded layer's tensors; its cost
+    is reported relative to the load time (target: < 2 % on the H200);
  5. time the CPU-staging path once: ``load_block(..., device='cpu')`` then ``block.to(dev)``.
 
 floor = file bytes / read bandwidth + file bytes / H2D bandwidth (pageable) + (file bytes + decoded
@@ -48,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto")
     p.add_argument("--smoke", action="store_true", help="tiny config on CPU in a temporary folder")
-    p.add_argument("--config", default=None, help="config.json (default: shared/configs V4-Flash)")
+    p.add_argument("--config", default=None, help="config.json (default: models/deepseek_v4/configs V4-Flash)")
     p.add_argument("--layer", type=int, default=None, help="layer id (default 4: ratio 4 + indexer, score MoE; smoke 3)")
     p.add_argument("--repeats", type=int, default=None, help="timed load_block repeats (default 3; smoke 2)")
     p.add_argument("--warmup", type=int, default=1)
@@ -254,6 +257,41 @@ def main(argv=None) -> int:
         ld["decoded_bytes"] = decoded_bytes
         results["load_block_device"] = ld
 
+        # 4b. the NaN / Inf check on load: load without it, and the check alone
+        t_off = []
+        for _ in range(args.repeats):
+            holder.pop("block", None)
+            gc.collect()
+            D.empty_cache(dev)
+            with D.Timer(dev) as t:
+                with CheckpointReader(folder) as r:
+                    holder["block"], _ = load_block(r, config, args.layer, dtype=torch.bfloat16, device=dev,
+                                                    check_finite=False)
+            t_off.append(t.ms)
+        decoded = {prefix + k: v for k, v in holder["block"].state_dict().items()}
+        with CheckpointReader(folder) as r:
+            r.check_finite(decoded)  # warm-up
+            t_chk = []
+            for _ in range(max(args.repeats, 5)):
+                with D.Timer(dev) as t:
+                    r.check_finite(decoded)
+                t_chk.append(t.ms)
+        del decoded
+        holder.pop("block", None)
+        gc.collect()
+        D.empty_cache(dev)
+        off, chk = C.stats(t_off), C.stats(t_chk)
+        results["finite_check"] = {
+            "load_without_check": off, "check_alone": chk,
+            "check_vs_load_pct": 100 * chk["median_ms"] / ld["median_ms"],
+            "load_on_minus_off_pct": 100 * (ld["median_ms"] - off["median_ms"]) / off["median_ms"],
+            "how": "check_alone: CheckpointReader.check_finite over the decoded layer (one aminmax per "
+                   "floating tensor, one host read per device), host clock with synchronize",
+        }
+        print(f"NaN/Inf check on load: alone {chk['median_ms']:.2f} ms = "
+              f"{results['finite_check']['check_vs_load_pct']:.2f} % of load_block {ld['median_ms']:.1f} ms; "
+              f"load without it {off['median_ms']:.1f} ms", flush=True)
+
         floors = {
             "read_ms": file_bytes / rd["bytes_per_s"] * 1e3,
             "h2d_ms": file_bytes / hp["bytes_per_s"] * 1e3,
@@ -336,6 +374,12 @@ def print_report(r: dict) -> None:
                      C.fmt_ms(cs["to_device"]["min_ms"]), "-", "-", "-"])
         rows.append(["  staging total", C.fmt_ms(cs["total_median_ms"]), "-", C.fmt_ms(f["floor_ms"]),
                      f"{cs['total_median_ms'] / f['floor_ms']:.1f}x", "-"])
+    if "finite_check" in r:
+        fc = r["finite_check"]
+        rows.append(["  NaN/Inf check alone", C.fmt_ms(fc["check_alone"]["median_ms"]),
+                     C.fmt_ms(fc["check_alone"]["min_ms"]), "-", f"{fc['check_vs_load_pct']:.2f} % of load", "-"])
+        rows.append(["  load_block, check off", C.fmt_ms(fc["load_without_check"]["median_ms"]),
+                     C.fmt_ms(fc["load_without_check"]["min_ms"]), "-", "-", "-"])
     print("\nload timings (host clock with device synchronize; median of repeats):")
     print(C.table(rows, ["path", "median ms", "min ms", "floor ms", "vs floor", "extra peak (load)"]))
     print(f"\nwrite side (not timed carefully): build {w['build_s']:.1f} s, encode {w['encode_s']:.1f} s, "

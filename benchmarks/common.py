@@ -1,7 +1,7 @@
 """Shared pieces of the layer benchmarks (bench_layer.py, bench_load.py).
 
-- configs: the V4-Flash config.json (shared/configs, or the copy embedded below when the shared folder
-  is not next to the checkout, e.g. on the GPU machine) and the tiny config for ``--smoke``;
+- configs: the V4-Flash config.json shipped in models/deepseek_v4/configs/ and the tiny config for
+  ``--smoke``;
 - a device-side random init of one decoder layer (same scaled scheme as ``tiny.init_block_weights``,
   drawn with ``Tensor.normal_`` on the device: a Flash layer is ~13 GB, far too slow to draw on a CPU);
 - transformers' native ``DeepseekV4DecoderLayer`` built with the SAME weights (the key renames that
@@ -43,40 +43,16 @@ GiB = 1024 ** 3
 # -------------------------------------------------------------------------------------- configs
 FLASH_CONFIG_NAME = "deepseek-v4-flash.config.json"
 _FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4, 0]
-# Copy of shared/configs/deepseek-v4-flash.config.json (used only when that file is not found).
-FLASH_CONFIG_EMBEDDED: dict[str, Any] = {
-    "architectures": ["DeepseekV4ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 0, "eos_token_id": 1, "expert_dtype": "fp4", "hc_eps": 1e-06, "hc_mult": 4,
-    "hc_sinkhorn_iters": 20, "head_dim": 512, "hidden_act": "silu", "hidden_size": 4096,
-    "index_head_dim": 128, "index_n_heads": 64, "index_topk": 512, "initializer_range": 0.02,
-    "max_position_embeddings": 1048576, "model_type": "deepseek_v4", "moe_intermediate_size": 2048,
-    "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64,
-    "num_experts_per_tok": 6, "num_hidden_layers": 43, "num_hash_layers": 3, "num_key_value_heads": 1,
-    "num_nextn_predict_layers": 1, "o_groups": 8, "o_lora_rank": 1024, "q_lora_rank": 1024,
-    "qk_rope_head_dim": 64,
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 65536,
-                     "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "sliding_window": 128,
-    "swiglu_limit": 10.0, "tie_word_embeddings": False, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
-    "transformers_version": "4.57.1", "use_cache": True, "vocab_size": 129280, "compress_rope_theta": 160000,
-    "compress_ratios": _FLASH_RATIOS,
-}
-assert len(_FLASH_RATIOS) == 44
+# the V4-Flash config.json ships with the project (a GPU machine gets it with the checkout)
+FLASH_CONFIG_PATH = REPO / "models" / "deepseek_v4" / "configs" / FLASH_CONFIG_NAME
 
 
 def flash_config_dict(path: str | None = None) -> tuple[dict[str, Any], str]:
-    """(config.json dict, where it came from). ``path`` wins; then shared/configs next to the checkout."""
-    candidates = [Path(path)] if path else [REPO.parent / "shared" / "configs" / FLASH_CONFIG_NAME,
-                                             REPO / "shared" / "configs" / FLASH_CONFIG_NAME]
-    for c in candidates:
-        if c.is_file():
-            return json.loads(c.read_text()), str(c)
-    if path:
-        raise FileNotFoundError(f"--config {path}: no such file")
-    return json.loads(json.dumps(FLASH_CONFIG_EMBEDDED)), "embedded copy of shared/configs/" + FLASH_CONFIG_NAME
+    """(config.json dict, where it came from). ``path`` wins; else the shipped V4-Flash config."""
+    c = Path(path) if path else FLASH_CONFIG_PATH
+    if not c.is_file():
+        raise FileNotFoundError(f"--config {c}: no such file")
+    return json.loads(c.read_text()), str(c)
 
 
 def apply_overrides(d: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:

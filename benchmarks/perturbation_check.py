@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from amct_ext import formats  # noqa: E402
+from amct_ext.data import EVAL_DEFAULT  # noqa: E402
 from amct_ext.perplexity import load_eval_text, perplexity, tokenize_windows  # noqa: E402
 from amct_ext.schemes import load_scheme  # noqa: E402
 from models.deepseek_v4 import load_checkpoint_model  # noqa: E402
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-windows", type=int, default=64)
-    ap.add_argument("--data-path", default=str(REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"))
+    ap.add_argument("--data-path", default=str(EVAL_DEFAULT))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

@@ -1,14 +1,44 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+# Everything the tests read ships with the project (a fresh clone has nothing beside it).
+DATA = REPO / "amct_ext" / "data"
+WIKI_TEST_RAW = DATA / "wikitext-2-raw" / "wiki.test.raw"     # evaluation only
+WIKI_VALID = DATA / "wikitext-2" / "wiki.valid.tokens"        # calibration / training
+CONFIGS = REPO / "models" / "deepseek_v4" / "configs"         # V4-Flash / V4-Pro config.json
+SPEC = REPO / "models" / "deepseek_v4" / "SPEC.md"
+
+
+def _shared_layout() -> Path:
+    """A temporary folder laid out like the old shared-data folder beside the checkout (data/, configs/, spec/), made of
+    links to the shipped files, for tests written against that layout (``shared_dir``)."""
+    root = Path(tempfile.mkdtemp(prefix="amct-shared-"))
+    atexit.register(shutil.rmtree, root, True)
+    links = {"data/wikitext-2-raw/wiki.test.raw": WIKI_TEST_RAW, "data/wikitext-2/valid.txt": WIKI_VALID,
+             "spec/deepseek-v4.md": SPEC}
+    links.update({f"configs/{p.name}": p for p in CONFIGS.glob("*.config.json")})
+    for rel, src in links.items():
+        dst = root / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            dst.symlink_to(src)
+        except OSError:  # no symlinks (some Windows setups): copy
+            shutil.copyfile(src, dst)
+    return root
+
+
+SHARED = _shared_layout()
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -16,6 +46,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
+    """The old shared-data layout (data/, configs/, spec/) rebuilt from shipped files; new tests
+    use the fixtures and constants below directly."""
     return SHARED
 
 
@@ -57,8 +89,14 @@ def tiny_adapter(tiny_ckpt):
 
 
 @pytest.fixture(scope="session")
-def wiki_test_raw(shared_dir) -> Path:
-    """The raw Wikitext-2 test split; part of ../shared in every checkout and CI run."""
-    path = shared_dir / "data" / "wikitext-2-raw" / "wiki.test.raw"
-    assert path.is_file(), f"{path} is missing: the tests need ../shared/data"
-    return path
+def wiki_test_raw() -> Path:
+    """The raw Wikitext-2 test split shipped in amct_ext/data (evaluation only)."""
+    assert WIKI_TEST_RAW.is_file(), f"{WIKI_TEST_RAW} is missing from the checkout"
+    return WIKI_TEST_RAW
+
+
+@pytest.fixture(scope="session")
+def wiki_valid() -> Path:
+    """The Wikitext-2 validation split shipped in amct_ext/data (calibration / training)."""
+    assert WIKI_VALID.is_file(), f"{WIKI_VALID} is missing from the checkout"
+    return WIKI_VALID

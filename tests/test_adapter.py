@@ -80,9 +80,9 @@ def test_capture_unit_io_collects_calls_and_removes_hooks(adapter):
     hidden = adapter.do_embedding_forward(samples())
     block = adapter.block(0)
     adapter.prepare_capture(block)
-    mods = {"attn": block.attn, "e0": block.ffn.experts[0], "shared": block.ffn.shared_experts}
+    mods = {"attn": block.attn, "e0": block.ffn.experts[0], "shared_expert": block.ffn.shared_experts}
     calls, outs = capture_unit_io(mods, lambda: adapter.do_block_forward(block, hidden))
-    assert len(calls["attn"]) == 2 and len(calls["shared"]) == 2
+    assert len(calls["attn"]) == 2 and len(calls["shared_expert"]) == 2
     call = calls["attn"][0]
     with torch.no_grad():
         assert torch.equal(block.attn(*call.args, **call.kwargs), call.output)

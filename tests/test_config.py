@@ -9,16 +9,17 @@ from transformers import AutoConfig
 from amct_ext.errors import ConfigError
 from models.deepseek_v4 import DeepseekV4Config
 from models.deepseek_v4.tiny import TINY_CONFIG, tiny_config
+from tests.conftest import CONFIGS
 
 
 @pytest.fixture(scope="module")
-def flash(shared_dir):
-    return DeepseekV4Config.from_pretrained(shared_dir / "configs" / "deepseek-v4-flash.config.json")
+def flash():
+    return DeepseekV4Config.from_pretrained(CONFIGS / "deepseek-v4-flash.config.json")
 
 
 @pytest.fixture(scope="module")
-def pro(shared_dir):
-    return DeepseekV4Config.from_pretrained(shared_dir / "configs" / "deepseek-v4-pro.config.json")
+def pro():
+    return DeepseekV4Config.from_pretrained(CONFIGS / "deepseek-v4-pro.config.json")
 
 
 def test_flash_values(flash):

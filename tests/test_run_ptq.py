@@ -1,4 +1,4 @@
-"""tools/run_ptq.py: an end-to-end tiny run (subprocess) and the bad-input contract
+"""tools/run_ptq.py: the bad-input contract
 (one `error: ...` line on stderr, exit code 2, nothing written)."""
 import json
 import os
@@ -33,26 +33,8 @@ def run_cli(args, env_extra=None):
                           cwd=REPO, timeout=300)
 
 
-def test_end_to_end_tiny(tmp_path, wiki_test_raw):
-    out = tmp_path / "out"
-    # no --model-path: the tiny checkpoint is generated into $AMCT_CACHE and reused
-    proc = run_cli(["--model", "tiny", "--output-dir", str(out), "--end-layer", "2", *FAST],
-                   {"AMCT_CACHE": str(tmp_path / "cache")})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (tmp_path / "cache" / "tiny-v4" / "config.json").is_file()
-    report = json.loads((out / "report.json").read_text())
-    assert report["model"] == "tiny" and report["scheme"] == "w8a8"
-    assert report["quant_target"] == ["attn-linear", "moe"]
-    assert set(report["ppl"]) == {"float", "rtn", "quant"}
-    assert all(isinstance(v, float) and v > 1 for v in report["ppl"].values())
-    assert report["eval"]["windows"] == 4 and report["eval"]["seq_len"] == 64
-    assert len(report["units"]) == 2 * 10
-    for u in report["units"]:
-        assert set(u) >= {"name", "kind", "layer", "loss_before", "loss_after", "seconds"}
-        assert u["loss_after"] <= u["loss_before"]
-    assert report["wall_s"] > 0 and report["peak_memory_bytes"] > 0
-    assert (out / "ptq_params" / "layer_1_ffn_shared_experts.pt").is_file()
-    assert "loss_before" in proc.stdout   # the summary table
+# The end-to-end run with the tiny defaults is tests/test_fresh_clone.py (README command 1 in a
+# bare copy of the repository); the cases below are the bad-input contract and small options.
 
 
 def expect_error(capsys, argv, match, out=None):
@@ -91,7 +73,71 @@ def test_bad_inputs(tiny_ckpt, tmp_path, capsys):
     expect_error(capsys, [*tiny, "--quant-target", "mlp"], "MoE", out)
     expect_error(capsys, [*tiny, "--quant-target", "attn,moe"], "unknown quant target 'attn'", out)
     expect_error(capsys, [*tiny, "--start-layer", "3", "--end-layer", "9"], "layer range", out)
+    # --threads 0 / negative: refused (torch would silently keep its default)
+    expect_error(capsys, [*tiny, "--threads", "0"], "--threads 0: must be >= 1", out)
+    expect_error(capsys, [*tiny, "--threads", "-2"], "--threads -2: must be >= 1", out)
+    # a tiny model with a missing --model-path: no --download hint (tiny is never downloaded)
+    for model in ("tiny", "tiny-trained"):
+        code = run_ptq.main(["--model", model, "--model-path", str(tmp_path / "missing"), *base])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert code == 2 and "does not exist" in err and "--download" not in err, err
+    # calibration text that is the evaluation text under another name
+    leak = tmp_path / "my-calibration.txt"
+    shutil.copy(REPO / "amct_ext" / "data" / "wikitext-2-raw" / "wiki.test.raw", leak)
+    expect_error(capsys, [*tiny, "--calib-data", str(leak)], "shares a 64-word run with the evaluation text", out)
+    expect_error(capsys, [*tiny, "--calib-data", str(leak), "--calib-dataset", "x"], "not both", out)
     assert not out.exists()   # nothing half-written by any of the above
+
+
+def test_cli_and_ptqconfig_share_solver_defaults():
+    from amct_ext.base import PtqConfig
+
+    args = run_ptq.build_parser().parse_args(["--output-dir", "x"])
+    assert args.lr == PtqConfig().lr and args.epochs == PtqConfig().epochs
+
+
+def test_calib_dataset_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from amct_ext import data
+
+    monkeypatch.setenv("AMCT_CACHE", str(tmp_path / "cache"))
+    base = ["--output-dir", str(tmp_path / "o"), "--quiet"]
+    # offline (conftest sets HF_HUB_OFFLINE=1) -- or datasets missing: either way one clear line
+    expect_error(capsys, [*base, "--calib-dataset", "wikitext:wikitext-2-raw-v1:validation"], "--calib-dataset")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda n, *a: None if n == "datasets" else real(n, *a))
+    expect_error(capsys, [*base, "--calib-dataset", "wikitext:wikitext-2-raw-v1:validation"],
+                 "pip install -e '.[datasets]'")
+    expect_error(capsys, [*base, "--calib-dataset", "wikitext:wikitext-2-raw-v1:test"], "evaluation split")
+    expect_error(capsys, [*base, "--calib-dataset", "a:b:c:d"], "PATH[:CONFIG[:SPLIT]]")
+    # datasets present (pretended) but offline: the offline line, not an import error
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda n, *a: object() if n == "datasets" else real(n, *a))
+    monkeypatch.setattr(data, "_offline", lambda: True)
+    expect_error(capsys, [*base, "--calib-dataset", "wikitext:wikitext-2-raw-v1:validation"], "offline mode")
+
+
+def test_tiny_tokenizer_is_trained_on_calib_data(tmp_path, capsys, monkeypatch):
+    """--model tiny with --calib-data: the generated checkpoint's tokenizer is trained on that text
+    (issue 17: tokenizer training ignored --calib-data), cached under its own key."""
+    from amct_ext.tokenizer import train_bpe_tokenizer
+    from models.deepseek_v4.tiny import TINY_CONFIG, tiny_cache_key
+
+    text = tmp_path / "calib.txt"
+    valid = (REPO / "amct_ext" / "data" / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")
+    text.write_text("".join(valid.splitlines(True)[3000:3400]), encoding="utf-8")
+    monkeypatch.setenv("AMCT_CACHE", str(tmp_path / "cache"))
+    old = torch.get_num_threads()
+    try:
+        code = run_ptq.main(["--model", "tiny", "--calib-data", str(text), "--output-dir", str(tmp_path / "o"),
+                             "--no-ptq", "--no-eval-ppl", "--quiet", "--seq-len", "32", "--calib-samples", "1"])
+    finally:
+        torch.set_num_threads(old)
+    assert code == 0, capsys.readouterr().err
+    ckpt = tmp_path / "cache" / f"tiny-v4-{tiny_cache_key(text)}"
+    assert ckpt.is_dir() and tiny_cache_key(text) != tiny_cache_key()
+    ref = train_bpe_tokenizer(text, TINY_CONFIG["vocab_size"], tmp_path / "ref")
+    assert (ckpt / "tokenizer.json").read_bytes() == (ref / "tokenizer.json").read_bytes()
 
 
 def test_refuses_output_dir_of_another_scheme(tiny_ckpt, tmp_path, capsys):

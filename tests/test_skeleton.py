@@ -12,7 +12,7 @@ from models.deepseek_v4 import DeepseekV4Config
 from models.deepseek_v4.loading import build_skeleton, empty_block, materialize_derived_buffers
 from models.deepseek_v4.modeling import Block, layer_rope_frequencies
 
-from tests.conftest import REPO, SHARED
+from tests.conftest import CONFIGS, REPO
 
 
 @pytest.mark.parametrize("name, params_b", [("flash", 284.3), ("pro", 1573.0)])
@@ -23,7 +23,7 @@ def test_full_skeleton_is_free_and_fast(name, params_b):
         sys.path.insert(0, {str(REPO)!r})
         from models.deepseek_v4 import DeepseekV4Config
         from models.deepseek_v4.loading import build_skeleton
-        cfg = DeepseekV4Config.from_pretrained({str(SHARED / "configs" / f"deepseek-v4-{name}.config.json")!r})
+        cfg = DeepseekV4Config.from_pretrained({str(CONFIGS / f"deepseek-v4-{name}.config.json")!r})
         t = time.perf_counter()
         m = build_skeleton(cfg)
         dt = time.perf_counter() - t
@@ -48,7 +48,7 @@ def test_include_buffers_trap():
     """Without include_buffers=True the rope tables would be allocated for real."""
     from accelerate import init_empty_weights
 
-    cfg = DeepseekV4Config.from_pretrained(SHARED / "configs" / "deepseek-v4-flash.config.json")
+    cfg = DeepseekV4Config.from_pretrained(CONFIGS / "deepseek-v4-flash.config.json")
     with init_empty_weights(include_buffers=False):
         block = Attention_only(cfg)
     assert not block.rope.cos.is_meta  # the trap: buffers stay real
@@ -65,7 +65,7 @@ def Attention_only(cfg):
 
 def test_real_layer_after_skeleton_has_real_rope_and_fp32_islands():
     """Trap: a tensor cache first filled under meta must not hand meta tables to a later real build."""
-    cfg = DeepseekV4Config.from_pretrained(SHARED / "configs" / "deepseek-v4-flash.config.json")
+    cfg = DeepseekV4Config.from_pretrained(CONFIGS / "deepseek-v4-flash.config.json")
     skeleton = build_skeleton(cfg)                  # fills caches while everything is on meta
     assert skeleton.layers[2].attn.rope.cos.is_meta
     block = empty_block(cfg, 4)                     # ratio-4 score layer with indexer: params on meta ...

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-VALID = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+from tests.conftest import WIKI_VALID as VALID  # noqa: E402 (shipped validation split)
 
 
 
@@ -129,7 +129,9 @@ def test_size_guard_refuses_large_model(tmp_path):
 
 
 def test_refuses_test_split(tmp_path):
-    fake = tmp_path / "wiki.test.raw"
-    fake.write_text("hello world\n")
-    with pytest.raises(tt.AmctError, match="test split"):
+    from tests.conftest import WIKI_TEST_RAW
+
+    fake = tmp_path / "corpus.txt"   # renamed test text: refused by content, not by name
+    fake.write_text("".join(WIKI_TEST_RAW.read_text(encoding="utf-8").splitlines(True)[:80]))
+    with pytest.raises(tt.AmctError, match="evaluation text"):
         tt.train(small_config(None, steps=1, text_path=str(fake)))

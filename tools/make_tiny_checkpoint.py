@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--format", choices=["bf16", "fp8"], default="bf16", help="storage format (fp8 = FP8 + FP4 experts)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--text", default=None, help="tokenizer training text (default: ../shared/data/wikitext-2/valid.txt)")
+    ap.add_argument("--text", default=None, help="tokenizer training text (default: the shipped WikiText-2 validation split)")
     args = ap.parse_args(argv)
     out = make_tiny_checkpoint(args.out, fmt=args.format, seed=args.seed, text_path=args.text)
     print(f"wrote {out}")

@@ -43,7 +43,9 @@ from amct_ext.ptq_units import PtqUnit
 from amct_ext.schemes import parse_targets
 
 from . import quant_module
-from .loading import build_skeleton, empty_block, load_block, load_config, load_stem
+from amct_ext.export.readback import exported_quant
+
+from .loading import apply_exported_activations, build_skeleton, empty_block, load_block, load_config, load_stem
 from .modeling import Block, RotaryTable
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,9 @@ class DeepseekV4Adapter(BaseModel):
         check_config_fields(self.model_path)
         self.config = load_config(self.model_path)
         self.reader = CheckpointReader(self.model_path)
+        # an exported checkpoint (amct_ext.export): weights on the grid, activations quantized
+        # dynamically as its config declares; None for a release
+        self.exported = exported_quant(self.model_path)
         self.dtype = run.dtype
         self.model: nn.Module | None = None
         self._stem_loaded = False
@@ -153,8 +158,12 @@ class DeepseekV4Adapter(BaseModel):
             # read + dequantize where the layer will run: on an accelerator that is ~10x faster
             # than decoding on the host and copying (benchmarks/RESULTS.md §5)
             block, _ = load_block(self.reader, self.config, layer_idx, self.dtype, device or "cpu")
-            return block
-        return self._load_sharded(layer_idx, self.shard_devices())
+            return apply_exported_activations(block, self.exported, layer_idx)
+        block = self._load_sharded(layer_idx, self.shard_devices())
+        if self.exported is not None and self.exported.targets and layer_idx in self.exported.layers:
+            self.quantize_block(block, self.exported.scheme, self.exported.targets)
+            quant_module.set_quant_enabled(block, True)
+        return block
 
     def _load_sharded(self, layer_idx: int, devices: Sequence[torch.device]) -> Block:
         """Direct placement: one ``load_prefix`` per device group, tensors decoded on the device."""
@@ -193,6 +202,16 @@ class DeepseekV4Adapter(BaseModel):
         if hasattr(block, _SHARD_ATTR):
             delattr(block, _SHARD_ATTR)
         super().release_block(block)
+
+    def unit_device(self, block: nn.Module, unit: PtqUnit) -> torch.device:
+        """A sharded layer: the device its placement map gives the unit (the map is rebuilt from
+        the block's module names, as ``quantize_block`` does); otherwise the base rule."""
+        devices = getattr(block, _SHARD_ATTR, None)
+        if devices is None:
+            return super().unit_device(block, unit)
+        names = [n for n, _ in block.named_modules() if n]
+        local = unit.name[len(f"layers.{unit.layer_idx}."):]
+        return resolve_device_for(local, build_layer_device_map(names, devices))
 
     # ------------------------------------------------------------------ quantization hooks
     def quantize_block(self, block: Block, scheme, targets: Sequence[str]) -> Block:

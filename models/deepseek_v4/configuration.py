@@ -118,8 +118,11 @@ class DeepseekV4Config(PretrainedConfig):
         quantization_config = kw.pop("quantization_config", None)
         if quantization_config:
             method = quantization_config.get("quant_method")
-            if method not in (None, "fp8"):
-                raise ConfigError(f"quantization_config.quant_method: unsupported value {method!r} (expected 'fp8')")
+            # 'compressed-tensors': an export of this tool (amct_ext.export); its tensors describe
+            # their own storage, the reader decodes them
+            if method not in (None, "fp8", "compressed-tensors"):
+                raise ConfigError(f"quantization_config.quant_method: unsupported value {method!r} "
+                                  "(expected 'fp8' or 'compressed-tensors')")
             values["arch_dtype"] = "fp8" if method == "fp8" else values["arch_dtype"]
             values["scale_fmt"] = quantization_config.get("scale_fmt", values["scale_fmt"])
 

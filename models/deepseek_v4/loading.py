@@ -18,6 +18,7 @@ from torch import nn
 from amct_ext.checkpoint import CheckpointReader
 from amct_ext.empty import assert_materialized, empty_weights, paused_gc
 from amct_ext.errors import CheckpointError, ConfigError
+from amct_ext.export.readback import PART_SUFFIXES, exported_quant
 
 from .configuration import DeepseekV4Config
 from .modeling import Block, DeepseekV4ForCausalLM, RotaryTable
@@ -78,15 +79,22 @@ def _assign(module: nn.Module, tensors: dict[str, torch.Tensor], what: str, part
 
 
 def load_block(reader: CheckpointReader, config: DeepseekV4Config, layer_id: int,
-               dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> tuple[Block, list[str]]:
-    """Build decoder layer ``layer_id`` from the checkpoint on ``device``; returns (block, loaded keys)."""
+               dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+               check_finite: bool = True, pack_experts: bool = True) -> tuple[Block, list[str]]:
+    """Build decoder layer ``layer_id`` from the checkpoint on ``device``; returns (block, loaded keys).
+
+    ``check_finite``: NaN / Inf in a decoded tensor is an error naming it and its shard
+    (``CheckpointReader.load_prefix``); False only for benchmarks measuring that check.
+    ``pack_experts=False`` skips the grouped-GEMM stacking (a second copy of the expert weights
+    while it is built): for callers that never run the layer's forward (the export)."""
     block = empty_block(config, layer_id, dtype)
     prefix = f"layers.{layer_id}."
-    result = reader.load_prefix(prefix, block.state_dict(), device=device, dtype=dtype)
+    result = reader.load_prefix(prefix, block.state_dict(), device=device, dtype=dtype, check_finite=check_finite)
     _assign(block, result.tensors, f"layer {layer_id}")
     materialize_derived_buffers(block, device)
     assert_materialized(block, f"layer {layer_id}")
-    block.ffn.pack_experts()  # grouped-GEMM expert path (one copy of the expert weights, as views)
+    if pack_experts:
+        block.ffn.pack_experts()  # grouped-GEMM expert path (one copy of the expert weights, as views)
     return block.eval(), [prefix + k for k in result.loaded] + [prefix + k for k in result.unexpected]
 
 
@@ -107,7 +115,11 @@ def account_keys(reader: CheckpointReader, consumed: set[str]) -> KeyAccount:
     """Split every checkpoint key into loaded / skipped (mtp) / unexpected; scales count with their weight."""
     account = KeyAccount()
     for key in reader.keys():
-        base = key[: -len(".scale")] + ".weight" if key.endswith(".scale") else None
+        base = None
+        for suffix in (".scale",) + PART_SUFFIXES:   # companions count with their weight
+            if key.endswith(suffix):
+                base = key[: -len(suffix)] + ".weight"
+                break
         if key in consumed or (base is not None and base in consumed):
             account.loaded.append(key)
         elif key.startswith("mtp."):
@@ -120,6 +132,18 @@ def account_keys(reader: CheckpointReader, consumed: set[str]) -> KeyAccount:
     return account
 
 
+def apply_exported_activations(block: Block, exported, layer_id: int) -> Block:
+    """An exported checkpoint's weights are already on the grid; what it still declares is the
+    dynamic activation (and cache) quantization: wrap the block with those specs only."""
+    if exported is None or not exported.targets or layer_id not in exported.layers:
+        return block
+    from . import quant_module
+
+    quant_module.quantize_block(block, exported.scheme, exported.targets)
+    quant_module.set_quant_enabled(block, True)
+    return block
+
+
 def load_checkpoint_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                           device: torch.device | str = "cpu", return_account: bool = False):
     """The whole float model with weights loaded (BF16 or FP8/FP4 checkpoints alike), eval mode."""
@@ -127,8 +151,10 @@ def load_checkpoint_model(path: str | os.PathLike, dtype: torch.dtype = torch.fl
     model = build_skeleton(config, dtype)
     with CheckpointReader(path) as reader:
         consumed = set(load_stem(reader, model, device, dtype))
+        exported = exported_quant(path)
         for i in range(config.n_layers):
             block, keys = load_block(reader, config, i, dtype, device)
+            apply_exported_activations(block, exported, i)
             model.layers[i] = block
             consumed.update(keys)
         account = account_keys(reader, consumed)

@@ -1,4 +1,5 @@
-"""DeepSeek-V4 float reference (prefill), written to be read against ../shared/spec/deepseek-v4.md §2.
+"""DeepSeek-V4 float reference (prefill), written to be read against the architecture
+spec shipped beside it, models/deepseek_v4/SPEC.md §2.
 
 Module names are the released checkpoint keys (``embed``, ``layers.{i}.attn.wq_a``,
 ``layers.{i}.ffn.experts.{e}.w1``, ``hc_head_fn`` ...), so a flat state dict loads without renaming.

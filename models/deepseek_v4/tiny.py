@@ -138,6 +138,25 @@ def parameter_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+# Bump when make_tiny_checkpoint draws different weights for the same config and seed (new init
+# rule, new tensor order): cached checkpoints are keyed by it and by the config (tiny_cache_key).
+GENERATOR_VERSION = 1
+
+
+def tiny_cache_key(text_path=None, fmt: str = "bf16", seed: int = 0, **overrides: Any) -> str:
+    """A short hash of everything that makes a tiny checkpoint: config, generator version, format,
+    seed and the tokenizer's training text (its bytes). A cache folder named by it is never stale."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    h.update(json.dumps({**TINY_CONFIG, **overrides}, sort_keys=True).encode())
+    h.update(f"\0gen{GENERATOR_VERSION}\0{fmt}\0{seed}\0".encode())
+    h.update(Path(text_path or default_text_path()).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def default_text_path():
     from amct_ext.calibration import DEFAULT_CALIBRATION_PATH
 

@@ -1,0 +1,11 @@
+"""Deployable export of quantized checkpoints (issue 14).
+
+- ``exporter``: the streamed, per-layer export (``ExportConfig`` / ``export_checkpoint``);
+- ``compressed_tensors``: the compressed-tensors layout and ``quantization_config`` (vLLM);
+- ``ascend``: the Ascend ModelSlim v1 layout and ``quant_model_description.json`` (vllm-ascend);
+- ``writer``: resumable sharded safetensors output, index written last;
+- ``packing``: int32 / int4-row bit packing;
+- ``readback``: decoding exported weights and their declared activation quantization.
+
+Kept import-free: ``amct_ext.checkpoint`` imports ``readback`` and must not pull in the workflow.
+"""

@@ -1,0 +1,119 @@
+"""Ascend ModelSlim v1 layout (what vllm-ascend reads with ``--quantization ascend``).
+
+Read from msModelSlim 26.1's own output on assets/tiny-v4 (tests/data/msmodelslim-26.1-tiny-v4):
+
+- weights in ``quant_model_weights-*.safetensors`` + ``quant_model_weights.safetensors.index.json``,
+  under the released flat names (``layers.1.attn.wq_a.weight``);
+- ``quant_model_description.json``: ``model_quant_type``, ``version`` "1.0.0", ``metadata``,
+  ``group_size``, and one type per tensor: ``W8A8_DYNAMIC`` / ``W4A8_DYNAMIC`` / ``FLOAT``;
+- W8A8_DYNAMIC linear ``M``: ``M.weight`` int8 [out, in], ``M.weight_scale`` fp32 [out, 1],
+  ``M.weight_offset`` fp32 zeros [out, 1]; no input scale (per-token dynamic int8 inputs);
+- W4A8_DYNAMIC (routed experts): ``M.weight`` int8 [out/2, in] (rows 2j / 2j+1 in the low / high
+  nibble), ``M.weight_scale`` / ``M.weight_offset`` fp32 [out, 1] and ``M.scale_bias`` fp32:
+  8 x the row sum of the dequantized weight, [out, 1] for w1 / w3 and [out, 16] for w2 (one
+  partial row sum per slice of a 16-way tensor-parallel split of w2's input dim);
+- ``model_quant_type`` stays ``W8A8_DYNAMIC`` when only the experts are W4A8;
+- FLOAT tensors keep their dtype; ``tid2eid`` is int32.
+
+Only symmetric int weights with dynamic per-token int8 inputs have a type here (w8a8, w4a8 and
+per-channel variants); other schemes are refused by :func:`check_scheme`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import QuantConfigError
+from ..schemes import LINEAR_TARGETS, QuantScheme, TensorSpec
+from .packing import pack_int4_rows
+
+INDEX_NAME = "quant_model_weights.safetensors.index.json"
+SHARD_STEM = "quant_model_weights"
+DESCRIPTION_NAME = "quant_model_description.json"
+VERSION = "1.0.0"
+#: the tensor-parallel size msModelSlim fixes for the w2 scale_bias slices
+SCALE_BIAS_TP = 16
+W8A8, W4A8, FLOAT = "W8A8_DYNAMIC", "W4A8_DYNAMIC", "FLOAT"
+
+
+def _is_int8_token(spec: TensorSpec | None) -> bool:
+    return (spec is not None and spec.format == "int" and spec.bits == 8 and spec.symmetric
+            and spec.granularity == "token" and spec.dynamic)
+
+
+def weight_type(weight: TensorSpec, act: TensorSpec | None, where: str) -> str:
+    if not _is_int8_token(act):
+        raise QuantConfigError(f"ascend export: {where}: the input spec must be int8 per-token dynamic "
+                               f"symmetric (W*A8_DYNAMIC), got {act}")
+    if weight.format != "int" or not weight.symmetric or weight.bits not in (4, 8):
+        raise QuantConfigError(f"ascend export: {where}: weights must be symmetric int8 or int4, got {weight}")
+    if weight.granularity not in ("channel", "group"):
+        raise QuantConfigError(f"ascend export: {where}: weight granularity must be channel or group, got {weight.granularity!r}")
+    if weight.bits == 8 and weight.granularity != "channel":
+        raise QuantConfigError(f"ascend export: {where}: W8A8_DYNAMIC weights are per channel, got {weight.granularity!r}")
+    return W8A8 if weight.bits == 8 else W4A8
+
+
+def check_scheme(scheme: QuantScheme, targets: list[str]) -> None:
+    for t in LINEAR_TARGETS:
+        if t in targets:
+            ts = scheme.target(t)
+            if ts.weight is None:
+                raise QuantConfigError(f"ascend export: scheme {scheme.name!r} target {t} has no weight spec")
+            weight_type(ts.weight, ts.input, f"scheme {scheme.name!r} target {t}")
+    if "attn-cache" in targets and scheme.cache is not None and not _is_int8_token(scheme.cache):
+        raise QuantConfigError(f"ascend export: the attention-cache spec must be int8 per-token dynamic, got {scheme.cache}")
+
+
+def encode_weight(base: str, spec: TensorSpec, act: TensorSpec | None, d: dict[str, torch.Tensor],
+                  shape: tuple[int, int], fake_quant: torch.Tensor) -> tuple[dict[str, torch.Tensor], str]:
+    """Checkpoint tensors of module ``base`` and their description type."""
+    out_f, _ = shape
+    typ = weight_type(spec, act, base)
+    scale = d["scale"].float().reshape(out_f, -1).contiguous()
+    q = d["qweight"]
+    t = {f"{base}.weight": q.contiguous() if typ == W8A8 else pack_int4_rows(q),
+         f"{base}.weight_scale": scale,
+         f"{base}.weight_offset": torch.zeros_like(scale)}
+    if typ == W4A8 and ".experts." in base:
+        w = fake_quant.float()
+        if base.endswith(".w2"):
+            if w.shape[1] % SCALE_BIAS_TP:
+                raise QuantConfigError(f"{base}: in_features {w.shape[1]} is not divisible by {SCALE_BIAS_TP} (scale_bias slices)")
+            bias = 8.0 * w.reshape(out_f, SCALE_BIAS_TP, -1).sum(-1)
+        else:
+            bias = 8.0 * w.sum(-1, keepdim=True)
+        t[f"{base}.scale_bias"] = bias.contiguous()
+    return t, typ
+
+
+def description(types: dict[str, str], scheme: QuantScheme, targets: list[str]) -> dict[str, Any]:
+    """quant_model_description.json: the header keys first (as msModelSlim orders them after the
+    tensors, order is irrelevant to readers), then one type per tensor."""
+    used = set(types.values()) - {FLOAT}
+    model_type = W8A8 if W8A8 in used or not used else W4A8
+    groups = {s.group_size for t in LINEAR_TARGETS if t in targets
+              for s in [scheme.target(t).weight] if s is not None and s.granularity == "group"}
+    desc: dict[str, Any] = dict(types)
+    desc.update({"version": VERSION, "model_quant_type": model_type, "metadata": {},
+                 "group_size": groups.pop() if len(groups) == 1 else 0})
+    if "attn-cache" in targets and scheme.cache is not None:
+        # int8 per-token dynamic q/k/p/v: no static cache scales to store (see casebook i14)
+        desc["kv_cache_type"] = "C8"
+    return desc
+
+
+def activation_targets(desc: dict[str, Any]) -> tuple[dict[str, TensorSpec], TensorSpec | None]:
+    """Read-back: the dynamic int8 per-token input spec of each linear target that has a
+    W*A8_DYNAMIC tensor, and the cache spec when the cache is quantized."""
+    spec = TensorSpec("int", 8, True, "token", dynamic=True)
+    found: dict[str, TensorSpec] = {}
+    for key, typ in desc.items():
+        if typ in (W8A8, W4A8) and key.endswith(".weight"):
+            found[_target_of(key)] = spec
+    return found, (spec if desc.get("kv_cache_type") == "C8" else None)
+
+
+def _target_of(key: str) -> str:
+    return "moe" if ".ffn." in key else "attn-linear"

@@ -1,0 +1,461 @@
+"""Streamed export of a quantized DeepSeek-V4 checkpoint, one decoder layer at a time.
+
+Per layer: build it from the release on the compute device (FP8 / FP4 decoded there), wrap it
+for the scheme (``quantize_block``), load the run's unit parameters exactly as evaluation's
+'ptq' mode does (``workflow.load_unit_params``) -- so whatever an algorithm learned (clip
+factors, replaced weights, folded smoothing) is in the module -- then export each quantized
+leaf's weight in the chosen format. Everything else is copied as released: a tensor the
+parameters did not touch is read raw from the release (FP8 / FP4 stay FP8 / FP4 with their
+scales unless ``dequantize_rest``); a tensor they did touch (a smoothed norm) is written from
+the module. Host memory holds one layer's output tensors at a time.
+
+The MTP layer (``mtp.{j}.*``) has the decoder block's structure (its compress ratio is the
+entry after the main layers'). When the release has all of its block tensors it is quantized
+with the same scheme (RTN: PTQ runs calibrate the main layers only); otherwise (the tiny asset
+carries only e_proj / h_proj / norms) every mtp tensor is copied. It is never dropped.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import device as devmod
+from .. import formats
+from ..checkpoint import QUANT_STORAGE, CheckpointReader
+from ..errors import CheckpointError, ConfigError, DataError, QuantConfigError
+from ..io_utils import atomic_write_json
+from ..quant_linear import QuantLinear
+from ..schemes import QuantScheme, load_scheme, parse_targets
+from ..storage_formats import decode_fp4, decode_fp8_block
+from ..workflow import META_NAME, PARAMS_DIR, load_unit_params
+from . import ascend, compressed_tensors as ct
+from .writer import ShardedWriter
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("compressed-tensors", "ascend")
+EXPORT_KEY = "amct_export"
+EXPORT_VERSION = 1
+#: files copied from the source folder besides the weights and config.json
+COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+              "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+class ExportParamsError(ConfigError):
+    """The parameters of --from belong to another scheme / model / checkpoint."""
+
+
+@dataclass
+class ExportConfig:
+    model_path: Path
+    out_dir: Path
+    format: str
+    scheme: QuantScheme
+    targets: list[str]
+    params_dir: Path | None = None      # OUTPUT/ptq_params of a run; None = RTN
+    dequantize_rest: bool = False
+    overwrite: bool = False
+    device: str = "auto"
+    dtype: torch.dtype = torch.bfloat16
+    progress: bool = False
+
+    def check(self) -> None:
+        if self.format not in FORMATS:
+            raise ConfigError(f"--format {self.format!r} is unknown; valid: {', '.join(FORMATS)}")
+        self.targets = self.scheme.check_targets(parse_targets(self.targets))
+        if self.format == "ascend":
+            ascend.check_scheme(self.scheme, self.targets)
+        else:
+            ct.quantization_config(self.scheme, self.targets)  # raises on what it cannot describe
+        for t in self.targets:
+            spec = self.scheme.cache if t == "attn-cache" else self.scheme.target(t).input
+            if spec is not None and not spec.dynamic:
+                raise QuantConfigError(f"scheme {self.scheme.name!r} target {t}: static activation scales "
+                                       "(dynamic: false) are not exported")
+
+
+@dataclass
+class ExportReport:
+    out_dir: str
+    format: str
+    groups_written: list[str] = field(default_factory=list)
+    groups_resumed: list[str] = field(default_factory=list)
+    quantized_layers: list[int] = field(default_factory=list)
+    mtp: str = "absent"
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    peak_host_rss_bytes: int = 0
+
+
+# ----------------------------------------------------------------------------- --from
+def _sha256(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def resolve_run(run_dir: str | Path, model_path: Path, scheme_arg: str | None,
+                targets_arg: str | None) -> tuple[QuantScheme, list[str], Path]:
+    """Scheme, targets and params folder of a run_ptq output folder, checked against the model."""
+    pdir = Path(run_dir) / PARAMS_DIR
+    meta_path = pdir / META_NAME
+    if not meta_path.is_file():
+        raise DataError(f"--from {run_dir}: {meta_path} not found (not a run_ptq output folder)")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{meta_path}: unreadable ({e})") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path}: expected a JSON object")
+    model = meta.get("model") or {}
+    want = _sha256(model_path / "config.json")
+    if model.get("config_sha256") != want:
+        raise ExportParamsError(f"{meta_path}: field 'model.config_sha256' names another model "
+                                f"({model.get('name')!r}, {str(model.get('config_sha256'))[:12]}...) than "
+                                f"{model_path} ({str(want)[:12]}...)")
+    for key in ("index_sha256", "checkpoint_index_sha256"):  # recorded by newer runs (issue 17)
+        if key in model or key in meta:
+            old = model.get(key, meta.get(key))
+            new = _sha256(model_path / "model.safetensors.index.json")
+            if old != new:
+                raise ExportParamsError(f"{meta_path}: field {key!r} names another checkpoint index than {model_path}")
+    name = meta.get("scheme")
+    scheme = load_scheme(scheme_arg if scheme_arg else name)
+    if scheme.fingerprint() != meta.get("scheme_fingerprint"):
+        raise ExportParamsError(f"{meta_path}: field 'scheme_fingerprint' ({name!r}) does not match scheme "
+                                f"{scheme.name!r}" + ("" if scheme_arg else "; pass --scheme FILE with the run's scheme file"))
+    targets = list(meta.get("targets") or [])
+    if targets_arg is not None and parse_targets(targets_arg) != targets:
+        raise ExportParamsError(f"{meta_path}: field 'targets' {targets} differs from --quant-target {targets_arg}")
+    return scheme, targets, pdir
+
+
+# ----------------------------------------------------------------------------- per-tensor helpers
+def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = dict(module.named_parameters(remove_duplicate=False))
+    out.update({n: b for n, b in module.named_buffers(remove_duplicate=False) if b is not None})
+    return out
+
+
+def _snapshot(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """Identity and version counter of every tensor: loading parameters either assigns a new
+    tensor or writes in place (both change this), so untouched tensors can be copied raw."""
+    return {n: (id(t), t._version) for n, t in _named_tensors(module).items()}
+
+
+def _quant_leaves(block: torch.nn.Module) -> dict[str, Any]:
+    """weight name (relative to the block) -> quantized leaf, for leaves whose weight is quantized."""
+    from models.deepseek_v4.quant_module import WoAQuant
+
+    leaves: dict[str, Any] = {}
+    for name, mod in block.named_modules():
+        if isinstance(mod, QuantLinear) and not mod.weight_quantizer.is_identity:
+            leaves[f"{name}.weight"] = mod
+        elif isinstance(mod, WoAQuant) and not mod.weight_quantizer.is_identity:
+            leaves[f"{name.rpartition('.')[0]}.wo_a.weight"] = mod
+    return leaves
+
+
+class _Exporter:
+    def __init__(self, cfg: ExportConfig):
+        from models.deepseek_v4.adapter import check_config_fields
+        from models.deepseek_v4.loading import load_config
+
+        self.cfg = cfg
+        check_config_fields(cfg.model_path)
+        from .readback import exported_quant
+
+        if exported_quant(cfg.model_path) is not None:
+            # its weights are already on a grid: quantizing them again is not what anyone wants
+            raise ConfigError(f"{cfg.model_path} is itself an exported quantized checkpoint; export from the release")
+        self.config = load_config(cfg.model_path)
+        self.reader = CheckpointReader(cfg.model_path)
+        self.device = devmod.resolve_device(cfg.device)
+        self.ascend = cfg.format == "ascend"
+        self.bytes_read = 0
+        self.types: dict[str, str] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
+
+    # -------------------------------------------------------------- raw copies
+    def _location(self, key: str) -> tuple[Path, str, list[int], int, int]:
+        """(shard file, safetensors dtype, shape, absolute byte offset, byte length) of a source
+        tensor, from the shard's header (read once per shard)."""
+        shard = self.reader.shard_of(key)
+        header = self._headers.get(shard)
+        if header is None:
+            path = self.reader.root / shard
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = (8 + n, json.loads(f.read(n)))
+            self._headers[shard] = header
+        base, entries = header
+        e = entries.get(key)
+        if e is None:
+            raise CheckpointError(f"key {key!r}: the index maps it to shard {shard!r}, but that shard does not contain it")
+        a, b = e["data_offsets"]
+        return self.reader.root / shard, e["dtype"], e["shape"], base + a, b - a
+
+    def _raw(self, key: str) -> torch.Tensor:
+        t = self.reader.get_raw(key)
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def _copy_released(self, keys: list[str], stream) -> None:
+        """Tensors as released; FP8 / FP4 weights decoded to bf16 for ascend / dequantize_rest."""
+        present = set(keys)
+        decode = self.ascend or self.cfg.dequantize_rest
+        # the '.scale' companions of quantized-storage weights, found before the loop: 'X.scale'
+        # sorts before 'X.weight', so marking them while iterating would be too late
+        companion = {k: k[: -len(".weight")] + ".scale" for k in keys if k.endswith(".weight")
+                     and k[: -len(".weight")] + ".scale" in present and self.reader.stored_dtype(k) in QUANT_STORAGE}
+        skip = set(companion.values()) if decode else set()
+        for key in keys:
+            if key in skip:
+                continue
+            if decode and key in companion:
+                w, s = self._raw(key), self._raw(companion[key])
+                dec = decode_fp8_block if w.dtype == torch.float8_e4m3fn else decode_fp4
+                stream.add(key, dec(w, s, dtype=torch.bfloat16, device=self.device, name=key))
+                self.types[key] = ascend.FLOAT
+                continue
+            self.types[key] = ascend.FLOAT
+            if not (self.ascend and key.endswith("tid2eid")):
+                # large tensors go file to file (the embedding and head are GBs at real size)
+                src, st_dtype, shape, start, nbytes = self._location(key)
+                if stream.add_file_range(key, st_dtype, shape, src, start, nbytes):
+                    self.bytes_read += nbytes
+                    continue
+            t = self._raw(key)
+            if self.ascend and key.endswith("tid2eid"):
+                t = t.to(torch.int32)   # as msModelSlim stores it
+            stream.add(key, t)
+
+    # -------------------------------------------------------------- one decoder block
+    def _export_block(self, block: torch.nn.Module, prefix: str, keys: list[str], layer_idx: int,
+                      quantize: bool, with_params: bool, stream) -> None:
+        """Stream the block's tensors into ``stream`` (a ShardStream): each quantized leaf as soon as it
+        is encoded (host memory holds one leaf's output), then everything else."""
+        from models.deepseek_v4 import quant_module
+
+        before = _snapshot(block)
+        leaves: dict[str, Any] = {}
+        if quantize:
+            quant_module.quantize_block(block, self.cfg.scheme, self.cfg.targets)
+            if with_params:
+                for unit in quant_module.iter_block_ptq_units(block, layer_idx, self.cfg.targets):
+                    load_unit_params(unit, self.cfg.params_dir)
+            leaves = _quant_leaves(block)
+        now = _named_tensors(block)
+        consumed: set[str] = set()
+        for wname, leaf in leaves.items():
+            base = prefix + wname[: -len(".weight")]
+            w = leaf.weight
+            spec, act = leaf.weight_quantizer.spec, leaf.input_quantizer.spec
+            with torch.no_grad():
+                d = leaf.weight_quantizer.export(w)
+                if self.ascend:
+                    fq = formats.dequantize({("q" if k == "qweight" else k): v for k, v in d.items()}, spec)
+                    tensors, typ = ascend.encode_weight(base, spec, act, d, tuple(w.shape), fq)
+                else:
+                    tensors, typ = ct.encode_weight(base, spec, act, d, tuple(w.shape)), None
+            for k, v in tensors.items():
+                stream.add(k, v)
+                self.types[k] = typ or ascend.FLOAT
+            del tensors, d
+            consumed.update({prefix + wname, prefix + wname[: -len(".weight")] + ".scale"})
+        rest = []
+        for key in keys:
+            if key in consumed:
+                continue
+            rel = key[len(prefix):]
+            cur = now.get(rel)
+            if cur is not None and before.get(rel) != (id(cur), cur._version):
+                stream.add(key, cur)                           # changed by the run's parameters
+                self.types[key] = ascend.FLOAT
+                scale = key[: -len(".weight")] + ".scale" if key.endswith(".weight") else None
+                consumed.add(scale)
+                continue
+            rest.append(key)
+        self._copy_released([k for k in rest if k not in consumed], stream)
+
+    def _build_layer(self, i: int) -> torch.nn.Module:
+        from models.deepseek_v4.loading import load_block
+
+        # no expert packing: the export never runs the layer, and packing holds two copies
+        block, _ = load_block(self.reader, self.config, i, self.cfg.dtype, self.device, pack_experts=False)
+        return block
+
+    def _build_mtp(self, j: int) -> torch.nn.Module | None:
+        """The MTP block j as a decoder block (layer id n_layers + j), or None when the release
+        lacks some of its block tensors or the config has no compress ratio for it."""
+        from amct_ext.empty import assert_materialized
+        from models.deepseek_v4.loading import empty_block, materialize_derived_buffers
+
+        lid = int(self.config.n_layers) + j
+        if len(self.config.compress_ratios) <= lid:
+            return None
+        block = empty_block(self.config, lid, self.cfg.dtype)
+        expected = block.state_dict()
+        prefix = f"mtp.{j}."
+        if not all(self.reader.has(prefix + n) for n in expected):
+            return None
+        res = self.reader.load_prefix(prefix, expected, device=self.device, dtype=self.cfg.dtype)
+        block.load_state_dict(res.tensors, strict=True, assign=True)
+        materialize_derived_buffers(block, self.device)
+        assert_materialized(block, f"mtp.{j}")
+        return block.eval()
+
+    @staticmethod
+    def _release(block: torch.nn.Module) -> None:
+        block.to("meta")
+
+    # -------------------------------------------------------------- the whole checkpoint
+    def quantized_layers(self) -> list[int]:
+        """With --from: layers that have unit parameters (a run may cover a layer range)."""
+        n = int(self.config.n_layers)
+        if self.cfg.params_dir is None:
+            return list(range(n))
+        stems = {p.name for p in Path(self.cfg.params_dir).glob("layer_*.pt")}
+        return [i for i in range(n) if any(s.startswith(f"layer_{i}_") for s in stems)]
+
+    def run(self) -> ExportReport:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        devmod.reset_peak_memory("cpu")
+        keys = self.reader.keys()
+        n = int(self.config.n_layers)
+        by_group: dict[str, list[str]] = {"stem": []}
+        for i in range(n):
+            by_group[f"layers.{i}"] = []
+        mtp_ids = sorted({int(k.split(".")[1]) for k in keys if k.startswith("mtp.") and k.split(".")[1].isdigit()})
+        for j in mtp_ids:
+            by_group[f"mtp.{j}"] = []
+        for k in keys:
+            parts = k.split(".")
+            g = ".".join(parts[:2]) if parts[0] in ("layers", "mtp") and len(parts) > 2 else "stem"
+            if g not in by_group:
+                raise CheckpointError(f"checkpoint key {k!r} names a layer the config does not have (n_layers={n})")
+            by_group[g].append(k)
+        qlayers = self.quantized_layers()
+        fingerprint = {
+            "version": EXPORT_VERSION, "format": cfg.format, "scheme_fingerprint": cfg.scheme.fingerprint(),
+            "targets": cfg.targets, "dequantize_rest": cfg.dequantize_rest, "quantized_layers": qlayers,
+            "source_config_sha256": _sha256(cfg.model_path / "config.json"),
+            "source_index_sha256": _sha256(self.reader.index_path) if self.reader.index_path else None,
+            "params": _params_digest(cfg.params_dir),
+        }
+        stem, index_name = (ascend.SHARD_STEM, ascend.INDEX_NAME) if self.ascend else ("model", "model.safetensors.index.json")
+        writer = ShardedWriter(cfg.out_dir, list(by_group), fingerprint, stem, index_name, overwrite=cfg.overwrite,
+                               protect=[cfg.model_path])
+        report = ExportReport(out_dir=str(cfg.out_dir), format=cfg.format, quantized_layers=qlayers,
+                              groups_resumed=writer.resumed_groups)
+        mtp_state = {}
+        for group, gkeys in by_group.items():
+            if writer.done(group):
+                extra = writer.state["groups"][group].get("extra", {})
+                self.types.update(extra.get("types", {}))
+                mtp_state.update(extra.get("mtp", {}))
+                continue
+            self.types = {}
+            extra: dict[str, Any] = {}
+            stream = writer.open_group(group, n_hint=4 * len(gkeys) + 16)
+            try:
+                if group == "stem":
+                    self._copy_released(gkeys, stream)
+                elif group.startswith("layers."):
+                    i = int(group.split(".")[1])
+                    block = self._build_layer(i)
+                    self._export_block(block, f"{group}.", gkeys, i, i in qlayers, cfg.params_dir is not None,
+                                       stream)
+                    self._release(block)
+                else:
+                    j = int(group.split(".")[1])
+                    block = self._build_mtp(j)
+                    if block is None:
+                        self._copy_released(gkeys, stream)
+                        extra["mtp"] = {group: "copied"}
+                    else:
+                        self._export_block(block, f"{group}.", gkeys, n + j, True, False, stream)
+                        self._release(block)
+                        extra["mtp"] = {group: "quantized (RTN)"}
+                    mtp_state.update(extra["mtp"])
+                extra["types"] = dict(self.types)
+                report.bytes_written += writer.close_group(group, stream, extra)
+            except BaseException:
+                stream.abort()
+                raise
+            report.groups_written.append(group)
+            devmod.empty_cache(self.device)
+            if cfg.progress:
+                print(f"export: {group} done", flush=True)
+        types = {}
+        for g in by_group:
+            types.update(writer.state["groups"][g].get("extra", {}).get("types", {}))
+        self._write_side_files(qlayers, mtp_state, types)
+        writer.finish()
+        report.mtp = ", ".join(f"{k}: {v}" for k, v in sorted(mtp_state.items())) or "absent"
+        # every source byte is read at least once (layers through load_block, the rest raw);
+        # shards of resumed groups were not read this time, which the count ignores
+        shards = set(self.reader.weight_map.values())
+        report.bytes_read = sum((cfg.model_path / s).stat().st_size for s in shards)
+        report.seconds = time.perf_counter() - t0
+        report.peak_host_rss_bytes = devmod.peak_memory_bytes("cpu")
+        self.reader.close()
+        return report
+
+    def _write_side_files(self, qlayers: list[int], mtp_state: dict[str, str], types: dict[str, str]) -> None:
+        cfg = self.cfg
+        src = json.loads((cfg.model_path / "config.json").read_text(encoding="utf-8"))
+        released_qc = src.pop("quantization_config", None)
+        moe_quantized = "moe" in cfg.targets
+        if self.ascend:
+            desc = ascend.description(types, cfg.scheme, cfg.targets)
+            atomic_write_json(desc, cfg.out_dir / ascend.DESCRIPTION_NAME)
+            src["expert_dtype"] = None   # every FP4 / FP8 tensor was decoded or quantized
+        else:
+            n = int(self.config.n_layers)
+            float_layers = [i for i in range(n) if i not in qlayers]
+            float_layers += [n + int(g.split(".")[1]) for g, how in mtp_state.items() if how == "copied"]
+            qc = ct.quantization_config(cfg.scheme, cfg.targets, float_layers)
+            qc["ignore"] += [rf"re:.*mtp\.{g.split('.')[1]}\..*" for g, how in mtp_state.items() if how == "copied"]
+            src["quantization_config"] = qc
+            if moe_quantized or cfg.dequantize_rest:
+                src["expert_dtype"] = None
+        src[EXPORT_KEY] = {
+            "version": EXPORT_VERSION, "format": cfg.format, "scheme": cfg.scheme.name,
+            "scheme_fingerprint": cfg.scheme.fingerprint(), "targets": cfg.targets,
+            "quantized_layers": qlayers, "mtp": mtp_state, "from_params": cfg.params_dir is not None,
+            "dequantize_rest": cfg.dequantize_rest,
+            # FP8 / FP4 tensors left as released keep the release's own storage description
+            "released_quantization_config": None if (self.ascend or cfg.dequantize_rest) else released_qc,
+        }
+        atomic_write_json(src, cfg.out_dir / "config.json")
+        for name in COPY_FILES:
+            p = cfg.model_path / name
+            if p.is_file():
+                shutil.copyfile(p, cfg.out_dir / name)
+
+
+def _params_digest(pdir: Path | None) -> str | None:
+    """Content hash of a params folder (names + bytes of every .pt and the meta), so a resumed
+    export cannot mix shards of two different runs."""
+    if pdir is None:
+        return None
+    h = hashlib.sha256()
+    for p in sorted(Path(pdir).glob("*.pt")) + [Path(pdir) / META_NAME]:
+        if p.is_file():
+            h.update(p.name.encode())
+            h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def export_checkpoint(cfg: ExportConfig) -> ExportReport:
+    cfg.check()
+    return _Exporter(cfg).run()

@@ -1,0 +1,41 @@
+"""benchmarks/bench_ptq.py --smoke: the job's own run() on a tiny synthetic checkpoint with the
+V4-Flash layer pattern, timed per phase, with spilled capture and projections."""
+import json
+import sys
+
+from tests.conftest import REPO
+
+
+def test_bench_ptq_smoke(tmp_path, one_thread):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_ptq
+    import run_ptq
+
+    calls = []
+    real_run = run_ptq.run
+    run_ptq.run = lambda args, phases=None: calls.append(args) or real_run(args, phases=phases)
+    try:
+        out = tmp_path / "r.json"
+        assert bench_ptq.main(["--smoke", "--workdir", str(tmp_path / "w"), "--keep", "--json", str(out)]) == 0
+    finally:
+        run_ptq.run = real_run
+    assert len(calls) == 1                                  # the job's own entry point ran, once
+    r = json.loads(out.read_text())
+    per = r["ptq"]["per_layer"]
+    assert sorted(per) == ["0", "1", "2", "3"]
+    for i, rec in per.items():
+        assert {"build", "capture", "write"} <= set(rec["phases"]) and rec["seconds"] > 0
+        # the default recipe solves a layer's units together; the legacy solver one unit at a time
+        assert "solve:recipe" in rec["phases"] or rec["phases"]["solve:expert"]["count"] == 8
+        assert rec["phases"]["write"]["count"] == 10
+        assert rec["host_peak_bytes"] >= rec["host_anon_peak_bytes"] > 0 and rec["capture_bytes"] > 0
+        assert rec["spilled_bytes"] > 0                     # the smoke budget forces spilling
+    assert r["ptq"]["units"] == 4 * 10
+    # the per-layer phases cover the PTQ loop: their sum never exceeds the job's wall time
+    assert sum(rec["seconds"] for rec in per.values()) <= r["ptq"]["wall_s"]
+    pr = r["projection"]
+    assert pr["v4-flash"]["layers"] == 43 and pr["v4-pro"]["layers"] == 61
+    assert pr["v4-flash"]["unmeasured_ratios"] == [] and pr["v4-flash"]["total_s"] > 0
+    params = list((tmp_path / "w" / "ptq_out" / "ptq_params").glob("layer_*.pt"))
+    assert len(params) == 40
+    assert not any((tmp_path / "w" / "ptq_out").glob(".scratch/**/*.safetensors"))   # spill files removed

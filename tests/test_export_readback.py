@@ -1,0 +1,142 @@
+"""Read-back: the exported model's float PPL is the PTQ PPL of the run it came from (same windows),
+for compressed-tensors (w8a8, w4a16-g128, w4a8, mxfp4) and Ascend (w8a8); the CLI flow of the
+issue (run_ptq --export, export.py --from, run_ptq --model-path EXPORTED --no-ptq --eval-ppl);
+load_checkpoint_model on an export."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.export_helpers import REPO, TINY
+
+sys.path.insert(0, str(REPO / "tools"))
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SEQ = 64
+
+
+LAYERS = range(1, 2)   # PTQ on one layer (ratio 4: attention, compressor, indexer, experts) keeps it fast
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory, wiki_test_raw):
+    """Short prefixes of the evaluation and calibration texts (tokenizing the whole files would
+    dominate these tests); the same windows serve the PTQ evaluation and the read-back."""
+    from amct_ext.calibration import DEFAULT_CALIBRATION_PATH
+
+    d = tmp_path_factory.mktemp("texts")
+    (d / "eval.raw").write_text(wiki_test_raw.read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    (d / "calib.txt").write_text(DEFAULT_CALIBRATION_PATH.read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    return d / "eval.raw", d / "calib.txt"
+
+
+@pytest.fixture(scope="module")
+def windows(texts):
+    from amct_ext.base import EvalConfig, RunConfig
+    from amct_ext.workflow import load_eval_windows
+    from models.deepseek_v4.adapter import DeepseekV4Adapter
+
+    cfg = EvalConfig(seq_len=SEQ, max_windows=2, batch_size=2, data_path=texts[0])
+    with DeepseekV4Adapter(RunConfig(TINY, device="cpu", dtype=torch.float32, progress=False)) as a:
+        return load_eval_windows(a, cfg), cfg
+
+
+def _adapter(path):
+    from amct_ext.base import RunConfig
+    from models.deepseek_v4.adapter import DeepseekV4Adapter
+
+    return DeepseekV4Adapter(RunConfig(path, device="cpu", dtype=torch.float32, progress=False))
+
+
+@pytest.fixture(scope="module")
+def ptq_runs(tmp_path_factory, windows, texts):
+    """scheme -> (run folder, PTQ PPL): one PTQ run per scheme, shared by both formats."""
+    from amct_ext.base import PtqConfig
+    from amct_ext.schemes import load_scheme
+    from amct_ext.workflow import PARAMS_DIR, evaluate_blockwise, run_blockwise_ptq
+
+    win, ecfg = windows
+    cache = {}
+
+    def get(scheme):
+        if scheme not in cache:
+            sch, targets = load_scheme(scheme), ["attn-linear", "moe"]
+            run = tmp_path_factory.mktemp(f"run-{scheme}")
+            with _adapter(TINY) as a:
+                # one calibration window, one epoch: the clips move (the export must carry them)
+                run_blockwise_ptq(a, sch, targets, PtqConfig(epochs=1, lr=5e-3, n_samples=1, seq_len=SEQ,
+                                                             calib_path=texts[1]), run, layers=LAYERS)
+                cache[scheme] = run, evaluate_blockwise(a, win, ecfg, "ptq", scheme=sch, targets=targets,
+                                                        layers=LAYERS, params_dir=run / PARAMS_DIR).ppl
+        return cache[scheme]
+    return get
+
+
+@pytest.mark.parametrize("scheme,fmt", [("w8a8", "compressed-tensors"), ("w4a16-g128", "compressed-tensors"),
+                                        ("w4a8", "compressed-tensors"), ("mxfp4", "compressed-tensors"),
+                                        ("w8a8", "ascend")])
+def test_exported_float_ppl_is_the_ptq_ppl(tmp_path, windows, ptq_runs, scheme, fmt):
+    from amct_ext.export.exporter import ExportConfig, export_checkpoint, resolve_run
+    from amct_ext.workflow import evaluate_blockwise
+
+    win, ecfg = windows
+    run, ptq = ptq_runs(scheme)
+    sch2, targets2, pdir = resolve_run(run, TINY, None, None)
+    export_checkpoint(ExportConfig(model_path=TINY, out_dir=tmp_path / "e", format=fmt, scheme=sch2, targets=targets2,
+                                   params_dir=pdir, device="cpu"))
+    with _adapter(tmp_path / "e") as b:
+        assert b.exported is not None and b.exported.format == fmt
+        exported = evaluate_blockwise(b, win, ecfg, "float").ppl
+        assert b.exported.layers == {1}
+    assert abs(exported - ptq) <= 1e-4 * ptq, (exported, ptq)
+    if scheme != "mxfp4":   # MX scales have no clip; elsewhere the export must carry learned clips
+        from amct_ext.io_utils import safe_torch_load
+
+        clips = [v for p in pdir.glob("layer_1_*.pt") for k, v in safe_torch_load(p).items() if k.endswith(".clip")]
+        assert clips and any(bool((c < 1).any()) for c in clips)
+
+
+def test_cli_flow_and_load_checkpoint_model(tmp_path, texts, capsys):
+    import export as export_tool
+    import run_ptq
+
+    from models.deepseek_v4.loading import load_checkpoint_model
+
+    fast = ["--calib-samples", "1", "--seq-len", str(SEQ), "--eval-windows", "2", "--epochs", "1", "--quiet",
+            "--eval-data", str(texts[0]), "--calib-data", str(texts[1]), "--eval-batch-size", "2"]
+    old = torch.get_num_threads()
+    try:
+        assert run_ptq.main(["--model", "tiny-trained", "--scheme", "w4a16-g128", "--output-dir", str(tmp_path / "R"),
+                             "--start-layer", "2", "--end-layer", "3", "--export", "compressed-tensors", *fast]) == 0
+        assert export_tool.main(["--model", "tiny-trained", "--from", str(tmp_path / "R"), "--format",
+                                 "compressed-tensors", "--out", str(tmp_path / "E"), "--quiet"]) == 0
+        assert run_ptq.main(["--model", "tiny-trained", "--model-path", str(tmp_path / "E"), "--no-ptq",
+                             "--eval-ppl", "--output-dir", str(tmp_path / "V"), *fast]) == 0
+        # PTQ on an exported checkpoint is refused (its weights are already on the grid)
+        assert run_ptq.main(["--model", "tiny-trained", "--model-path", str(tmp_path / "E"),
+                             "--output-dir", str(tmp_path / "W"), *fast]) == 2
+    finally:
+        torch.set_num_threads(old)
+    assert "exported quantized checkpoint" in capsys.readouterr().err
+    r = json.loads((tmp_path / "R" / "report.json").read_text())
+    v = json.loads((tmp_path / "V" / "report.json").read_text())
+    assert v["ppl"]["float"] == pytest.approx(r["ppl"]["quant"], rel=1e-4)
+    assert v["ppl"]["rtn"] is None
+    # run_ptq --export and export.py --from wrote the same checkpoint
+    e1, e2 = tmp_path / "R" / "export-compressed-tensors", tmp_path / "E"
+    i1 = json.loads((e1 / "model.safetensors.index.json").read_text())
+    assert i1 == json.loads((e2 / "model.safetensors.index.json").read_text())
+    for shard in set(i1["weight_map"].values()):
+        assert (e1 / shard).read_bytes() == (e2 / shard).read_bytes()
+    cfg = json.loads((e2 / "config.json").read_text())
+    assert cfg["quantization_config"]["format"] == "pack-quantized" and cfg["amct_export"]["from_params"]
+    assert (e2 / "tokenizer.json").is_file() and any(k.startswith("mtp.0.") for k in i1["weight_map"])
+    # the whole model loads; w4a16 declares no activation quantization, so no wrapper is added
+    from amct_ext.quant_linear import QuantLinear
+
+    model, account = load_checkpoint_model(e2, return_account=True)
+    assert not account.unexpected and account.skipped   # mtp kept in the file, skipped by the forward
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())

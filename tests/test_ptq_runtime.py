@@ -1,0 +1,253 @@
+"""Bounded-memory capture (capture.CallSink / SpillCalls / CaptureStore) and sharded PTQ
+(workflow.PtqRuntime): both must change how PTQ runs, never what it computes."""
+import pytest
+import torch
+
+from amct_ext.base import PtqConfig
+from amct_ext.capture import CaptureStore, SpillCalls, StoreCalls, UnitCall, call_nbytes, capture_unit_io
+from amct_ext.io_utils import safe_torch_load
+from amct_ext.schemes import load_scheme
+from amct_ext.workflow import PARAMS_DIR, SCRATCH_DIR, PtqRuntime, load_calib_windows, run_blockwise_ptq
+
+TARGETS = ["attn-linear", "moe"]
+PTQ = PtqConfig(epochs=1, lr=5e-3, n_samples=2, seq_len=48, batch_size=1, seed=0)
+LAYERS = range(1, 2)      # tiny layer 1: ratio 4 with an indexer, hash routing (layer 0 runs float)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _call(k: int) -> UnitCall:
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + k
+    # two views of one buffer, a nested dict, scalars and None: what hooks can see
+    return UnitCall((base[:2], base[1:], k), {"w": {"s": torch.tensor([k], dtype=torch.int64)}, "m": None,
+                                              "f": 0.5, "flag": True}, (base * 2, [base.sum()]))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b and type(a) is type(b)
+
+
+def test_spill_round_trip_in_chunks(tmp_path):
+    calls = [_call(k) for k in range(7)]
+    sink = SpillCalls(tmp_path / "u", chunk_bytes=2 * call_nbytes(calls[0]))
+    for c in calls:
+        sink.add(c)
+    got = sink.result()
+    assert len(sink.chunks) == 4                       # 2 + 2 + 2 + 1 calls
+    assert len(got) == 7
+    for a, b in zip(calls, got):                       # iteration, capture order
+        assert _same((a.args, a.kwargs, a.output), (b.args, b.kwargs, b.output))
+    assert _same(got[5].output, calls[5].output) and _same(got[-1].args, calls[6].args)
+    assert list(got) and list(got)                     # re-iterable (the solver makes several passes)
+    sink.discard()
+    assert not (tmp_path / "u").exists()
+
+
+def test_capture_store_keeps_a_budget_then_spills(tmp_path):
+    per = call_nbytes(_call(0))
+    store = CaptureStore(memory_bytes=3 * per, scratch_dir=tmp_path / "scratch")
+    a, b = store.sink("a"), store.sink("b")
+    for k in range(2):
+        a.add(_call(k))
+    for k in range(3):
+        b.add(_call(10 + k))      # only the first fits: b spills from its second call on
+    a.add(_call(2))               # a spills too now (budget used), order kept
+    assert store.peak_in_memory == 3 * per and store.spilled_bytes == 3 * per
+    ra, rb = a.result(), b.result()
+    assert [int(c.args[2]) for c in ra] == [0, 1, 2] and [int(c.args[2]) for c in rb] == [10, 11, 12]
+    a.discard()
+    assert store.in_memory == per            # b's one in-memory call
+    b.discard()
+    store.cleanup()
+    assert store.in_memory == 0 and not (tmp_path / "scratch").exists()
+
+
+def test_capture_unit_io_feeds_statistics_sinks():
+    """A sink that only folds statistics (what GPTQ's Hessian needs) stores nothing."""
+    class Gram(StoreCalls.__mro__[1]):     # capture.CallSink
+        def __init__(self):
+            self.h, self.n = None, 0
+
+        def add(self, call):
+            x = call.args[0].reshape(-1, call.args[0].shape[-1]).double()
+            self.h = x.T @ x if self.h is None else self.h + x.T @ x
+            self.n += x.shape[0]
+
+        def result(self):
+            return self.h, self.n
+
+    lin = torch.nn.Linear(4, 3)
+    xs = [torch.randn(5, 4), torch.randn(2, 4)]
+    out, _ = capture_unit_io({"lin": lin}, lambda: [lin(x) for x in xs], sinks={"lin": Gram()})
+    h, n = out["lin"]
+    x = torch.cat(xs).double()
+    assert n == 7 and torch.allclose(h, x.T @ x)
+
+
+def _params(out) -> dict:
+    pdir = out / PARAMS_DIR
+    return {p.name: safe_torch_load(p) for p in sorted(pdir.glob("*.pt"))}
+
+
+def _equal_params(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    for name in a:
+        assert a[name].keys() == b[name].keys(), name
+        for k in a[name]:
+            assert torch.equal(a[name][k], b[name][k]), (name, k)
+
+
+@pytest.fixture(scope="module")
+def calib(tiny_adapter):
+    return load_calib_windows(tiny_adapter, PTQ)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_adapter, calib, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    res = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, out, layers=LAYERS, calib_windows=calib)
+    return out, res
+
+
+def test_spilled_capture_gives_identical_parameters(tiny_adapter, calib, reference, tmp_path):
+    ref_out, ref = reference
+    budget = ref.memory.capture_memory_peak_bytes // 3     # a third in memory, the rest on disk
+    seen_scratch = []
+
+    def peek(_r):
+        seen_scratch.append(any((tmp_path / SCRATCH_DIR).rglob("*.safetensors")))
+
+    res = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
+                            calib_windows=calib, runtime=PtqRuntime(capture_memory_bytes=budget), on_unit_done=peek)
+    assert 0 < res.memory.capture_memory_peak_bytes <= budget
+    assert res.memory.capture_spilled_bytes >= ref.memory.capture_memory_peak_bytes - budget
+    assert any(seen_scratch)                                # calls really were read back from disk
+    assert not (tmp_path / SCRATCH_DIR).exists() or not any((tmp_path / SCRATCH_DIR).rglob("*"))
+    _equal_params(_params(ref_out), _params(tmp_path))
+    assert [u.loss_after for u in res.units] == [u.loss_after for u in ref.units]
+
+
+def test_sharded_ptq_solves_each_unit_where_it_lives(tiny_adapter, calib, reference, tmp_path, monkeypatch):
+    """Three CPU "devices" cpu:0..2 (distinct torch.device values, so the dispatch hooks are
+    real): layer 1 has an indexer, so stem cpu:0, attention cpu:1, indexer cpu:2 and the 8
+    routed experts round-robin over all three (dispatch.py's rule)."""
+    import amct_ext.workflow as wf
+
+    ref_out, _ = reference
+    where = {}
+    real = wf.timed_solve
+
+    def spy(unit, calls, **kw):
+        where[unit.name] = str(kw["device"])
+        return real(unit, calls, **kw)
+
+    monkeypatch.setattr(wf, "timed_solve", spy)
+    built = []
+    real_block = tiny_adapter.block
+    monkeypatch.setattr(tiny_adapter, "block", lambda i, sharded=False, device=None:
+                        built.append(sharded) or real_block(i, sharded=sharded, device=device))
+    tiny_adapter.run.shard_devices = ["cpu:0", "cpu:1", "cpu:2"]
+    try:
+        run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
+                          calib_windows=calib, runtime=PtqRuntime(sharded=True))
+    finally:
+        tiny_adapter.run.shard_devices = None
+    assert built == [True, True]
+    expected = {"layers.1.attn": "cpu:1", "layers.1.ffn.shared_experts": "cpu:0"}
+    expected.update({f"layers.1.ffn.experts.{e}": f"cpu:{e % 3}" for e in range(8)})
+    assert where == expected
+    _equal_params(_params(ref_out), _params(tmp_path))
+
+
+def test_quantized_sharded_layer_is_really_quantized(tiny_adapter):
+    """Casebook i15-1: wrappers built from a module whose dispatch hook had been removed ran the
+    float forward. Distinct CPU 'devices' give the layer real hooks; its RTN output must equal
+    the staged RTN layer's and differ from the float layer's."""
+    scheme = load_scheme("w8a8")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 40, 4, 64, generator=gen)
+    ids = torch.randint(0, 500, (1, 40), generator=gen)
+    staged = tiny_adapter.block(1)
+    with torch.no_grad():
+        y_float = staged(x, 0, ids)
+        tiny_adapter.quantize_block(staged, scheme, TARGETS)
+        y_rtn = staged(x, 0, ids)
+    tiny_adapter.run.shard_devices = ["cpu:0", "cpu:1", "cpu:2"]
+    try:
+        sharded = tiny_adapter.block(1, sharded=True)
+        assert hasattr(sharded.attn, "_hf_hook")
+        tiny_adapter.quantize_block(sharded, scheme, TARGETS)
+        with torch.no_grad():
+            y_sharded = sharded(x, 0, ids)
+    finally:
+        tiny_adapter.run.shard_devices = None
+    assert not torch.equal(y_rtn, y_float)
+    assert torch.equal(y_sharded, y_rtn)
+
+
+def test_ptq_builds_layers_on_the_compute_device(tiny_adapter, calib, reference, tmp_path, monkeypatch):
+    """Casebook i15-3: a host-staged layer cost ~3x its size in host RSS on the H200. Every layer
+    (float predecessors too) is built where it runs; the result does not change."""
+    ref_out, _ = reference
+    built = []
+    real_block = tiny_adapter.block
+    monkeypatch.setattr(tiny_adapter, "block", lambda i, sharded=False, device=None:
+                        built.append((i, sharded, device)) or real_block(i, sharded=sharded, device=device))
+    run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS, calib_windows=calib)
+    assert built == [(0, False, tiny_adapter.device), (1, False, tiny_adapter.device)]
+    _equal_params(_params(ref_out), _params(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def recipe_reference(tiny_adapter, calib, tmp_path_factory):
+    """The scheme's default recipe (grouped over experts) on one device, everything in memory."""
+    from amct_ext.algorithms.recipe import default_recipe, resolve_recipe
+
+    algo, _ = default_recipe("w8a8")
+    recipe = resolve_recipe(None, None, default=algo)
+    out = tmp_path_factory.mktemp("recipe-ref")
+    res = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, out, layers=LAYERS,
+                            calib_windows=calib, recipe=recipe)
+    return recipe, out, res
+
+
+def test_sharded_recipe_run_equals_one_device(tiny_adapter, calib, recipe_reference, tmp_path):
+    """A recipe on a sharded layer runs once per device holding units, each group on its own
+    device; same parameters as on one device."""
+    recipe, ref_out, ref = recipe_reference
+    tiny_adapter.run.shard_devices = ["cpu:0", "cpu:1", "cpu:2"]
+    try:
+        sh = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
+                               calib_windows=calib, recipe=recipe, runtime=PtqRuntime(sharded=True))
+    finally:
+        tiny_adapter.run.shard_devices = None
+    assert [u.name for u in sh.units] == [u.name for u in ref.units]
+    _equal_params(_params(ref_out), _params(tmp_path))
+
+
+def test_recipe_run_reads_spilled_calls_lazily(tiny_adapter, calib, recipe_reference, tmp_path, monkeypatch):
+    """With a capture budget the recipe gets the spilled calls as a lazily read sequence
+    (algorithms.base.UnitData keeps it) and learns the same parameters."""
+    from amct_ext.algorithms import base as algo_base
+    from amct_ext.capture import SpilledCalls
+
+    recipe, ref_out, ref = recipe_reference
+    kept = []
+    real_init = algo_base.UnitData.__init__
+
+    def spy(self, calls=None):
+        real_init(self, calls)
+        kept.append(isinstance(self.calls, SpilledCalls))
+
+    monkeypatch.setattr(algo_base.UnitData, "__init__", spy)
+    spill = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
+                              calib_windows=calib, recipe=recipe, runtime=PtqRuntime(capture_memory_bytes=0))
+    assert spill.memory.capture_spilled_bytes > 0 and kept and all(kept)
+    _equal_params(_params(ref_out), _params(tmp_path))
+    assert [u.loss_after for u in spill.units] == [u.loss_after for u in ref.units]

@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Export a quantized DeepSeek-V4 checkpoint that servers can load.
+
+  python tools/export.py --model tiny-trained --from OUTPUT --format compressed-tensors --out E
+  python tools/export.py --model v4-flash --model-path DIR --scheme w8a8 --format ascend --out E
+
+Formats
+  compressed-tensors  vLLM: config.json quantization_config (config_groups / ignore /
+                      kv_cache_scheme), model-*.safetensors + model.safetensors.index.json
+  ascend              vllm-ascend (--quantization ascend), ModelSlim v1:
+                      quant_model_description.json, quant_model_weights-*.safetensors + index
+
+Source of the quantization
+  --from OUTPUT       a run_ptq.py output folder: its ptq_params/meta.json gives the scheme,
+                      targets and learned parameters (loaded as evaluation's 'ptq' mode does)
+  --scheme/--quant-target  plain RTN of that scheme (no --from)
+
+The release is streamed one decoder layer at a time (built and quantized on --device); each
+layer becomes one shard; the index is written last, so an interrupted export has no index and
+the same command resumes it. Tensors that are not quantized are copied as released (FP8 / FP4
+with their scales) unless --dequantize-rest (the ascend format always stores them in bf16).
+The MTP layer is kept: quantized with the scheme when the release holds all of its block
+tensors, else copied. Tokenizer and generation files are copied.
+
+Errors in the input print one line `error: ...` and exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from amct_ext.errors import AmctError  # noqa: E402
+from tools.run_ptq import MODELS, check_weights_present, resolve_model_path  # noqa: E402
+
+FORMATS = ("compressed-tensors", "ascend")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=MODELS, default="tiny")
+    ap.add_argument("--model-path", default=None, help="checkpoint folder (config.json, shards, tokenizer)")
+    ap.add_argument("--download", action="store_true", help="fetch v4-flash / v4-pro with modelscope")
+    ap.add_argument("--from", dest="from_dir", default=None, help="run_ptq.py output folder (learned parameters)")
+    ap.add_argument("--scheme", default=None, help="scheme for RTN (default w8a8); with --from: the run's scheme file")
+    ap.add_argument("--quant-target", default=None, help="comma list of attn-linear, attn-cache, moe (default attn-linear,moe)")
+    ap.add_argument("--format", required=True, choices=FORMATS)
+    ap.add_argument("--out", required=True, help="output folder (must be empty unless --overwrite)")
+    ap.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out")
+    ap.add_argument("--dequantize-rest", action="store_true", help="store not-quantized FP8 / FP4 tensors in bf16")
+    ap.add_argument("--device", default="auto", help="auto | npu | cuda | cpu: where each layer is built and quantized")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                    help="compute dtype of the layer (the exported codes do not depend on it)")
+    ap.add_argument("--quiet", action="store_true")
+    return ap
+
+
+def export_from_args(args, model_path: Path | None = None) -> dict:
+    import torch
+
+    from amct_ext.export.exporter import ExportConfig, export_checkpoint, resolve_run
+    from amct_ext.schemes import load_scheme, parse_targets
+
+    model_path = model_path or resolve_model_path(args)
+    check_weights_present(model_path)
+    if args.from_dir:
+        scheme, targets, pdir = resolve_run(args.from_dir, model_path, args.scheme, args.quant_target)
+    else:
+        scheme = load_scheme(args.scheme or "w8a8")
+        targets, pdir = parse_targets(args.quant_target or "attn-linear,moe"), None
+    cfg = ExportConfig(model_path=model_path, out_dir=Path(args.out), format=args.format, scheme=scheme,
+                       targets=targets, params_dir=pdir, dequantize_rest=args.dequantize_rest,
+                       overwrite=args.overwrite, device=args.device,
+                       dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype],
+                       progress=not args.quiet)
+    report = export_checkpoint(cfg)
+    d = dict(report.__dict__)
+    print(json.dumps({k: d[k] for k in ("out_dir", "format", "quantized_layers", "mtp", "bytes_read",
+                                         "bytes_written", "seconds", "peak_host_rss_bytes")}), flush=True)
+    return d
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\..*")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        export_from_args(args)
+        return 0
+    except AmctError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: rerun the same command to resume (written layers are kept)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
