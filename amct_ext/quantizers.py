@@ -45,12 +45,18 @@ class WeightQuantizer(nn.Module):
     leaves (0, 1] is undone by the clamp but can still come back (a plain clamp would freeze
     the gradient once the parameter left the range). MX formats have power-of-two scales that
     a clip cannot move smoothly, so they are never learnable (:attr:`learnable` is False).
+
+    The optional rounding offset (``self.round_offset``, float32, the weight's shape, int formats
+    only; AutoRound) shifts every code: ``q = clamp(round(w / scale + V) + zp, ...)`` with V
+    clamped to [-0.5, 0.5] in the forward pass (straight-through, like the clip). V = 0 is RTN
+    exactly.
     """
 
     def __init__(self, spec: TensorSpec | None):
         super().__init__()
         self.spec = _active(spec)
         self.clip: nn.Parameter | None = None
+        self.round_offset: nn.Parameter | None = None
 
     # --------------------------------------------------------------------------- properties
     @property
@@ -89,8 +95,31 @@ class WeightQuantizer(nn.Module):
         return [clip]
 
     def disable_learning(self) -> None:
-        if self.clip is not None:
-            self.clip.requires_grad_(False)
+        for p in (self.clip, self.round_offset):
+            if p is not None:
+                p.requires_grad_(False)
+
+    @property
+    def roundable(self) -> bool:
+        """Whether a learned rounding offset applies (integer grids only)."""
+        return self.spec is not None and self.spec.format == "int"
+
+    def init_round_offset(self, weight: torch.Tensor) -> nn.Parameter | None:
+        """Create the rounding offset at 0 (= RTN); None when the format has no integer grid."""
+        if not self.roundable:
+            return None
+        if self.round_offset is None or tuple(self.round_offset.shape) != tuple(weight.shape):
+            self.round_offset = nn.Parameter(torch.zeros(weight.shape, dtype=torch.float32, device=weight.device),
+                                             requires_grad=False)
+        return self.round_offset
+
+    def effective_round_offset(self) -> torch.Tensor | None:
+        """The offset as used in the forward pass: clamped to [-0.5, 0.5], straight-through grad."""
+        v = self.round_offset
+        if v is None:
+            return None
+        clamped = v.clamp(-0.5, 0.5)
+        return v + (clamped - v).detach() if v.requires_grad else clamped
 
     def effective_clip(self) -> torch.Tensor | None:
         """Clip as used in the forward pass: clamped to [CLIP_MIN, 1], straight-through grad."""
@@ -102,15 +131,24 @@ class WeightQuantizer(nn.Module):
 
     def ptq_params(self) -> dict[str, torch.Tensor]:
         """Learned state (detached copies, clip already clamped); {} when there is none."""
+        out = {}
         c = self.effective_clip()
-        return {} if c is None else {"clip": c.detach().clone()}
+        if c is not None:
+            out["clip"] = c.detach().clone()
+        v = self.effective_round_offset()
+        if v is not None:
+            out["round_offset"] = v.detach().clone()
+        return out
 
     def load_ptq_params(self, params: Mapping[str, torch.Tensor], weight: torch.Tensor | None = None) -> None:
         """Load what :meth:`ptq_params` returned. ``weight`` is needed to create the clip
         parameter when it does not exist yet."""
-        unknown = sorted(set(params) - {"clip"})
+        unknown = sorted(set(params) - {"clip", "round_offset"})
         if unknown:
-            raise QuantConfigError(f"unknown weight-quantizer parameter(s) {', '.join(unknown)}; expected: clip")
+            raise QuantConfigError(f"unknown weight-quantizer parameter(s) {', '.join(unknown)}; "
+                                   f"expected: clip, round_offset")
+        if "round_offset" in params:
+            self._load_round_offset(params["round_offset"], weight)
         if "clip" not in params:
             return
         value = params["clip"]
@@ -127,11 +165,26 @@ class WeightQuantizer(nn.Module):
         with torch.no_grad():
             self.clip.copy_(value.to(self.clip.device, torch.float32))
 
+    def _load_round_offset(self, value: torch.Tensor, weight: torch.Tensor | None) -> None:
+        if not self.roundable:
+            raise QuantConfigError(f"round_offset given for a weight quantizer without an integer grid (spec {self.spec})")
+        if weight is None and self.round_offset is None:
+            raise QuantConfigError("load_ptq_params: pass the weight to create the round_offset parameter")
+        shape = tuple(weight.shape) if weight is not None else tuple(self.round_offset.shape)
+        if tuple(value.shape) != shape:
+            raise QuantConfigError(f"round_offset shape {tuple(value.shape)} does not match the weight {shape}")
+        if not bool(torch.isfinite(value).all()) or not bool((value.abs() <= 0.5).all()):
+            raise QuantConfigError("round_offset values must be finite and lie in [-0.5, 0.5]")
+        if weight is not None:
+            self.init_round_offset(weight)
+        with torch.no_grad():
+            self.round_offset.copy_(value.to(self.round_offset.device, torch.float32))
+
     # ------------------------------------------------------------------------------ use
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if self.spec is None:
             return w
-        return formats.fake_quant(w, self.spec, self.effective_clip())
+        return formats.fake_quant(w, self.spec, self.effective_clip(), self.effective_round_offset())
 
     @torch.no_grad()
     def export(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -139,7 +192,7 @@ class WeightQuantizer(nn.Module):
         ``scale`` / ``scale_e8m0``, ``zero_point``). Identity spec -> ``{"weight": w}``."""
         if self.spec is None:
             return {"weight": w.detach()}
-        d = formats.quantize(w, self.spec, self.effective_clip())
+        d = formats.quantize(w, self.spec, self.effective_clip(), self.effective_round_offset())
         d["qweight"] = d.pop("q")
         return d
 
