@@ -1,0 +1,10 @@
+"""PTQ algorithms (one module each) and recipes (ordered lists of them).
+
+    base.py      Algorithm / UnitData / SolveContext: the interface every algorithm implements
+    recipe.py    registry, --algo / --recipe parsing
+    rtn.py       round-to-nearest (nothing learned; the reference every algorithm must beat)
+    gptq.py      GPTQ (Hessian-based error compensation), batched over routed experts
+    clipping.py  clipping that never loses: grid start + learned (Adam) clip, held-out check
+"""
+from .base import Algorithm, SolveContext, UnitData  # noqa: F401
+from .recipe import Recipe, RecipeError, parse_algo, register, resolve_recipe  # noqa: F401

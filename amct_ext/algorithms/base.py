@@ -1,0 +1,125 @@
+"""The algorithm interface: what every PTQ algorithm (GPTQ, clipping, smoothing, rounding) sees.
+
+A recipe (``recipe.py``) is an ordered list of :class:`Algorithm` objects. The workflow runs
+them in order on each PTQ unit of a layer (an attention, a routed expert, the shared expert);
+each edits ``unit.module`` in place (weights, clip factors, fixed scales, norm weights) and
+returns a small dict of statistics for the report.
+
+Data an algorithm gets
+- :class:`UnitData`: the unit's captured calls (``capture.UnitCall``: args, kwargs and the
+  FLOAT output, the target every algorithm reproduces). An algorithm that changes what the
+  unit receives (smoothing folds ``1/s`` into the preceding norm, so the unit's input becomes
+  ``x / s``) replaces the inputs with :meth:`UnitData.map_inputs`; the float targets stay.
+  Later algorithms of the recipe then see the new inputs.
+- :class:`SolveContext`: the compute device, the run seed, the compute dtype and the held-out
+  split of the calls (the calibration windows split deterministically into a training and a
+  held-out part; see :meth:`SolveContext.split`).
+
+Layer-level entry point
+Some algorithms solve many units of one kind at once (GPTQ: all routed experts of a layer in
+one batched solve of stacked Hessians). Such an algorithm lists the kinds in
+``group_kinds`` and implements :meth:`Algorithm.apply_group`; the workflow then calls
+``apply_group(units, datas, ctx)`` once with every unit of that kind of the layer (in the
+layer's order) instead of ``apply`` per unit. The default ``apply_group`` is the loop.
+
+Contract for the result an algorithm leaves behind: after ``apply``, the unit's
+``export_ptq_params()`` holds everything needed to rebuild the quantized unit from the float
+checkpoint with ``load_ptq_params`` (see PLAN conventions: ``{leaf}.weight`` for a replaced
+weight, ``{leaf}.weight_quantizer.clip`` / ``.scale`` / ``.zero_point`` ...).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator, Sequence
+
+import torch
+
+from ..capture import UnitCall
+from ..ptq_units import PtqUnit
+
+#: unit kinds the V4 adapter yields (ptq_units.PtqUnit.kind)
+UNIT_KINDS = ("attn", "expert", "shared_expert")
+
+
+@dataclass
+class SolveContext:
+    """What an algorithm needs besides the unit and its data.
+
+    ``holdout``: the fraction of a unit's calls kept out of training (0 = none). The split is
+    by position: the LAST ``ceil(holdout * n)`` calls (at least one when ``n >= 2`` and
+    ``holdout > 0``; none when ``n < 2``) are held out. Calls follow the calibration windows in
+    order, so for an attention unit with batch size 1 the held-out calls are whole windows.
+    """
+
+    device: torch.device = torch.device("cpu")
+    seed: int = 0
+    dtype: torch.dtype | None = None
+    holdout: float = 0.25
+    layer_idx: int | None = None
+
+    def split(self, calls: Sequence[UnitCall]) -> tuple[list[UnitCall], list[UnitCall]]:
+        """(training calls, held-out calls)."""
+        calls = list(calls)
+        n = len(calls)
+        if self.holdout <= 0 or n < 2:
+            return calls, []
+        k = min(n - 1, max(1, math.ceil(self.holdout * n)))
+        return calls[:n - k], calls[n - k:]
+
+
+class UnitData:
+    """The captured calls of one unit; algorithms may replace the calls' inputs (never the
+    float targets)."""
+
+    def __init__(self, calls: Sequence[UnitCall] | None = None):
+        self._calls: list[UnitCall] = list(calls or [])
+
+    @property
+    def calls(self) -> list[UnitCall]:
+        return self._calls
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def __iter__(self) -> Iterator[UnitCall]:
+        return iter(self._calls)
+
+    def map_inputs(self, fn: Callable[[tuple, dict], tuple[tuple, dict]]) -> None:
+        """Replace every call's ``(args, kwargs)`` by ``fn(args, kwargs)``; outputs unchanged."""
+        self._calls = [UnitCall(*fn(c.args, c.kwargs), c.output) for c in self._calls]
+
+    def set_calls(self, calls: Sequence[UnitCall]) -> None:
+        self._calls = list(calls)
+
+
+@dataclass
+class Algorithm:
+    """Base of every algorithm: a small config dataclass (its fields are its settings).
+
+    Subclasses set ``name`` (the registry key) and implement :meth:`apply`.
+    """
+
+    name: ClassVar[str] = ""
+    #: unit kinds whose units the workflow hands to :meth:`apply_group` all at once
+    group_kinds: ClassVar[tuple[str, ...]] = ()
+
+    def settings(self) -> dict[str, Any]:
+        """Everything that changes the result (recorded in ptq_params/meta.json)."""
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+    def needs_calls(self) -> bool:
+        """True when the algorithm reads the captured calls (the workflow captures them)."""
+        return True
+
+    def check(self) -> None:
+        """Validate the fields; raise ``recipe.RecipeError`` naming the field."""
+
+    def apply(self, unit: PtqUnit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__}.apply")
+
+    def apply_group(self, units: Sequence[PtqUnit], datas: Sequence[UnitData],
+                    ctx: SolveContext) -> list[dict[str, Any]]:
+        """All units of one kind of a layer at once; the default is the per-unit loop."""
+        return [self.apply(u, d, ctx) for u, d in zip(units, datas)]

@@ -1,0 +1,234 @@
+"""Recipes: ordered lists of algorithms, from ``--algo`` strings or recipe files.
+
+    --algo gptq
+    --algo smoothquant,gptq,clip
+    --algo gptq:act_order=true:block_size=64,clip:epochs=4
+    --recipe recipe.json     {"recipe": [{"algo": "gptq", "act_order": true}, {"algo": "clip"}]}
+                             (or a bare list; YAML with the same keys when PyYAML is importable)
+
+Each entry names a registered algorithm; the other keys are fields of its config dataclass.
+Values given on the command line are parsed as JSON scalars when they can be (``true``,
+``64``, ``0.5``), else kept as strings; each is then checked against the field's type.
+Unknown algorithms, unknown fields and ill-typed values raise :class:`RecipeError` naming the
+source, the entry and the field.
+
+Registry: :func:`register` (a class decorator) adds an algorithm; :data:`BUILTIN_MODULES`
+names the modules imported on first lookup, so ``amct_ext.algorithms`` imports nothing heavy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..errors import ConfigError
+from .base import Algorithm
+
+#: algorithm name -> module that registers it (imported lazily, on first lookup)
+BUILTIN_MODULES = {
+    "rtn": "amct_ext.algorithms.rtn",
+}
+
+_REGISTRY: dict[str, type[Algorithm]] = {}
+
+
+class RecipeError(ConfigError):
+    """A recipe names an unknown algorithm or field, or gives a value of the wrong type."""
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: make ``cls`` available under ``cls.name``."""
+    if not cls.name:
+        raise TypeError(f"{cls.__name__}.name is empty")
+    other = _REGISTRY.get(cls.name)
+    if other is not None and other is not cls:
+        raise TypeError(f"algorithm name {cls.name!r} is registered twice ({other.__name__}, {cls.__name__})")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def known_algorithms() -> list[str]:
+    return sorted(set(_REGISTRY) | set(BUILTIN_MODULES))
+
+
+def algorithm_class(name: str, where: str = "recipe") -> type[Algorithm]:
+    if name not in _REGISTRY and name in BUILTIN_MODULES:
+        importlib.import_module(BUILTIN_MODULES[name])
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise RecipeError(f"{where}: unknown algorithm {name!r}; known: {', '.join(known_algorithms())}")
+    return cls
+
+
+# ----------------------------------------------------------------------------- field checking
+def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(ok, value coerced): ints are accepted for float fields; bool is never an int."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        for arg in typing.get_args(tp):
+            ok, v = _type_ok(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    if origin is typing.Literal:
+        return value in typing.get_args(tp), value
+    return True, value  # other annotations: the algorithm's check() decides
+
+
+def build_algorithm(name: str, options: Mapping[str, Any], where: str = "recipe") -> Algorithm:
+    """An algorithm instance from its name and field values, every field checked."""
+    cls = algorithm_class(name, where)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in options.items():
+        if key not in fields:
+            valid = ", ".join(fields) or "(none)"
+            raise RecipeError(f"{where}: algorithm {name!r} has no field {key!r}; valid: {valid}")
+        ok, coerced = _type_ok(value, hints.get(key, Any))
+        if not ok:
+            raise RecipeError(f"{where}: {name}.{key} = {value!r} is not a valid "
+                              f"{getattr(hints.get(key), '__name__', hints.get(key))}")
+        kwargs[key] = coerced
+    algo = cls(**kwargs)
+    try:
+        algo.check()
+    except RecipeError:
+        raise
+    except ConfigError as e:
+        raise RecipeError(f"{where}: {name}: {e}") from None
+    return algo
+
+
+@dataclass
+class Recipe:
+    """An ordered list of algorithms run on every unit."""
+
+    algorithms: list[Algorithm] = field(default_factory=list)
+    source: str = ""
+
+    @property
+    def names(self) -> list[str]:
+        return [a.name for a in self.algorithms]
+
+    def settings(self) -> list[dict[str, Any]]:
+        return [a.settings() for a in self.algorithms]
+
+    def needs_calls(self) -> bool:
+        return any(a.needs_calls() for a in self.algorithms)
+
+    def __str__(self) -> str:
+        return ",".join(self.names) or "(empty)"
+
+
+# ----------------------------------------------------------------------------- parsing
+def _cli_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_algo(spec: str, where: str = "--algo") -> Recipe:
+    """``name[:key=value...][,name...]`` -> Recipe."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise RecipeError(f"{where}: empty algorithm list; known: {', '.join(known_algorithms())}")
+    algos = []
+    for i, item in enumerate(spec.split(",")):
+        item = item.strip()
+        if not item:
+            raise RecipeError(f"{where}: entry {i} is empty in {spec!r}")
+        name, *opts = item.split(":")
+        options = {}
+        for opt in opts:
+            key, eq, value = opt.partition("=")
+            if not eq or not key:
+                raise RecipeError(f"{where}: option {opt!r} of {name!r} must be key=value")
+            options[key.strip()] = _cli_value(value.strip())
+        algos.append(build_algorithm(name.strip(), options, f"{where} entry {i} ({name.strip()})"))
+    return Recipe(algos, source=spec)
+
+
+def recipe_from_data(data: Any, where: str) -> Recipe:
+    """A recipe from parsed JSON / YAML: ``{"recipe": [...]}`` or a bare list of entries, each
+    ``{"algo": name, field: value...}``."""
+    if isinstance(data, Mapping):
+        extra = sorted(set(data) - {"recipe", "description"})
+        if extra:
+            raise RecipeError(f"{where}: unknown top-level key(s) {', '.join(extra)}; expected 'recipe' (and 'description')")
+        if "recipe" not in data:
+            raise RecipeError(f"{where}: missing key 'recipe' (a list of algorithm entries)")
+        data = data["recipe"]
+    if not isinstance(data, list) or not data:
+        raise RecipeError(f"{where}: 'recipe' must be a non-empty list of entries like {{\"algo\": \"gptq\"}}")
+    algos = []
+    for i, entry in enumerate(data):
+        if isinstance(entry, str):
+            entry = {"algo": entry}
+        if not isinstance(entry, Mapping) or "algo" not in entry:
+            raise RecipeError(f"{where}: entry {i} must be a mapping with an 'algo' key, got {entry!r}")
+        options = {k: v for k, v in entry.items() if k != "algo"}
+        algos.append(build_algorithm(str(entry["algo"]), options, f"{where} entry {i} ({entry['algo']})"))
+    return Recipe(algos, source=where)
+
+
+def load_recipe_file(path: str | Path) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"recipe file {path}: unreadable ({e})") from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml  # optional dependency
+        except ImportError:
+            raise RecipeError(f"recipe file {path}: YAML needs PyYAML (pip install pyyaml), "
+                              "or write the recipe as JSON") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise RecipeError(f"recipe file {path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RecipeError(f"recipe file {path}: invalid JSON ({e})") from None
+    return recipe_from_data(data, str(path))
+
+
+def resolve_recipe(algo: str | None = None, recipe_file: str | Path | None = None,
+                   default: str | Sequence[Mapping[str, Any]] | None = None) -> Recipe:
+    """``--algo`` or ``--recipe`` (not both), else ``default`` (an algo string or entries)."""
+    if algo and recipe_file:
+        raise RecipeError("pass either --algo or --recipe, not both")
+    if recipe_file:
+        return load_recipe_file(recipe_file)
+    if algo:
+        return parse_algo(algo)
+    if default is None:
+        raise RecipeError("no algorithm given and no default recipe")
+    if isinstance(default, str):
+        return parse_algo(default, "default recipe")
+    return recipe_from_data(list(default), "default recipe")
+
+
+__all__ = ["Recipe", "RecipeError", "register", "known_algorithms", "algorithm_class", "build_algorithm",
+           "parse_algo", "recipe_from_data", "load_recipe_file", "resolve_recipe", "BUILTIN_MODULES"]
