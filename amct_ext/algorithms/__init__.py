@@ -5,6 +5,8 @@
     rtn.py       round-to-nearest (nothing learned; the reference every algorithm must beat)
     gptq.py      GPTQ (Hessian-based error compensation), batched over routed experts
     clipping.py  clipping that never loses: grid start + learned (Adam) clip, held-out check
+    smoothing.py SmoothQuant (fixed alpha) and AWQ (alpha searched per subgraph), scales folded
+    rounding.py  AutoRound: SignSGD on per-weight rounding offsets + clip factors
 """
 from .base import Algorithm, SolveContext, UnitData  # noqa: F401
 from .recipe import Recipe, RecipeError, parse_algo, register, resolve_recipe  # noqa: F401

@@ -31,6 +31,9 @@ from .base import Algorithm
 #: algorithm name -> module that registers it (imported lazily, on first lookup)
 BUILTIN_MODULES = {
     "rtn": "amct_ext.algorithms.rtn",
+    "smoothquant": "amct_ext.algorithms.smoothing",
+    "awq": "amct_ext.algorithms.smoothing",
+    "autoround": "amct_ext.algorithms.rounding",
 }
 
 _REGISTRY: dict[str, type[Algorithm]] = {}

@@ -23,6 +23,7 @@ that looks for the HF names finds nothing here, so the adapter applies these wra
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Iterator, Mapping
 
 import torch
@@ -119,6 +120,26 @@ def _split_params(params: Mapping[str, torch.Tensor], owners: tuple[str, ...], w
 
 
 QUANT_LEAVES = (QuantLinear, QuantMatmul, WoAQuant)
+
+
+@dataclasses.dataclass
+class SmoothPair:
+    """One smoothing subgraph of a unit: ``producer`` (a unit-relative module name) makes the
+    activation channels that ``readers`` (modules with a [out, in] weight) consume.
+
+    Folding a per-channel s: the producer is divided by s (``producer_kind`` 'norm': its weight;
+    'rows': its weight rows; 'up_rows': an expert's w3 rows and its clamp limit) and every
+    reader's weight column j is multiplied by s_j, so the float function is unchanged.
+    ``producer=None`` means the unit's input (the attention's attn_norm, outside the unit):
+    the unit folds s into that norm and the captured inputs become x / s. ``stat_module`` is the
+    reader whose input the channel statistics are taken from (None: the unit's first argument).
+    """
+
+    name: str
+    readers: list[str]
+    producer: str | None
+    producer_kind: str = "input"
+    stat_module: str | None = None
 
 
 # ---------------------------------------------------------------------------- unit mixin
@@ -315,6 +336,27 @@ class QuantV4Attention(PtqUnitMixin, Attention):
     def extra_ptq_params(self) -> dict[str, torch.Tensor]:
         return {} if self.input_smooth is None else {"input_smooth": self.input_smooth}
 
+    def smoothing_subgraphs(self) -> list[SmoothPair]:
+        """Scale-migration pairs of the attention (producer / s, every reader * s).
+
+        attn_norm -> every reader of the attention input x: wq_a, wkv, the compressor's wkv /
+        wgate and the indexer's weights_proj and compressor (they all read the same x, so all
+        get the compensating columns, quantized or not; compressor weights stay fp32);
+        q_norm -> wq_b and the indexer's wq_b (the only readers of qr); wo_a (its rows, i.e.
+        the [G, o_lora] output channels of the grouped einsum) -> wo_b's input columns."""
+        pairs = []
+        readers = ["wq_a", "wkv"]
+        if self.ratio:
+            readers += ["compressor.wkv", "compressor.wgate"]
+            if self.ratio == 4:
+                readers += ["indexer.weights_proj", "indexer.compressor.wkv", "indexer.compressor.wgate"]
+        if self.input_norm is not None:
+            pairs.append(SmoothPair("attn_norm", readers, producer=None, stat_module=None))
+        q_readers = ["wq_b"] + (["indexer.wq_b"] if self.ratio == 4 else [])
+        pairs.append(SmoothPair("q_norm", q_readers, producer="q_norm", producer_kind="norm", stat_module="wq_b"))
+        pairs.append(SmoothPair("wo_a", ["wo_b"], producer="wo_a", producer_kind="rows", stat_module="wo_b"))
+        return pairs
+
     def load_extra_ptq_params(self, params: dict[str, torch.Tensor]) -> None:
         if "input_smooth" not in params:
             return
@@ -390,6 +432,11 @@ class QuantV4Expert(PtqUnitMixin, QuantGatedMLP):
 
     def extra_ptq_params(self) -> dict[str, torch.Tensor]:
         return {} if self.up_limit is None else {"up_limit": self.up_limit}
+
+    def smoothing_subgraphs(self) -> list[SmoothPair]:
+        """w3 (its rows, with the per-channel clamp limit) -> w2's input columns. ffn_norm ->
+        w1 / w3 is not a pair: the routers read the same normed hidden state."""
+        return [SmoothPair("w3", ["w2"], producer="w3", producer_kind="up_rows", stat_module="w2")]
 
     def load_extra_ptq_params(self, params: dict[str, torch.Tensor]) -> None:
         if "up_limit" not in params:
