@@ -140,6 +140,9 @@ class AutoRound(Algorithm):
                 for p, b in zip(params, best):
                     p.copy_(b)
             changed = sum(int((v != 0).sum()) for v in offsets)
+            for _, _, wq in leaves:   # an all-zero offset is RTN: nothing to save
+                if wq.round_offset is not None and not bool(wq.round_offset.any()):
+                    wq.round_offset = None
             return {"loss_before": loss_before, "loss_after": best_loss, "best_step": best_step,
                     "n_offsets": sum(v.numel() for v in offsets), "n_nonzero_offsets": changed}
         finally:
