@@ -82,7 +82,7 @@ def test_offsets_clamped_even_with_a_huge_step():
     q, calls = _problem(n_calls=2, seed=1)
     seen = []
     q.w1.register_forward_pre_hook(lambda m, a: seen.append(
-        None if m.weight_quantizer.round_offset is None else float(m.weight_quantizer.round_offset.abs().max())))
+        None if m.weight_quantizer.round_offset is None else float(m.weight_quantizer.round_offset.detach().abs().max())))
     AutoRound(iters=6, lr=0.4, eval_every=1, learn_clip=False).apply(
         make_ptq_unit("expert", "e", 0, q), UnitData(calls), SolveContext())
     raw = [v for v in seen if v is not None]
