@@ -600,6 +600,106 @@ def dequantize(d: dict[str, torch.Tensor], spec: TensorSpec,
     return dequantize_mx(d["q"], d["scale_e8m0"], spec.format, dtype)
 
 
+# ------------------------------------------------------------- explicit (fixed) weight scales
+# An algorithm that chooses the grid itself (GPTQ) stores its scales with the weight; these
+# functions quantize with given scales. With the scales RTN would compute (``qparams``) they
+# give exactly ``fake_quant`` / ``quantize`` (the same float ops, in the same order).
+def qparams(x: torch.Tensor, spec: TensorSpec, clip=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The public-shape scale (float32; for MX the power of two ``2^shared_exp``) and zero point
+    (float32 holding integers; asymmetric int only, else None) that ``fake_quant`` uses."""
+    _check_input(x)
+    lay = _layout(x.shape, spec, "input") if not spec.is_mx else _mx_layout(x, "input")
+    xv = lay.view(x.float())
+    cv = lay.clip_view(clip, "input")
+    if spec.format == "int":
+        scale, zp = _int_block_qparams(xv, lay, spec.bits, spec.symmetric, cv)
+    elif spec.format == "fp8":
+        scale, zp = _fp8_block_scale(xv, lay, cv), None
+    else:
+        scale, zp = torch.exp2(_mx_shared_exp(xv, spec.format, cv).float()), None
+    return lay.to_public(scale).detach(), None if zp is None else lay.to_public(zp).detach()
+
+
+def _qp_layout(shape, spec: TensorSpec, what: str) -> _Layout:
+    if spec.is_mx:
+        return _Layout(torch.Size(shape), "group", MX_BLOCK_SIZE, None, what)
+    return _layout(torch.Size(shape), spec, what)
+
+
+def _check_qparams(lay: _Layout, scale: torch.Tensor, zero_point, spec: TensorSpec, what: str) -> None:
+    if tuple(scale.shape) != tuple(lay.public_shape):
+        raise QuantInputError(f"{what}: scale of shape {tuple(scale.shape)} does not match the scale shape "
+                              f"{tuple(lay.public_shape)} of a {tuple(lay.shape)} tensor ({spec.granularity})")
+    needs_zp = spec.format == "int" and not spec.symmetric
+    if needs_zp != (zero_point is not None):
+        raise QuantInputError(f"{what}: {'a zero point is required' if needs_zp else 'no zero point expected'} "
+                              f"for {spec.format} {'symmetric' if spec.symmetric else 'asymmetric'}")
+    if zero_point is not None and tuple(zero_point.shape) != tuple(scale.shape):
+        raise QuantInputError(f"{what}: zero point of shape {tuple(zero_point.shape)} != scale shape {tuple(scale.shape)}")
+
+
+def expand_qparam(p: torch.Tensor, shape, spec: TensorSpec) -> torch.Tensor:
+    """A public-shape scale / zero point broadcast to one value per element of ``shape``."""
+    lay = _qp_layout(shape, spec, "tensor")
+    xv_shape = lay.view(torch.empty(lay.shape, device="meta")).shape
+    return lay.restore(lay.to_view(p).expand(xv_shape).contiguous())
+
+
+def public_qparam(expanded: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """Inverse of :func:`expand_qparam` (the value at the first element of each block)."""
+    lay = _qp_layout(expanded.shape, spec, "tensor")
+    v = lay.view(expanded)
+    for d in lay.reduce_dims:
+        v = v.narrow(d, 0, 1)
+    return lay.to_public(v).contiguous()
+
+
+def _codes_with_qparams(xv, sv, zv, spec):
+    if spec.format == "int":
+        qmin, qmax = _int_range(spec.bits, spec.symmetric)
+        return _int_codes(xv, sv, zv, qmin, qmax)
+    limit = FP8_E4M3_MAX if spec.format == "fp8" else MX_ELEM_MAX[spec.format]
+    y = torch.clamp(xv / sv, -limit, limit)
+    return _ste(y, cast_e4m3(y).float() if spec.format in ("fp8", "mxfp8") else round_e2m1(y))
+
+
+def fake_quant_with_qparams(x: torch.Tensor, spec: TensorSpec, scale: torch.Tensor,
+                            zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """Fake-quantize ``x`` on the grid of the given public-shape ``scale`` (+ ``zero_point``)."""
+    _check_input(x)
+    lay = _qp_layout(x.shape, spec, "input")
+    _check_qparams(lay, scale, zero_point, spec, "fake_quant_with_qparams")
+    xv = lay.view(x.float())
+    sv = lay.to_view(scale.float().to(x.device))
+    zv = None if zero_point is None else lay.to_view(zero_point.float().to(x.device))
+    q = _codes_with_qparams(xv, sv, zv, spec)
+    out = _int_decode(q, sv, zv) if spec.format == "int" else q * sv
+    return lay.restore(out).to(x.dtype)
+
+
+def quantize_with_qparams(x: torch.Tensor, spec: TensorSpec, scale: torch.Tensor,
+                          zero_point: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Deployable tensors (the keys of :func:`quantize`) on the grid of the given scales;
+    ``dequantize`` of the result equals :func:`fake_quant_with_qparams` (in fp32)."""
+    _check_input(x)
+    lay = _qp_layout(x.shape, spec, "input")
+    _check_qparams(lay, scale, zero_point, spec, "quantize_with_qparams")
+    xv = lay.view(x.float())
+    sv = lay.to_view(scale.float().to(x.device))
+    zv = None if zero_point is None else lay.to_view(zero_point.float().to(x.device))
+    q = lay.restore(_codes_with_qparams(xv, sv, zv, spec)).detach()
+    if spec.format == "int":
+        out = {"q": q.to(torch.int8 if spec.symmetric else torch.uint8), "scale": scale.float().detach()}
+        if zero_point is not None:
+            out["zero_point"] = zero_point.detach().to(torch.int32)
+        return out
+    if spec.format == "fp8":
+        return {"q": q.to(torch.float8_e4m3fn), "scale": scale.float().detach()}
+    _, e = torch.frexp(scale.float())  # scale = 2^k exactly: frexp gives mantissa 0.5, exponent k+1
+    e8m0 = (e - 1 + E8M0_BIAS).to(torch.uint8)
+    return {"q": q.to(torch.float8_e4m3fn) if spec.format == "mxfp8" else e2m1_encode(q), "scale_e8m0": e8m0}
+
+
 # ----------------------------------------------------------------- static (calibrated) scales
 def qparams_from_range(spec: TensorSpec, xmin: torch.Tensor, xmax: torch.Tensor):
     """Static scale (+ zero point) from an observed range [xmin, xmax] (any shape that
@@ -641,4 +741,5 @@ __all__ = [
     "fake_quant_mx", "fake_quant_mxfp8", "fake_quant_mxfp4", "quantize_mx", "dequantize_mx",
     "round_e2m1", "e2m1_encode", "e2m1_decode",
     "qparams_from_range", "fake_quant_from_range",
+    "qparams", "expand_qparam", "public_qparam", "fake_quant_with_qparams", "quantize_with_qparams",
 ]

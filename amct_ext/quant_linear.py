@@ -17,6 +17,19 @@ from .quantizers import ActivationQuantizer, WeightQuantizer
 from .schemes import TensorSpec
 
 
+def load_replaced_weight(weight: torch.Tensor, value: torch.Tensor, who: str) -> None:
+    """Write an algorithm's replaced float weight (PTQ key ``{leaf}.weight``) into ``weight`` in
+    place (same Parameter, so packed / shared storage follows). Same shape and dtype, finite."""
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(weight.shape) or value.dtype != weight.dtype:
+        got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise QuantConfigError(f"{who}: replaced weight {got} does not match the weight "
+                               f"{(tuple(weight.shape), weight.dtype)}")
+    if not bool(torch.isfinite(value).all()):
+        raise QuantConfigError(f"{who}: replaced weight contains NaN or Inf")
+    with torch.no_grad():
+        weight.copy_(value.to(weight.device))
+
+
 class QuantLinear(nn.Module):
     """``F.linear(input_quantizer(x), weight_quantizer(weight), bias)``.
 
@@ -73,7 +86,9 @@ class QuantLinear(nn.Module):
         w, clip, off = self.weight, self.weight_quantizer.clip, self.weight_quantizer.round_offset
         ck = None if clip is None else (id(clip), clip.data_ptr(), clip._version)
         ok = None if off is None else (id(off), off.data_ptr(), off._version)
-        return (id(w), w.data_ptr(), w._version, w.device, w.dtype, ck, ok)
+        fs = self.weight_quantizer.fixed_scale
+        fk = None if fs is None else (id(fs), fs._version)
+        return (id(w), w.data_ptr(), w._version, w.device, w.dtype, ck, ok, fk)
 
     def quantized_weight(self) -> torch.Tensor:
         """The fake-quant weight used by forward (same dtype as the weight)."""
@@ -106,11 +121,17 @@ class QuantLinear(nn.Module):
         ``input_quantizer.<name>``."""
         out = {f"weight_quantizer.{k}": v for k, v in self.weight_quantizer.ptq_params().items()}
         out.update({f"input_quantizer.{k}": v for k, v in self.input_quantizer.ptq_params().items()})
+        if getattr(self, "weight_replaced", False):   # set by algorithms that rewrite the weight
+            out["weight"] = self.weight.detach().clone()
         return out
 
     def load_ptq_params(self, params: Mapping[str, torch.Tensor]) -> None:
         w, a = {}, {}
         for k, v in params.items():
+            if k == "weight":
+                load_replaced_weight(self.weight, v, "QuantLinear")
+                self.weight_replaced = True
+                continue
             owner, _, name = k.partition(".")
             if owner == "weight_quantizer":
                 w[name] = v

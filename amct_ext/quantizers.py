@@ -57,6 +57,11 @@ class WeightQuantizer(nn.Module):
         self.spec = _active(spec)
         self.clip: nn.Parameter | None = None
         self.round_offset: nn.Parameter | None = None
+        # Fixed grid (public scale shape): set by algorithms that choose the scales themselves
+        # (GPTQ); then forward / export use them instead of computing scales from the weight,
+        # so a replaced weight reproduces exactly the grid values the algorithm wrote.
+        self.register_buffer("fixed_scale", None, persistent=False)
+        self.register_buffer("fixed_zero_point", None, persistent=False)
 
     # --------------------------------------------------------------------------- properties
     @property
@@ -65,7 +70,42 @@ class WeightQuantizer(nn.Module):
 
     @property
     def learnable(self) -> bool:
-        return self.spec is not None and self.spec.format in ("int", "fp8")
+        # a fixed grid leaves nothing for a clip to move (clear_fixed_qparams first)
+        return self.spec is not None and self.spec.format in ("int", "fp8") and self.fixed_scale is None
+
+    @property
+    def has_fixed_qparams(self) -> bool:
+        return self.fixed_scale is not None
+
+    def set_fixed_qparams(self, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
+        """Use the given public-shape scale (+ zero point) for ``weight`` from now on; the clip
+        (already folded into these scales by whoever computed them) is dropped."""
+        if self.spec is None:
+            raise QuantConfigError("fixed scales given for a weight quantizer that does not quantize")
+        shape = tuple(self.scale_shape(weight))
+        if tuple(scale.shape) != shape:
+            raise QuantConfigError(f"scale shape {tuple(scale.shape)} does not match the scale shape {shape}")
+        scale = scale.detach().to(weight.device, torch.float32)
+        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+            raise QuantConfigError("fixed scales must be finite and > 0")
+        needs_zp = self.spec.format == "int" and not self.spec.symmetric
+        if needs_zp != (zero_point is not None):
+            raise QuantConfigError(f"fixed scales of a {'n asymmetric' if needs_zp else ' symmetric / float'} "
+                                   f"spec {'need' if needs_zp else 'take no'} zero_point")
+        if zero_point is not None:
+            if tuple(zero_point.shape) != shape:
+                raise QuantConfigError(f"zero_point shape {tuple(zero_point.shape)} does not match {shape}")
+            zero_point = zero_point.detach().to(weight.device, torch.float32)
+            qmax = 2 ** self.spec.bits - 1
+            if not bool(((zero_point >= 0) & (zero_point <= qmax) & (zero_point == zero_point.round())).all()):
+                raise QuantConfigError(f"zero_point values must be integers in [0, {qmax}]")
+        self.fixed_scale, self.fixed_zero_point = scale, zero_point
+        self.clip = None
+        self.round_offset = None
+
+    def clear_fixed_qparams(self) -> None:
+        self.fixed_scale = None
+        self.fixed_zero_point = None
 
     def scale_shape(self, weight: torch.Tensor) -> torch.Size:
         return formats.scale_shape(weight.shape, self.spec)
@@ -101,8 +141,9 @@ class WeightQuantizer(nn.Module):
 
     @property
     def roundable(self) -> bool:
-        """Whether a learned rounding offset applies (integer grids only)."""
-        return self.spec is not None and self.spec.format == "int"
+        """Whether a learned rounding offset applies: integer grids whose scales come from the
+        weight (a fixed grid, e.g. GPTQ's, already holds the rounded values)."""
+        return self.spec is not None and self.spec.format == "int" and self.fixed_scale is None
 
     def init_round_offset(self, weight: torch.Tensor) -> nn.Parameter | None:
         """Create the rounding offset at 0 (= RTN); None when the format has no integer grid."""
@@ -138,15 +179,28 @@ class WeightQuantizer(nn.Module):
         v = self.effective_round_offset()
         if v is not None:
             out["round_offset"] = v.detach().clone()
+        if self.fixed_scale is not None:
+            out["scale"] = self.fixed_scale.detach().clone()
+            if self.fixed_zero_point is not None:
+                out["zero_point"] = self.fixed_zero_point.detach().clone()
         return out
 
     def load_ptq_params(self, params: Mapping[str, torch.Tensor], weight: torch.Tensor | None = None) -> None:
         """Load what :meth:`ptq_params` returned. ``weight`` is needed to create the clip
         parameter when it does not exist yet."""
-        unknown = sorted(set(params) - {"clip", "round_offset"})
+        unknown = sorted(set(params) - {"clip", "scale", "zero_point", "round_offset"})
         if unknown:
             raise QuantConfigError(f"unknown weight-quantizer parameter(s) {', '.join(unknown)}; "
-                                   f"expected: clip, round_offset")
+                                   "expected: clip, scale, zero_point, round_offset")
+        if "scale" in params or "zero_point" in params:
+            if "clip" in params or "round_offset" in params:
+                raise QuantConfigError("weight-quantizer parameters: fixed scales exclude clip and round_offset")
+            if weight is None:
+                raise QuantConfigError("load_ptq_params: pass the weight to check the fixed scales' shape")
+            if "scale" not in params:
+                raise QuantConfigError("weight-quantizer parameters: zero_point without scale")
+            self.set_fixed_qparams(weight, params["scale"], params.get("zero_point"))
+            return
         if "round_offset" in params:
             self._load_round_offset(params["round_offset"], weight)
         if "clip" not in params:
@@ -184,6 +238,8 @@ class WeightQuantizer(nn.Module):
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if self.spec is None:
             return w
+        if self.fixed_scale is not None:
+            return formats.fake_quant_with_qparams(w, self.spec, self.fixed_scale, self.fixed_zero_point)
         return formats.fake_quant(w, self.spec, self.effective_clip(), self.effective_round_offset())
 
     @torch.no_grad()
@@ -192,7 +248,10 @@ class WeightQuantizer(nn.Module):
         ``scale`` / ``scale_e8m0``, ``zero_point``). Identity spec -> ``{"weight": w}``."""
         if self.spec is None:
             return {"weight": w.detach()}
-        d = formats.quantize(w, self.spec, self.effective_clip(), self.effective_round_offset())
+        if self.fixed_scale is not None:
+            d = formats.quantize_with_qparams(w, self.spec, self.fixed_scale, self.fixed_zero_point)
+        else:
+            d = formats.quantize(w, self.spec, self.effective_clip(), self.effective_round_offset())
         d["qweight"] = d.pop("q")
         return d
 

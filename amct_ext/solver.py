@@ -44,6 +44,7 @@ class UnitResult:
     n_params: int                   # learnable scalars (0: nothing to learn, RTN kept)
     best_epoch: int                 # 0 = RTN kept, k = after epoch k
     resumed: bool = False           # loaded from an earlier run's files, not solved now
+    stats: dict[str, Any] | None = None   # recipe runs: per-algorithm statistics (algorithms/runner.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -57,6 +57,8 @@ PARAMS_DIR = "ptq_params"
 META_NAME = "meta.json"
 META_VERSION = 1
 MODES = ("float", "rtn", "ptq")
+#: what later layers are calibrated on: float predecessors, or the quantized ones (sequential)
+PROPAGATE = ("float", "quant")
 
 
 class ParamsMismatchError(AmctError):
@@ -188,11 +190,15 @@ def finish_static(block: nn.Module, layer_idx: int) -> None:
 
 
 # ----------------------------------------------------------------------------- parameter folder
-def params_meta(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig) -> dict[str, Any]:
+def params_meta(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig,
+                recipe_meta: dict[str, Any] | None = None) -> dict[str, Any]:
     model_id = adapter.model_id() if hasattr(adapter, "model_id") else {"name": str(adapter.model_path)}
+    solver = cfg.solver_settings()
+    if recipe_meta:  # recipe runs (algorithms/): the recipe's settings, propagation, guard
+        solver = {**solver, **recipe_meta}
     return {"version": META_VERSION, "model": model_id, "scheme": scheme.name,
             "scheme_fingerprint": scheme.fingerprint(), "targets": list(targets),
-            "solver": cfg.solver_settings()}
+            "solver": solver}
 
 
 def _mismatch(old: dict[str, Any], new: dict[str, Any]) -> str | None:
@@ -373,12 +379,20 @@ def _resumed_result(params_dir: Path, unit) -> UnitResult:
     return r
 
 
+def recipe_meta(recipe, propagate: str = "float", holdout: float = 0.25, guard: bool = True) -> dict[str, Any] | None:
+    """What a recipe run adds to meta.json's solver settings (None: the legacy clip solver)."""
+    if recipe is None:
+        return None if propagate == "float" else {"propagate": propagate}
+    return {"recipe": recipe.settings(), "propagate": propagate, "holdout": holdout, "guard": guard}
+
+
 def prepare_params_dir(adapter: BaseModel, output_dir: str | Path, scheme: QuantScheme,
-                       targets: Sequence[str], cfg: PtqConfig, create: bool = True) -> Path:
+                       targets: Sequence[str], cfg: PtqConfig, create: bool = True,
+                       recipe_settings: dict[str, Any] | None = None) -> Path:
     """Check (and, with ``create``, write) OUTPUT/ptq_params/meta.json; returns the folder.
     With ``create=False`` nothing is written: the caller validates before doing any work."""
     pdir = Path(output_dir) / PARAMS_DIR
-    meta = params_meta(adapter, scheme, targets, cfg)
+    meta = params_meta(adapter, scheme, targets, cfg, recipe_settings)
     exists = check_params_dir(pdir, meta)
     if create and not exists:
         atomic_write_json(meta, pdir / META_NAME)
@@ -388,19 +402,37 @@ def prepare_params_dir(adapter: BaseModel, output_dir: str | Path, scheme: Quant
 def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig,
                       output_dir: str | Path, *, layers: range | None = None,
                       calib_windows: torch.Tensor | None = None,
-                      on_unit_done: Callable[[UnitResult], None] | None = None) -> PtqResult:
-    """Learn clipping factors for every unit of ``layers`` and save them under OUTPUT/ptq_params.
+                      on_unit_done: Callable[[UnitResult], None] | None = None,
+                      recipe=None, propagate: str = "float", holdout: float = 0.25,
+                      guard: bool = True) -> PtqResult:
+    """Quantize every unit of ``layers`` and save its parameters under OUTPUT/ptq_params.
 
     Per layer i (CPU staging): build it, ``quantize_block``, run it once with quantizers OFF over
-    the float calibration inputs X_i while capturing every unit's calls (this is the float
-    layer, bit for bit, and its output is X_{i+1}); observe static activation ranges; then per
-    unit: move it to the compute device, ``solve_unit``, save, move it back. ``on_unit_done``
-    is called after each unit is saved (progress reporting; tests use it to interrupt).
+    the calibration inputs X_i while capturing every unit's calls (this is the float layer, bit
+    for bit: the targets are float outputs); observe static activation ranges; then solve.
+
+    ``recipe`` None: the legacy solver (learned clipping, ``cfg.epochs`` / ``cfg.lr``) per unit.
+    A ``algorithms.Recipe``: its algorithms in order on the layer's units
+    (``algorithms.runner.run_recipe_on_units``; group entry points for the routed experts),
+    with ``guard`` (fall back to RTN for a unit the recipe made worse on its calibration calls)
+    and ``holdout`` (the share of calls held out by algorithms that validate, e.g. clip).
+
+    ``propagate``: 'float' -- X_{i+1} is the float layer's output (see the module doc);
+    'quant' -- X_{i+1} is the output of the quantized layer i after solving (sequential, as
+    GPTQ / llm-compressor do: later layers compensate earlier errors; one more forward per layer).
+
+    ``on_unit_done`` is called after each unit is saved (progress reporting; tests use it to
+    interrupt).
     """
     cfg.check()
+    if propagate not in PROPAGATE:
+        raise ConfigError(f"propagate={propagate!r} is unknown; valid: {', '.join(PROPAGATE)}")
+    if not (0 <= holdout < 1):
+        raise ConfigError(f"holdout={holdout} must lie in [0, 1)")
     targets = scheme.check_targets(parse_targets(targets))
     layers = layers if layers is not None else layer_range(adapter)
-    pdir = prepare_params_dir(adapter, output_dir, scheme, targets, cfg)
+    pdir = prepare_params_dir(adapter, output_dir, scheme, targets, cfg,
+                              recipe_settings=recipe_meta(recipe, propagate, holdout, guard))
     if calib_windows is None:
         calib_windows = load_calib_windows(adapter, cfg)
     dev = adapter.device
@@ -432,19 +464,42 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
             else:  # the whole layer was done by an earlier run: only its float output is needed
                 calls, next_hidden = {}, adapter.do_block_forward(block, calib.hidden, calib.state)
         adapter.set_quant_enabled(block, True)
-        for unit in _tqdm(units, desc=f"layer {i} units", leave=False, disable=not adapter.run.progress):
-            if unit.name not in todo:
-                result.units.append(_resumed_result(pdir, unit))
-                continue
-            unit.module.to(dev)
-            r = timed_solve(unit, calls.pop(unit.name), epochs=cfg.epochs, lr=cfg.lr, device=dev, seed=cfg.seed)
-            # stats first, then the .pt: the .pt's existence is what marks the unit done
-            atomic_write_json(r.to_dict(), _unit_stats_path(pdir, unit))
-            atomic_save(unit.module.export_ptq_params(), pdir / f"{unit.file_stem}.pt")
-            unit.module.to("cpu")
-            result.units.append(r)
-            if on_unit_done is not None:
-                on_unit_done(r)
+        if propagate == "quant":   # the next layer's inputs go through the units done earlier
+            for unit in units:
+                if unit.name not in todo:
+                    load_unit_params(unit, pdir)
+            finish_static(block, i)
+        if recipe is None:
+            for unit in _tqdm(units, desc=f"layer {i} units", leave=False, disable=not adapter.run.progress):
+                if unit.name not in todo:
+                    result.units.append(_resumed_result(pdir, unit))
+                    continue
+                unit.module.to(dev)
+                r = timed_solve(unit, calls.pop(unit.name), epochs=cfg.epochs, lr=cfg.lr, device=dev, seed=cfg.seed)
+                _save_unit(pdir, unit, r)
+                unit.module.to("cpu")
+                result.units.append(r)
+                if on_unit_done is not None:
+                    on_unit_done(r)
+        else:
+            from .algorithms.runner import run_recipe_on_units
+
+            todo_units = [u for u in units if u.name in todo]
+            solved: dict[str, UnitResult] = {}
+            if todo_units:
+                with _on_device(adapter, block):
+                    rs = run_recipe_on_units(todo_units, calls, recipe, device=dev, seed=cfg.seed,
+                                             dtype=adapter.run.dtype, holdout=holdout, guard=guard)
+                    for unit, r in zip(todo_units, rs):
+                        _save_unit(pdir, unit, r)
+                        solved[unit.name] = r
+                        if on_unit_done is not None:
+                            on_unit_done(r)
+            calls = {}
+            result.units += [solved[u.name] if u.name in solved else _resumed_result(pdir, u) for u in units]
+        if propagate == "quant":
+            with _on_device(adapter, block):
+                next_hidden = adapter.do_block_forward(block, calib.hidden, calib.state)
         calib = Stream(next_hidden, calib.state)
         adapter.release_block(block)
     devmod.synchronize(dev)
@@ -452,6 +507,12 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     result.memory = mem
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _save_unit(pdir: Path, unit, r: UnitResult) -> None:
+    # stats first, then the .pt: the .pt's existence is what marks the unit done
+    atomic_write_json(r.to_dict(), _unit_stats_path(pdir, unit))
+    atomic_save(unit.module.export_ptq_params(), pdir / f"{unit.file_stem}.pt")
 
 
 @contextlib.contextmanager

@@ -71,7 +71,7 @@ def test_ptq_params_round_trip_and_errors():
     with pytest.raises(QuantConfigError, match=r"\(0, 1\]"):
         b.load_ptq_params({"clip": torch.zeros(16, 2)})
     with pytest.raises(QuantConfigError, match="unknown"):
-        b.load_ptq_params({"scale": torch.ones(1)})
+        b.load_ptq_params({"offset": torch.ones(1)})  # "scale" is a fixed-grid key now
 
 
 def test_mx_weights_are_not_learnable():

@@ -31,6 +31,8 @@ from .base import Algorithm
 #: algorithm name -> module that registers it (imported lazily, on first lookup)
 BUILTIN_MODULES = {
     "rtn": "amct_ext.algorithms.rtn",
+    "gptq": "amct_ext.algorithms.gptq",
+    "clip": "amct_ext.algorithms.clipping",
     "smoothquant": "amct_ext.algorithms.smoothing",
     "awq": "amct_ext.algorithms.smoothing",
     "autoround": "amct_ext.algorithms.rounding",

@@ -31,7 +31,7 @@ from torch import nn
 
 from amct_ext.errors import QuantConfigError
 from amct_ext.ptq_units import PtqUnit, iter_indexed_units, make_ptq_unit
-from amct_ext.quant_linear import QuantGatedMLP, QuantizedMatmul, QuantLinear
+from amct_ext.quant_linear import QuantGatedMLP, QuantizedMatmul, QuantLinear, load_replaced_weight
 from amct_ext.quantizers import ActivationQuantizer, WeightQuantizer
 from amct_ext.schemes import QuantScheme, TensorSpec, parse_targets
 
@@ -95,9 +95,15 @@ class WoAQuant(nn.Module):
     def export_ptq_params(self) -> dict[str, torch.Tensor]:
         out = {f"weight_quantizer.{k}": v for k, v in self.weight_quantizer.ptq_params().items()}
         out.update({f"input_quantizer.{k}": v for k, v in self.input_quantizer.ptq_params().items()})
+        if getattr(self, "weight_replaced", False):   # set by algorithms that rewrite wo_a
+            out["weight"] = self.weight.detach().clone()
         return out
 
     def load_ptq_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        params = dict(params)
+        if "weight" in params:
+            load_replaced_weight(self.weight, params.pop("weight"), "WoAQuant")
+            self.weight_replaced = True
         split = _split_params(params, ("weight_quantizer", "input_quantizer"), "WoAQuant")
         self.weight_quantizer.load_ptq_params(split["weight_quantizer"], self.weight)
         self.input_quantizer.load_ptq_params(split["input_quantizer"])

@@ -1,0 +1,389 @@
+"""GPTQ (Frantar et al., 2022): quantize a weight column by column, pushing each column's
+rounding error onto the columns not yet quantized through the inverse Hessian of the layer's
+reconstruction loss ``||X W^T - X Q^T||^2`` (H = 2 X^T X over the calibration inputs X).
+
+Per quantized leaf of a unit (a QuantLinear, or the grouped ``wo_a``):
+- Hessian: accumulated on the compute device from the leaf's inputs, one replayed call at a
+  time (the inputs are never stacked). ``wo_a`` applies one [o_lora, d] block per output group
+  g to ``o[..., g, :]``: one Hessian per group, [G, d, d].
+- Damping: ``percdamp * mean(diag(H))`` added to the diagonal. Columns whose input is always
+  zero ("dead", diag 0) get diag 1 and keep their RTN value (no information either way).
+- Lazy blocks of ``block_size`` columns (rounded up to a multiple of the group size, so a
+  group's scale is computed once all earlier columns' updates reached it).
+- Grid: the scheme's weight spec through amct_ext.formats, any format / granularity:
+  integer groups (no act-order) take their scale when the loop reaches the group, from the
+  error-compensated columns (as in the reference implementation); every other case (per
+  channel, per tensor, 128x128 blocks, fp8, MX, and any grouped spec under act-order) uses the
+  scales of the ORIGINAL weight ("static groups", on the original column order), so the result
+  stays on the scheme's grid whatever the processing order. A clip factor already learned on
+  the leaf (e.g. ``clip`` earlier in the recipe) is folded into those scales.
+- act-order: columns processed by decreasing diag(H); the permutation is undone at the end.
+
+Result: the leaf's weight is replaced IN PLACE by the dequantized grid values in the weight's
+own dtype (fp32 compressor islands stay fp32), and its weight quantizer gets GPTQ's scales
+(and zero points) as fixed qparams, so ``fake_quant`` of the new weight returns exactly that
+weight and ``export()`` writes GPTQ's integers and scales. Saved as ``{leaf}.weight`` +
+``{leaf}.weight_quantizer.scale`` (+ ``.zero_point``).
+
+Within a unit GPTQ is sequential: leaves are grouped into stages by the tensor they read (for
+an attention: {wq_a, wkv, compressor and indexer linears reading x} -> {wq_b, indexer.wq_b
+reading qr} -> {wo_a} -> {wo_b}; for an expert {w1, w3} -> {w2}); each stage's Hessians come
+from a replay of the unit's calls in which every earlier stage is already GPTQ-quantized (and
+all activation quantizers are on), so w2 sees the inputs of the quantized w1 / w3.
+``sequential=false`` takes every Hessian from one replay through the RTN unit instead.
+
+Routed experts: :meth:`GPTQ.apply_group` gets every expert of the layer; each stage's Hessians
+are stacked [E, D, D] and solved in one batched pass, ``expert_chunk`` experts at a time (a
+V4-Flash expert's w1 Hessian is 4096^2 fp32 = 64 MiB). An expert no calibration token reached
+keeps RTN. ``all_tokens=true`` uses every token of the layer for every expert (llm-compressor's
+MoE calibration): the tokens are the union of the experts' captured inputs -- each token appears
+top-k times, a uniform weight that GPTQ is invariant to -- and w2's inputs are computed from
+them without routing weights (a token has none for an expert that did not pick it).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import torch
+from torch import nn
+
+from .. import formats
+from ..capture import UnitCall
+from ..quant_linear import QuantLinear
+from ..solver import _to
+from .base import Algorithm, SolveContext, UnitData
+from .recipe import RecipeError, register
+
+
+# ----------------------------------------------------------------------------- the solver
+def _cholesky_inverse_upper(H: torch.Tensor, percdamp: float) -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp I)^-1, batched [B, C, C]; raises damping where a
+    matrix is not positive definite (tiny calibration sets make H singular)."""
+    C = H.shape[-1]
+    eye = torch.eye(C, dtype=H.dtype, device=H.device)
+    diag = H.diagonal(dim1=-2, dim2=-1)
+    damp = percdamp * diag.mean(-1)
+    for attempt in range(6):
+        Hd = H + (damp * (10 ** attempt))[:, None, None] * eye
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if not bool((info != 0).any()):
+            break
+    else:
+        raise FloatingPointError("GPTQ: the Hessian is not positive definite even with 1e5 x damping")
+    Hinv = torch.cholesky_inverse(L)
+    return torch.linalg.cholesky(Hinv, upper=True)
+
+
+def _quant_column(w, s, z, spec):
+    """One column [B, R] on the grid (s, z: [B, R]); the same float ops as formats.fake_quant."""
+    q = formats._codes_with_qparams(w, s, z, spec)
+    return formats._int_decode(q, s, z) if spec.format == "int" else q * s
+
+
+def _group_qparams(wg: torch.Tensor, spec, clip_g: torch.Tensor | None):
+    """Scale / zero point [B, R, 1] of one integer group from its current columns [B, R, g]."""
+    if spec.symmetric:
+        amax = wg.abs().amax(dim=-1, keepdim=True)
+        if clip_g is not None:
+            amax = amax * clip_g
+        return formats.int_qparams_from_range(-amax, amax, spec.bits, True)
+    xmin = wg.amin(dim=-1, keepdim=True)
+    xmax = wg.amax(dim=-1, keepdim=True)
+    if clip_g is not None:
+        xmin, xmax = xmin * clip_g, xmax * clip_g
+    return formats.int_qparams_from_range(xmin, xmax, spec.bits, False)
+
+
+@torch.no_grad()
+def gptq_solve(W: torch.Tensor, H: torch.Tensor, spec, *, S: torch.Tensor | None = None,
+               Z: torch.Tensor | None = None, clip: torch.Tensor | None = None, block_size: int = 128,
+               percdamp: float = 0.01, act_order: bool = False):
+    """Batched GPTQ. ``W`` [B, R, C] and ``H`` [B, C, C] float32 on one device.
+
+    Grid: either static expanded qparams ``S`` (and ``Z`` for asymmetric int), one value per
+    element [B, R, C], or (``S`` None: integer 'group' specs) scales computed per group during
+    the loop, with ``clip`` [B, R, C // g] (or None). Returns ``(Q, S, Z, loss)``: the grid
+    values [B, R, C] (float32), the expanded qparams actually used, and the per-matrix GPTQ
+    objective ``sum((w - q)^2 / d^2) / 2`` [B]."""
+    B, R, C = W.shape
+    W = W.clone()
+    H = H.clone()
+    dynamic = S is None
+    gs = spec.group_size if dynamic else None
+    if dynamic:
+        if spec.format != "int" or spec.granularity != "group":
+            raise ValueError("per-group scales during the loop are for integer 'group' specs")
+        if act_order:
+            raise ValueError("act-order needs static groups (pass S)")
+        S = torch.empty_like(W)
+        Z = None if spec.symmetric else torch.empty_like(W)
+        block_size = math.ceil(block_size / gs) * gs
+    diag = H.diagonal(dim1=-2, dim2=-1)
+    dead = diag == 0
+    diag.masked_fill_(dead, 1.0)
+    perm = None
+    if act_order:
+        perm = torch.argsort(diag, dim=-1, descending=True, stable=True)       # [B, C]
+        W = W.gather(2, perm[:, None, :].expand(B, R, C))
+        S = S.gather(2, perm[:, None, :].expand(B, R, C))
+        if Z is not None:
+            Z = Z.gather(2, perm[:, None, :].expand(B, R, C))
+        H = H.gather(1, perm[:, :, None].expand(B, C, C)).gather(2, perm[:, None, :].expand(B, C, C))
+    U = _cholesky_inverse_upper(H, percdamp)
+    Q = torch.empty_like(W)
+    loss = torch.zeros(B, dtype=torch.float64, device=W.device)
+    for i1 in range(0, C, block_size):
+        i2 = min(i1 + block_size, C)
+        W1 = W[:, :, i1:i2].clone()
+        Err1 = torch.empty_like(W1)
+        U1 = U[:, i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            c = i1 + i
+            if dynamic and c % gs == 0:
+                g = c // gs
+                clip_g = None if clip is None else clip[:, :, g:g + 1]
+                s, z = _group_qparams(W1[:, :, i:i + gs], spec, clip_g)
+                S[:, :, c:c + gs] = s
+                if Z is not None:
+                    Z[:, :, c:c + gs] = z
+            w = W1[:, :, i]
+            d = U1[:, i, i]
+            q = _quant_column(w, S[:, :, c], None if Z is None else Z[:, :, c], spec)
+            Q[:, :, c] = q
+            err = (w - q) / d[:, None]
+            loss += (err.double().square().sum(-1)) / 2
+            W1[:, :, i:] -= err[:, :, None] * U1[:, None, i, i:]
+            Err1[:, :, i] = err
+        if i2 < C:
+            W[:, :, i2:] -= torch.bmm(Err1, U[:, i1:i2, i2:])
+    if perm is not None:
+        inv = torch.argsort(perm, dim=-1)
+        idx = inv[:, None, :].expand(B, R, C)
+        Q, S = Q.gather(2, idx), S.gather(2, idx)
+        Z = None if Z is None else Z.gather(2, idx)
+    return Q, S, Z, loss
+
+
+# ----------------------------------------------------------------------------- leaves
+class _Target:
+    """One quantized leaf of a unit as a GPTQ problem: B matrices [R, C] with B Hessians
+    (B = 1 for a linear, the number of output groups for wo_a)."""
+
+    def __init__(self, name: str, leaf: nn.Module):
+        self.name, self.leaf = name, leaf
+        w = leaf.weight
+        self.groups = int(getattr(leaf, "n_groups", 0) or 0)   # WoAQuant: grouped einsum
+        self.B = self.groups or 1
+        R2, self.C = w.shape
+        self.R = R2 // self.B
+        self.H: torch.Tensor | None = None
+        self.n = 0
+
+    @property
+    def spec(self):
+        return self.leaf.weight_quantizer.spec
+
+    @property
+    def hook_module(self) -> nn.Module:
+        # wo_a is no module call of its own: its input quantizer sees o [B, S, G, d] first
+        return self.leaf.input_quantizer if self.groups else self.leaf
+
+    def key(self) -> tuple:
+        return (self.name, self.B, self.R, self.C, self.leaf.weight.dtype, self.spec)
+
+    def add(self, x: torch.Tensor, device: torch.device) -> None:
+        x = x.detach().to(device=device, dtype=torch.float32)
+        if self.H is None:
+            self.H = torch.zeros(self.B, self.C, self.C, dtype=torch.float32, device=device)
+        if self.groups:
+            xg = x.reshape(-1, self.groups, self.C).transpose(0, 1)          # [G, N, d]
+            self.H.baddbmm_(xg.transpose(1, 2), xg)
+            self.n += xg.shape[1]
+        else:
+            x2 = x.reshape(-1, self.C)
+            self.H[0].addmm_(x2.t(), x2)
+            self.n += x2.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        return self.H * (2.0 / max(self.n, 1))
+
+    def weight3d(self, device) -> torch.Tensor:
+        return self.leaf.weight.detach().to(device=device, dtype=torch.float32).reshape(self.B, self.R, self.C)
+
+    def clip(self) -> torch.Tensor | None:
+        c = self.leaf.weight_quantizer.effective_clip()
+        return None if c is None else c.detach()
+
+    @torch.no_grad()
+    def write(self, Q: torch.Tensor, S: torch.Tensor, Z: torch.Tensor | None) -> None:
+        w = self.leaf.weight
+        q2 = Q.reshape(w.shape).to(device=w.device, dtype=w.dtype)
+        spec = self.spec
+        scale = formats.public_qparam(S.reshape(w.shape), spec)
+        zp = None if Z is None else formats.public_qparam(Z.reshape(w.shape), spec)
+        w.copy_(q2)
+        self.leaf.weight_quantizer.set_fixed_qparams(w, scale.to(w.device), None if zp is None else zp.to(w.device))
+        self.leaf.weight_replaced = True
+        if isinstance(self.leaf, QuantLinear):
+            self.leaf.invalidate_cache()
+
+
+def _targets(module: nn.Module) -> list[_Target]:
+    """Every leaf of the unit with a quantizing weight spec (QuantLinear / WoAQuant)."""
+    out = []
+    for name, m in module.named_modules():
+        wq = getattr(m, "weight_quantizer", None)
+        if wq is None or wq.is_identity or not isinstance(getattr(m, "weight", None), torch.Tensor):
+            continue
+        if not hasattr(m, "input_quantizer"):
+            continue
+        out.append(_Target(name, m))
+    return out
+
+
+def _replay(module: nn.Module, calls: Sequence[UnitCall], device: torch.device) -> None:
+    with torch.no_grad():
+        for call in calls:
+            module(*_to(call.args, device), **_to(call.kwargs, device))
+
+
+def _stages(module: nn.Module, targets: list[_Target], call: UnitCall, device) -> list[list[_Target]]:
+    """Leaves grouped by the tensor they read, in order of first use (one recorded call)."""
+    seen: list[tuple[_Target, torch.Tensor]] = []   # the tensors are kept alive: ids stay unique
+    handles = []
+    for t in targets:
+        def hook(_m, args, t=t):
+            if args and isinstance(args[0], torch.Tensor) and all(s[0] is not t for s in seen):
+                seen.append((t, args[0]))
+        handles.append(t.hook_module.register_forward_pre_hook(hook))
+    try:
+        _replay(module, [call], device)
+    finally:
+        for h in handles:
+            h.remove()
+    stages: dict[int, list[_Target]] = {}
+    for t, x in seen:
+        stages.setdefault(id(x), []).append(t)
+    return list(stages.values())
+
+
+def _accumulate(module: nn.Module, stage: list[_Target], calls: Sequence[UnitCall], device) -> None:
+    handles = [t.hook_module.register_forward_pre_hook(lambda _m, args, t=t: t.add(args[0], device))
+               for t in stage]
+    try:
+        _replay(module, calls, device)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _all_token_calls(datas: Sequence[UnitData], chunk_rows: int = 4096) -> list[UnitCall]:
+    """Every token of the layer (the union of the experts' inputs), without routing weights."""
+    xs = [c.args[0].reshape(-1, c.args[0].shape[-1]) for d in datas for c in d.calls]
+    if not xs:
+        return []
+    x = torch.cat(xs)
+    return [UnitCall((x[i:i + chunk_rows],), {}, None) for i in range(0, x.shape[0], chunk_rows)]
+
+
+@register
+@dataclass
+class GPTQ(Algorithm):
+    """GPTQ on every quantized leaf of a unit (see the module doc)."""
+
+    name: ClassVar[str] = "gptq"
+    group_kinds: ClassVar[tuple[str, ...]] = ("expert",)
+
+    block_size: int = 128
+    percdamp: float = 0.01
+    act_order: bool = False
+    sequential: bool = True
+    all_tokens: bool = False
+    expert_chunk: int = 32
+
+    def check(self) -> None:
+        if self.block_size < 1:
+            raise RecipeError(f"gptq.block_size must be >= 1, got {self.block_size}")
+        if not (0 <= self.percdamp <= 1):
+            raise RecipeError(f"gptq.percdamp must lie in [0, 1], got {self.percdamp}")
+        if self.expert_chunk < 1:
+            raise RecipeError(f"gptq.expert_chunk must be >= 1, got {self.expert_chunk}")
+
+    def apply(self, unit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
+        return self.apply_group([unit], [data], ctx)[0]
+
+    def apply_group(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
+        dev = ctx.device
+        all_calls = _all_token_calls(datas) if self.all_tokens else None
+        per_unit = []
+        for u, d in zip(units, datas):
+            calls = all_calls if all_calls is not None else d.calls
+            targets = _targets(u.module)
+            per_unit.append((u, calls, targets))
+        stats = [{"leaves": 0, "gptq_loss": 0.0, "hessian_tokens": 0} for _ in units]
+        # stage structure from the first unit with data (all units of a kind share it)
+        plans = []
+        for u, calls, targets in per_unit:
+            if calls and targets:
+                plans.append(_stages(u.module, targets, calls[0], dev))
+            else:
+                plans.append([])
+        n_stages = max((len(p) for p in plans), default=0)
+        for s in range(n_stages):
+            if not self.sequential and s > 0:
+                break
+            for (u, calls, _), plan in zip(per_unit, plans):
+                if s < len(plan):
+                    stage = plan[s] if self.sequential else [t for st in plan for t in st]
+                    _accumulate(u.module, stage, calls, dev)
+            # every unit's leaves of this stage, grouped by (name, shape, dtype, spec): batched
+            buckets: dict[tuple, list[tuple[int, _Target]]] = {}
+            for ui, plan in enumerate(plans):
+                if s < len(plan):
+                    stage = plan[s] if self.sequential else [t for st in plan for t in st]
+                    for t in stage:
+                        if t.n > 0:
+                            buckets.setdefault(t.key(), []).append((ui, t))
+            for items in buckets.values():
+                self._solve_bucket(items, stats, dev)
+        return stats
+
+    def _solve_bucket(self, items: list[tuple[int, _Target]], stats: list[dict], dev) -> None:
+        spec = items[0][1].spec
+        dynamic = spec.format == "int" and spec.granularity == "group" and not self.act_order
+        per_chunk = max(1, self.expert_chunk // items[0][1].B)
+        for c0 in range(0, len(items), per_chunk):
+            chunk = items[c0:c0 + per_chunk]
+            ts = [t for _, t in chunk]
+            W = torch.cat([t.weight3d(dev) for t in ts])
+            H = torch.cat([t.hessian() for t in ts])
+            S = Z = clip = None
+            if dynamic:
+                clips = [t.clip() for t in ts]
+                if any(c is not None for c in clips):
+                    clip = torch.cat([(torch.ones(formats.scale_shape(t.leaf.weight.shape, spec)) if c is None else c)
+                                      .to(dev).reshape(t.B, t.R, -1) for t, c in zip(ts, clips)])
+            else:
+                Ss, Zs = [], []
+                for t in ts:
+                    w2 = t.leaf.weight.detach().to(dev)
+                    sc, zp = formats.qparams(w2, spec, None if t.clip() is None else t.clip().to(dev))
+                    Ss.append(formats.expand_qparam(sc, w2.shape, spec).reshape(t.B, t.R, t.C))
+                    if zp is not None:
+                        Zs.append(formats.expand_qparam(zp, w2.shape, spec).reshape(t.B, t.R, t.C))
+                S = torch.cat(Ss)
+                Z = torch.cat(Zs) if Zs else None
+            Q, S, Z, loss = gptq_solve(W, H, spec, S=S, Z=Z, clip=clip, block_size=self.block_size,
+                                       percdamp=self.percdamp, act_order=self.act_order)
+            b0 = 0
+            for (ui, t) in chunk:
+                sl = slice(b0, b0 + t.B)
+                t.write(Q[sl], S[sl], None if Z is None else Z[sl])
+                st = stats[ui]
+                st["leaves"] += 1
+                st["gptq_loss"] += float(loss[sl].sum())
+                st["hessian_tokens"] += t.n
+                t.H = None   # free the Hessian as soon as its leaf is solved
+                b0 += t.B

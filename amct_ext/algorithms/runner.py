@@ -1,0 +1,134 @@
+"""Running a recipe on the PTQ units of one layer (called by workflow.run_blockwise_ptq).
+
+Order: algorithm by algorithm (the recipe order), and for each algorithm either one
+``apply_group`` call over every unit of a kind it lists in ``group_kinds`` (GPTQ: all routed
+experts at once) or ``apply`` per unit. So ``clip,gptq`` clips every expert before GPTQ solves
+them together.
+
+Around the recipe, per unit: the RTN loss (MSE to the float output over the unit's captured
+calls) before, the loss after and -- with ``guard`` -- a fall back to RTN when the recipe made
+the unit worse on its calibration calls (the snapshot taken before the first algorithm is put
+back: weights, norms, clip factors, fixed scales).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..capture import UnitCall
+from ..ptq_units import PtqUnit
+from ..quant_linear import QuantLinear
+from ..quantizers import ActivationQuantizer, WeightQuantizer
+from ..solver import UnitResult, unit_mse, unit_seed
+from .base import SolveContext, UnitData
+from .recipe import Recipe
+
+_WQ_STATE = ("clip", "fixed_scale", "fixed_zero_point")
+
+
+@dataclass
+class _Snapshot:
+    tensors: dict[str, torch.Tensor]
+    quantizers: dict[str, dict[str, Any]]
+    replaced: dict[str, bool]
+    ranges: dict[str, tuple]
+
+
+def snapshot_unit(module: nn.Module) -> _Snapshot:
+    """Everything an algorithm may change inside a unit: parameters / buffers (cloned), the
+    weight quantizers' learned state and the leaves' ``weight_replaced`` flags."""
+    tensors = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items() if v is not None}
+    quant, replaced, ranges = {}, {}, {}
+    for name, m in module.named_modules():
+        if isinstance(m, ActivationQuantizer) and m.observed:   # non-persistent: not in state_dict
+            ranges[name] = (m.running_min.clone(), m.running_max.clone())
+        if isinstance(m, WeightQuantizer):
+            quant[name] = {k: (None if getattr(m, k) is None else getattr(m, k).detach().clone()) for k in _WQ_STATE}
+            quant[name].update({k: v.detach().clone() for k, v in m._parameters.items()
+                                if k not in _WQ_STATE and v is not None})
+            quant[name].update({k: v.detach().clone() for k, v in m._buffers.items()
+                                if k not in _WQ_STATE and v is not None})
+        if hasattr(m, "weight_quantizer"):
+            replaced[name] = bool(getattr(m, "weight_replaced", False))
+    return _Snapshot(tensors, quant, replaced, ranges)
+
+
+@torch.no_grad()
+def restore_unit(module: nn.Module, snap: _Snapshot) -> None:
+    current = module.state_dict(keep_vars=True)
+    for k, v in snap.tensors.items():
+        if k in current and current[k] is not None:
+            current[k].copy_(v)
+    for name, m in module.named_modules():
+        if isinstance(m, ActivationQuantizer) and name in snap.ranges:
+            m.running_min, m.running_max = (t.clone() for t in snap.ranges[name])
+        if isinstance(m, WeightQuantizer) and name in snap.quantizers:
+            saved = snap.quantizers[name]
+            m.clip = None if saved["clip"] is None else nn.Parameter(saved["clip"].clone(), requires_grad=False)
+            m.fixed_scale = saved["fixed_scale"]
+            m.fixed_zero_point = saved["fixed_zero_point"]
+            for k in list(m._parameters):
+                if k not in _WQ_STATE:
+                    m._parameters[k] = (nn.Parameter(saved[k].clone(), requires_grad=False) if k in saved else None)
+            for k in list(m._buffers):
+                if k not in _WQ_STATE:
+                    m._buffers[k] = saved[k].clone() if k in saved else None
+        if name in snap.replaced:
+            m.weight_replaced = snap.replaced[name]
+        if isinstance(m, QuantLinear):
+            m.invalidate_cache()
+
+
+def run_recipe_on_units(units: Sequence[PtqUnit], calls: dict[str, list[UnitCall]], recipe: Recipe, *,
+                        device: torch.device, seed: int, dtype: torch.dtype | None = None,
+                        holdout: float = 0.25, guard: bool = True,
+                        on_algorithm: Callable[[str, float], None] | None = None) -> list[UnitResult]:
+    """Apply ``recipe`` to ``units`` (already on ``device``, quantizers on); returns one
+    UnitResult per unit (loss_before = RTN, loss_after = the kept state)."""
+    t0 = time.perf_counter()
+    datas = {u.name: UnitData(calls.get(u.name, [])) for u in units}
+    ctxs = {u.name: SolveContext(device=device, seed=unit_seed(seed, u.name), dtype=dtype, holdout=holdout,
+                                 layer_idx=u.layer_idx) for u in units}
+    before = {u.name: (unit_mse(u.module, datas[u.name].calls, device) if len(datas[u.name]) else None)
+              for u in units}
+    snaps = {u.name: snapshot_unit(u.module) for u in units} if guard else {}
+    seconds = {u.name: 0.0 for u in units}
+    stats: dict[str, dict[str, Any]] = {u.name: {} for u in units}
+    for algo in recipe.algorithms:
+        ta = time.perf_counter()
+        grouped = [u for u in units if u.kind in algo.group_kinds]
+        single = [u for u in units if u.kind not in algo.group_kinds]
+        kinds = sorted({u.kind for u in grouped})
+        for kind in kinds:
+            members = [u for u in grouped if u.kind == kind]
+            tg = time.perf_counter()
+            # one context for the group: the seed of its first unit (the group is solved jointly)
+            results = algo.apply_group(members, [datas[u.name] for u in members], ctxs[members[0].name])
+            share = (time.perf_counter() - tg) / max(len(members), 1)
+            for u, r in zip(members, results):
+                stats[u.name][algo.name] = r
+                seconds[u.name] += share
+        for u in single:
+            tu = time.perf_counter()
+            stats[u.name][algo.name] = algo.apply(u, datas[u.name], ctxs[u.name])
+            seconds[u.name] += time.perf_counter() - tu
+        if on_algorithm is not None:
+            on_algorithm(algo.name, time.perf_counter() - ta)
+    out = []
+    for u in units:
+        n = len(datas[u.name])
+        after = unit_mse(u.module, datas[u.name].calls, device) if n else None
+        reverted = False
+        if guard and after is not None and before[u.name] is not None and after > before[u.name]:
+            restore_unit(u.module, snaps[u.name])
+            after, reverted = before[u.name], True
+        stats[u.name]["reverted_to_rtn"] = reverted
+        out.append(UnitResult(name=u.name, kind=u.kind, layer=u.layer_idx, loss_before=before[u.name],
+                              loss_after=after, seconds=seconds[u.name], n_calls=n, n_params=0,
+                              best_epoch=0, stats=stats[u.name]))
+    del t0
+    return out
