@@ -224,3 +224,28 @@ def test_registered_and_checked():
         parse_algo("smoothquant:alpha=1.5")
     with pytest.raises(AmctError, match="pairs"):
         parse_algo("awq:pairs=ffn_norm")
+
+
+def test_rtn_guard_restore_undoes_smoothing(tiny_adapter, layer_data):
+    """The recipe runner's fall back to RTN (snapshot / restore) also puts back what lives
+    outside the unit's state_dict: the block's attn_norm, input_smooth, the experts' up_limit."""
+    from amct_ext.algorithms.runner import restore_unit, snapshot_unit
+
+    ids, xs = layer_data
+    block = quantize_block(tiny_adapter.block(1), W4, T)
+    units, datas = captured(block, 1, ids, xs[1])
+    with torch.no_grad():
+        ref = block(xs[1], 0, ids)
+    norm0 = block.attn_norm.weight.detach().clone()
+    snaps = {u.name: snapshot_unit(u.module) for u in units}
+    for u in units:
+        SmoothQuant(alpha=0.5, keep_if_better=False).apply(u, datas[u.name], SolveContext())
+    assert not torch.equal(block.attn_norm.weight, norm0)
+    for u in units:
+        restore_unit(u.module, snaps[u.name])
+    assert torch.equal(block.attn_norm.weight, norm0) and block.attn.input_smooth is None
+    assert all(getattr(u.module, "up_limit", None) is None for u in units)
+    assert all(not any(k.endswith(".weight") or k in ("input_smooth", "up_limit") for k in u.module.export_ptq_params())
+               for u in units)
+    with torch.no_grad():
+        assert torch.equal(block(xs[1], 0, ids), ref)

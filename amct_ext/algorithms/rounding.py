@@ -87,7 +87,7 @@ class AutoRound(Algorithm):
         module = unit.module
         leaves = _weight_leaves(module)
         if not leaves:
-            return {"skipped": "no integer weight quantizer"}
+            return {"skipped": "no integer weight quantizer with scales from the weight (fp8 / MX, or GPTQ's fixed grid)"}
         if not len(data):
             return {"skipped": "no calls"}
         torch.manual_seed(unit_seed(ctx.seed, unit.name))

@@ -243,6 +243,10 @@ def smooth_unit(unit_module: nn.Module, data: UnitData, device: torch.device, pa
                 candidates) -> dict[str, Any]:
     """Run ``candidates(pair, stats, loss_fn) -> (s or None, info)`` on every quantizing pair
     of the unit and commit the chosen scales. Returns per-pair statistics."""
+    if any(getattr(m, "has_fixed_qparams", False) for m in unit_module.modules()):
+        # a fixed grid (GPTQ) holds values of the unscaled weights: scaling them breaks it
+        raise ConfigError("smoothing must run before gptq in the recipe (the unit already has fixed "
+                          "GPTQ grids), e.g. --algo smoothquant,gptq")
     todo = [p for p in _pairs(unit_module, pairs)
             if any(_is_quantizing(_module(unit_module, r)) for r in p.readers)]
     if not todo or not len(data):

@@ -189,6 +189,16 @@ class PtqUnitMixin:
         """Unit-level state that belongs to no quantized leaf (see the subclasses)."""
         return {}
 
+    def snapshot_extra_state(self):
+        """A callable that puts back what ``state_dict`` does not hold: the replaced-weight
+        record and the subclasses' unit-level state (non-persistent buffers, the attention's
+        input norm outside the unit). Used by the recipe runner's fall back to RTN."""
+        replaced = set(self.__dict__.get("_replaced", ()))
+
+        def restore() -> None:
+            self.__dict__["_replaced"] = set(replaced)
+        return restore
+
     def load_extra_ptq_params(self, params: dict[str, torch.Tensor]) -> None:
         """Consume the unit-level keys of ``params`` (pop them); the rest go to the leaves."""
 
@@ -342,6 +352,22 @@ class QuantV4Attention(PtqUnitMixin, Attention):
     def extra_ptq_params(self) -> dict[str, torch.Tensor]:
         return {} if self.input_smooth is None else {"input_smooth": self.input_smooth}
 
+    def snapshot_extra_state(self):
+        base = super().snapshot_extra_state()
+        smooth = None if self.input_smooth is None else self.input_smooth.clone()
+        orig = self.__dict__.get("_input_norm_weight")
+        norm = self.input_norm
+        norm_w = None if norm is None else norm.weight.detach().clone()
+
+        @torch.no_grad()
+        def restore() -> None:
+            base()
+            self.input_smooth = smooth
+            object.__setattr__(self, "_input_norm_weight", orig)
+            if norm is not None:
+                norm.weight.copy_(norm_w)
+        return restore
+
     def smoothing_subgraphs(self) -> list[SmoothPair]:
         """Scale-migration pairs of the attention (producer / s, every reader * s).
 
@@ -438,6 +464,16 @@ class QuantV4Expert(PtqUnitMixin, QuantGatedMLP):
 
     def extra_ptq_params(self) -> dict[str, torch.Tensor]:
         return {} if self.up_limit is None else {"up_limit": self.up_limit}
+
+    def snapshot_extra_state(self):
+        base = super().snapshot_extra_state()
+        limit = None if self.up_limit is None else self.up_limit.clone()
+
+        def restore() -> None:
+            base()
+            self.up_limit = limit
+            self.w3.invalidate_cache()
+        return restore
 
     def smoothing_subgraphs(self) -> list[SmoothPair]:
         """w3 (its rows, with the per-channel clamp limit) -> w2's input columns. ffn_norm ->
