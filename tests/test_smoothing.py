@@ -249,3 +249,55 @@ def test_rtn_guard_restore_undoes_smoothing(tiny_adapter, layer_data):
                for u in units)
     with torch.no_grad():
         assert torch.equal(block(xs[1], 0, ids), ref)
+
+
+def test_workflow_saves_what_was_solved(tiny_adapter, tmp_path):
+    """Through run_blockwise_ptq (files on disk): a fresh block loading the saved parameters
+    of each unit reproduces the loss the recipe reported for that unit (on the same float
+    inputs; the attention's input is attn_norm's output with s folded in, equal to x / s up to
+    fp32 rounding, hence the relative tolerance -- far below the gains)."""
+    from amct_ext.base import PtqConfig
+    from amct_ext.workflow import PARAMS_DIR, load_unit_params, run_blockwise_ptq
+
+    ids = torch.randint(2, 512, (2, 64), generator=torch.Generator().manual_seed(5))
+    cfg = PtqConfig(n_samples=2, seq_len=64, batch_size=2)
+    recipe = parse_algo("awq:n_grid=4,autoround:iters=8")
+    res = run_blockwise_ptq(tiny_adapter, W4, T, cfg, tmp_path, layers=range(0, 2), calib_windows=ids,
+                            recipe=recipe)
+    reported = {u.name: u for u in res.units}
+    x = tiny_adapter.do_embedding_forward([ids])[0]
+    with torch.no_grad():
+        x = tiny_adapter.block(0)(x, 0, ids)                          # layer 1's float input
+    block = quantize_block(tiny_adapter.block(1), W4, T)
+    units = list(iter_block_ptq_units(block, 1, T))
+    for u in units:
+        load_unit_params(u, tmp_path / PARAMS_DIR)
+    _, datas = captured(block, 1, ids, x)
+    gains = 0
+    for u in units:
+        r = reported[u.name]
+        if not len(datas[u.name]):
+            continue
+        loss = unit_mse(u.module, datas[u.name].calls, torch.device("cpu"))
+        assert loss == pytest.approx(r.loss_after, rel=1e-4), u.name
+        gains += r.loss_after < 0.99 * r.loss_before
+    assert gains >= 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_in_place_writes_never_reach_later_loads(tiny_ckpt, dtype):
+    """Smoothing / GPTQ / loading a replaced weight write into a block's parameters in place.
+    A parameter read without conversion used to be a view of the cached shard memory map, so
+    the write changed every later load of the layer in the process (the PTQ evaluation then
+    folded input_smooth into an already folded attn_norm). Every loaded tensor owns its memory."""
+    from amct_ext.base import RunConfig
+    from models.deepseek_v4.adapter import DeepseekV4Adapter
+
+    with DeepseekV4Adapter(RunConfig(tiny_ckpt, device="cpu", dtype=dtype, progress=False)) as ad:
+        first = ad.block(1)
+        before = {n: p.detach().clone() for n, p in first.named_parameters()}
+        with torch.no_grad():
+            for p in first.parameters():
+                p.mul_(2)
+        again = dict(ad.block(1).named_parameters())
+        assert [n for n, v in before.items() if not torch.equal(again[n], v)] == []
