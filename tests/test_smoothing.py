@@ -158,10 +158,20 @@ def test_expert_clamp_is_exact_with_per_channel_limit(one_thread):
     assert set(q.export_ptq_params()) >= {"w3.weight", "w2.weight", "up_limit"}
 
 
-def test_smoothquant_cuts_outlier_channel_error(tiny_adapter, layer_data):
+STATIC_W8A8 = QuantScheme.from_dict({
+    "name": "w8a8-static", "weight": {"format": "int", "bits": 8, "symmetric": True, "granularity": "channel"},
+    "input": {"format": "int", "bits": 8, "symmetric": True, "granularity": "tensor", "dynamic": False},
+    "cache": None})
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "static"])
+def test_smoothquant_cuts_outlier_channel_error(tiny_adapter, layer_data, scheme):
     """Outlier channels in the attention input (attn_norm weight x 30 on 4 channels, readers'
-    columns / 30: the same float function) ruin per-token int8 activations; SmoothQuant
-    migrates them into the weights and cuts the unit's output error by more than 3x."""
+    columns / 30: the same float function) ruin int8 activations (per-token dynamic, or static
+    per-tensor ranges, which are re-observed on the smoothed unit); SmoothQuant migrates them
+    into the weights and cuts the unit's output error by more than 3x."""
+    from amct_ext.workflow import finish_static
+
     ids, xs = layer_data
     i = 0
     block = tiny_adapter.block(i)
@@ -169,12 +179,20 @@ def test_smoothquant_cuts_outlier_channel_error(tiny_adapter, layer_data):
         block.attn_norm.weight[:4] *= 30
         for name in ("wq_a", "wkv"):
             getattr(block.attn, name).weight[:, :4] /= 30
-    block = quantize_block(block, load_scheme("w8a8"), T)
+    block = quantize_block(block, load_scheme("w8a8") if scheme == "w8a8" else STATIC_W8A8, T)
     units, datas = captured(block, i, ids, xs[i])
     unit = units[0]
+    if scheme == "static":   # the workflow's observe pass (RTN weights, float inputs)
+        with torch.no_grad():
+            block(xs[i], 0, ids)
+        finish_static(block, i)
+        wq_a_range = unit.module.wq_a.input_quantizer.running_max.clone()
     st = SmoothQuant(alpha=0.5).apply(unit, datas[unit.name], SolveContext())
     assert st["pairs"]["attn_norm"]["alpha"] == 0.5
     assert st["loss_after"] < st["loss_before"] / 3
+    if scheme == "static":   # re-observed on x / s: the outliers are gone from the range
+        assert unit.module.wq_a.input_quantizer.mode == "quant"
+        assert float(unit.module.wq_a.input_quantizer.running_max) < 0.5 * float(wq_a_range)
     # the stats are honest: the final loss is the unit's MSE on the rescaled calls
     assert st["loss_after"] == pytest.approx(unit_mse(unit.module, datas[unit.name].calls, torch.device("cpu")),
                                              rel=1e-9)
