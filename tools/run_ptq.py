@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-ppl", action=argparse.BooleanOptionalAction, default=None,
                     help="float / RTN / PTQ perplexity (default: on for tiny, off otherwise)")
     ap.add_argument("--no-ptq", action="store_true", help="skip learning (PPL of float and RTN only)")
+    ap.add_argument("--ppl-modes", default="float,rtn",
+                    help="reference perplexities computed before PTQ (comma list of float, rtn; '' for none)")
     ap.add_argument("--device", default="auto", help="auto | npu | cuda | cpu (or cuda:1, npu:2)")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="compute dtype (default: tiny fp32, V4 bf16)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: tiny 1, else torch's)")
@@ -150,8 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
                          "fit one device, e.g. V4-Pro on 64 GB); otherwise each layer is built on --device")
     ap.add_argument("--start-layer", type=int, default=None, help="first layer to quantize")
     ap.add_argument("--end-layer", type=int, default=None, help="layers [start, end) are quantized (end exclusive)")
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--algo", default=None,
+                    help="comma list of algorithms run in order on every unit, e.g. gptq or clip,gptq or "
+                         "gptq:act_order=true (default: the scheme's default recipe, algorithms/recipe.py)")
+    ap.add_argument("--recipe", default=None, help="recipe file (JSON; YAML with PyYAML), instead of --algo")
+    ap.add_argument("--propagate", choices=("float", "quant"), default=None,
+                    help="calibrate later layers on float predecessors or on the quantized ones "
+                         "(default: the scheme's default recipe's choice)")
+    ap.add_argument("--holdout", type=float, default=0.25,
+                    help="share of each unit's calibration calls held out by validating algorithms (clip)")
+    ap.add_argument("--no-guard", action="store_true",
+                    help="keep an algorithm's result even where a unit ends worse than RTN on its calls")
+    ap.add_argument("--legacy-solver", action="store_true",
+                    help="the pre-recipe solver: learned clipping only, --epochs / --lr (no held-out check)")
+    ap.add_argument("--epochs", type=int, default=2, help="--legacy-solver epochs")
+    ap.add_argument("--lr", type=float, default=5e-3, help="--legacy-solver learning rate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=None, help="calibration windows per forward")
     ap.add_argument("--eval-batch-size", type=int, default=None)
@@ -177,7 +192,8 @@ def run(args) -> int:
     from amct_ext.io_utils import atomic_write_json
     from amct_ext.schemes import load_scheme, parse_targets
     from amct_ext.workflow import (PARAMS_DIR, check_seq_len, evaluate_blockwise, layer_range, load_calib_windows,
-                                   load_eval_windows, prepare_params_dir, run_blockwise_ptq, summary_table)
+                                   load_eval_windows, prepare_params_dir, recipe_meta, run_blockwise_ptq,
+                                   summary_table)
     from models.deepseek_v4.adapter import DeepseekV4Adapter
 
     t_start = time.perf_counter()
@@ -187,6 +203,15 @@ def run(args) -> int:
 
     # ---- validate everything before writing anything
     scheme = load_scheme(args.scheme)
+    from amct_ext.algorithms.recipe import default_recipe, resolve_recipe
+
+    if args.legacy_solver and (args.algo or args.recipe):
+        raise ConfigError("--legacy-solver runs the learned-clip solver alone: drop --algo / --recipe")
+    recipe, default_propagate = None, "float"
+    if not args.legacy_solver:
+        d_algo, default_propagate = default_recipe(scheme.name)
+        recipe = resolve_recipe(args.algo, args.recipe, default=d_algo)
+    propagate = args.propagate or default_propagate
     targets = scheme.check_targets(parse_targets(args.quant_target))
     model_path = resolve_model_path(args)
     check_weights_present(model_path)
@@ -215,8 +240,9 @@ def run(args) -> int:
     with DeepseekV4Adapter(run_cfg) as adapter:
         check_seq_len(adapter, seq_len, "--seq-len")
         layers = layer_range(adapter, args.start_layer, args.end_layer)
+        rmeta = recipe_meta(recipe, propagate, args.holdout, not args.no_guard)
         if not args.no_ptq:
-            prepare_params_dir(adapter, out, scheme, targets, ptq_cfg, create=False)
+            prepare_params_dir(adapter, out, scheme, targets, ptq_cfg, create=False, recipe_settings=rmeta)
         calib = load_calib_windows(adapter, ptq_cfg)
         windows = load_eval_windows(adapter, eval_cfg) if eval_ppl else None
 
@@ -225,7 +251,9 @@ def run(args) -> int:
         peaks = []
         evals = {}
         if eval_ppl:
-            for mode in ("float", "rtn"):
+            for mode in [m for m in args.ppl_modes.split(",") if m]:
+                if mode not in ("float", "rtn"):
+                    raise ConfigError(f"--ppl-modes: {mode!r} is not float or rtn")
                 r = evaluate_blockwise(adapter, windows, eval_cfg, mode, scheme=scheme, targets=targets,
                                        layers=layers, calib_windows=calib, calib_batch_size=ptq_cfg.batch_size)
                 ppl[mode] = r.ppl
@@ -233,8 +261,13 @@ def run(args) -> int:
                 peaks.append(r.memory.peak_memory_bytes)
                 print(f"ppl[{mode}] = {r.ppl:.4f}  ({r.n_windows} windows x {r.seq_len}, {r.seconds:.1f} s)", flush=True)
         units = []
+        ptq_wall = None
         if not args.no_ptq:
-            res = run_blockwise_ptq(adapter, scheme, targets, ptq_cfg, out, layers=layers, calib_windows=calib)
+            t_ptq = time.perf_counter()
+            res = run_blockwise_ptq(adapter, scheme, targets, ptq_cfg, out, layers=layers, calib_windows=calib,
+                                    recipe=recipe, propagate=propagate, holdout=args.holdout,
+                                    guard=not args.no_guard)
+            ptq_wall = time.perf_counter() - t_ptq
             units = res.units
             peaks.append(res.memory.peak_memory_bytes)
             print(summary_table(units), flush=True)
@@ -255,10 +288,13 @@ def run(args) -> int:
                             "epochs": ptq_cfg.epochs, "lr": ptq_cfg.lr, "seed": ptq_cfg.seed},
             "eval": None if not eval_ppl else {"path": str(eval_path), "windows": int(windows.shape[0]),
                                                "seq_len": seq_len},
+            "recipe": None if recipe is None else {"algorithms": recipe.settings(), "propagate": propagate,
+                                                   "holdout": args.holdout, "guard": not args.no_guard},
+            "ptq_wall_s": ptq_wall,
             "ppl": ppl,
             "units": [{"name": u.name, "kind": u.kind, "layer": u.layer, "loss_before": u.loss_before,
                        "loss_after": u.loss_after, "seconds": u.seconds, "n_calls": u.n_calls,
-                       "resumed": u.resumed} for u in units],
+                       "resumed": u.resumed, "stats": u.stats} for u in units],
             "evaluations": evals,
             "wall_s": time.perf_counter() - t_start,
             "peak_memory_bytes": max(peaks) if peaks else devmod.peak_memory_bytes(adapter.device),

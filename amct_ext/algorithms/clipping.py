@@ -115,7 +115,7 @@ class Clip(Algorithm):
     epochs: int = 2
     lr: float = 5e-3
     activation: bool = True
-    act_grid: str = "1.0,0.95,0.9,0.85,0.8,0.7,0.6"
+    act_grid: str = "1.0,0.9,0.8,0.7,0.6,0.5,0.4,0.3"
 
     def check(self) -> None:
         if self.grid < 0 or self.grid == 1:

@@ -316,7 +316,9 @@ class GPTQ(Algorithm):
 
     def apply_group(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
         dev = ctx.device
-        all_calls = _all_token_calls(datas) if self.all_tokens else None
+        # all_tokens concerns routed experts only (the other kinds already see every token)
+        routed = all(u.kind == "expert" for u in units)
+        all_calls = _all_token_calls(datas) if self.all_tokens and routed else None
         per_unit = []
         for u, d in zip(units, datas):
             calls = all_calls if all_calls is not None else d.calls

@@ -237,3 +237,28 @@ def resolve_recipe(algo: str | None = None, recipe_file: str | Path | None = Non
 
 __all__ = ["Recipe", "RecipeError", "register", "known_algorithms", "algorithm_class", "build_algorithm",
            "parse_algo", "recipe_from_data", "load_recipe_file", "resolve_recipe", "BUILTIN_MODULES"]
+
+
+# ----------------------------------------------------------------------------- defaults
+#: The default recipe and propagation of every built-in scheme: the best combination measured
+#: on the quality table (assets/tiny-v4, benchmarks/results_i13.md). A scheme not listed
+#: (a user's file) gets DEFAULT_FALLBACK.
+DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
+    "w8a8": ("gptq", "float"),
+    "w4a8": ("gptq", "float"),
+    "w4a16-g128": ("gptq", "float"),
+    "w3a16-g128": ("gptq", "float"),
+    "w4a16": ("gptq", "float"),
+    "w2a16-g64": ("gptq", "float"),
+    "fp8": ("gptq", "float"),
+    "mxfp8": ("gptq", "float"),
+    "mxfp4": ("gptq", "float"),
+    "kv8": ("rtn", "float"),
+    "kv8-fp8": ("rtn", "float"),
+}
+DEFAULT_FALLBACK = ("gptq", "float")
+
+
+def default_recipe(scheme_name: str) -> tuple[str, str]:
+    """(algo string, propagate) for a scheme name."""
+    return DEFAULT_RECIPES.get(scheme_name, DEFAULT_FALLBACK)

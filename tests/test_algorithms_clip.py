@@ -1,0 +1,136 @@
+"""Clipping that never loses: RTN kept when it wins on the held-out slice, the grid start is
+never worse than RTN on the training slice (and helps on heavy-tailed weights), activation
+ranges searched for static specs, fixed GPTQ grids handled."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from amct_ext import formats
+from amct_ext.algorithms import SolveContext, UnitData, parse_algo
+from amct_ext.algorithms.clipping import Clip, grid_clip
+from amct_ext.algorithms.gptq import GPTQ
+from amct_ext.capture import UnitCall
+from amct_ext.ptq_units import make_ptq_unit
+from amct_ext.quant_linear import QuantLinear
+from amct_ext.schemes import TensorSpec
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SPEC = TensorSpec("int", 3, True, "channel")
+
+
+def _unit(w, spec=SPEC, act=None):
+    """A one-linear unit with the PTQ-unit interface (ptq_parameters etc.)."""
+    from models.deepseek_v4.quant_module import PtqUnitMixin
+
+    class OneLinear(PtqUnitMixin, torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(x)
+
+    q = QuantLinear(torch.nn.Parameter(w.clone()), None, spec, act)
+    return q, make_ptq_unit("attn", "layers.0.attn", 0, OneLinear(q))
+
+
+def _calls(x, w, n=4):
+    with torch.no_grad():
+        return [UnitCall((xi,), {}, xi @ w.T) for xi in x.chunk(n)]
+
+
+def test_rtn_kept_when_it_wins_on_the_held_out_slice():
+    """Column 0 of the weight is an outlier. The training windows never use channel 0, so
+    clipping it away wins there; the held-out window leans on channel 0, where RTN wins."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 32, generator=g) * 0.1
+    w[:, 0] = 2.0
+    x_train = torch.randn(3 * 64, 32, generator=g)
+    x_train[:, 0] = 0
+    x_held = torch.randn(64, 32, generator=g)
+    x_held[:, 0] *= 20
+    calls = _calls(x_train, w, 3) + _calls(x_held, w, 1)
+    q, unit = _unit(w)
+    rtn = q.quantized_weight().detach().clone()
+    stats = Clip(epochs=2, lr=5e-2).apply(unit, UnitData(calls), SolveContext(holdout=0.25))
+    assert stats["holdout_calls"] == 1
+    assert stats["grid_train_loss"] < stats["rtn_train_loss"]           # clipping wins on training ...
+    assert min(stats["candidates"]["grid"], stats["candidates"]["learned"]) > stats["candidates"]["incoming"]
+    assert stats["choice"] == "incoming"                                # ... but loses held out: RTN
+    assert q.weight_quantizer.clip is None and torch.equal(q.quantized_weight(), rtn)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_grid_start_never_worse_than_rtn_on_training(seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.distributions.StudentT(2.0).sample((24, 64)) * 0.05       # heavy tails: clipping pays
+    x = torch.randn(256, 64, generator=g)
+    q, unit = _unit(w, TensorSpec("int", 3, False, "group", 32))
+    stats = Clip(epochs=0).apply(unit, UnitData(_calls(x, w)), SolveContext(holdout=0.25))
+    assert stats["grid_train_loss"] <= stats["rtn_train_loss"]
+    assert stats["candidates"][stats["choice"]] <= stats["candidates"]["incoming"]
+    if seed == 1:
+        assert stats["grid_kept"] and stats["grid_train_loss"] < 0.95 * stats["rtn_train_loss"]
+
+
+def test_grid_clip_minimises_the_proxy_per_block():
+    torch.manual_seed(4)
+    w = torch.randn(8, 64) ** 3
+    spec = TensorSpec("int", 4, False, "group", 32)
+    imp = torch.rand(64)
+    c = grid_clip(w, spec, imp, 11, 0.5)
+    lay = formats._layout(w.shape, spec, "w")
+
+    def err(clip):
+        e = lay.view((w - formats.fake_quant(w, spec, clip)).square() * imp)
+        return lay.to_public(e.sum(-1, keepdim=True))
+
+    e_best = err(c)
+    for f in torch.linspace(1.0, 0.5, 11).tolist():
+        assert bool((e_best <= err(torch.full_like(c, f)) + 1e-7).all())
+    assert bool((c < 1).any())
+
+
+def test_activation_range_search_for_static_specs():
+    """A static per-tensor int4 input with one rare outlier token: a smaller range wins."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(16, 32, generator=g) * 0.2
+    x = torch.randn(4 * 64, 32, generator=g)
+    x[5, 3] = 12.0      # observed once, inflates the range 3x
+    act = TensorSpec("int", 4, True, "tensor", dynamic=False)
+    q, unit = _unit(w, TensorSpec("int", 8, True, "channel"), act)
+    q.input_quantizer.mode = "observe"
+    with torch.no_grad():
+        q(x)
+    q.input_quantizer.mode = "quant"
+    lo, hi = q.input_quantizer.running_min.clone(), q.input_quantizer.running_max.clone()
+    stats = Clip(grid=0, epochs=0).apply(unit, UnitData(_calls(x, w)), SolveContext(holdout=0.25))
+    a = stats["activation"]
+    assert a["quantizers"] == 1 and a["kept"] and a["factors"]["lin.input_quantizer"] < 1.0
+    assert float(q.input_quantizer.running_max) < float(hi)
+
+
+def test_clip_after_gptq_keeps_gptq_when_it_is_better():
+    g = torch.Generator().manual_seed(7)
+    mix = torch.randn(64, 64, generator=g) / 8 + 0.3 * torch.eye(64)
+    x = torch.randn(512, 64, generator=g) @ mix
+    w = torch.randn(32, 64, generator=g) / 8
+    q, unit = _unit(w, TensorSpec("int", 3, False, "group", 32))
+    calls = _calls(x, w)
+    ctx = SolveContext(holdout=0.25)
+    GPTQ().apply(unit, UnitData(calls), ctx)
+    gptq_w = q.quantized_weight().detach().clone()
+    stats = Clip(epochs=1).apply(unit, UnitData(calls), ctx)
+    if stats["choice"] == "incoming":
+        assert q.weight_quantizer.has_fixed_qparams and torch.equal(q.quantized_weight(), gptq_w)
+    else:
+        assert not q.weight_quantizer.has_fixed_qparams
+    assert stats["judge_loss"] <= stats["candidates"]["incoming"]
+
+
+def test_clip_options_are_checked():
+    with pytest.raises(Exception, match="grid"):
+        parse_algo("clip:grid=1")
+    with pytest.raises(Exception, match="act_grid"):
+        parse_algo("clip:act_grid=abc")
