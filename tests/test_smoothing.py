@@ -319,3 +319,31 @@ def test_in_place_writes_never_reach_later_loads(tiny_ckpt, dtype):
                 p.mul_(2)
         again = dict(ad.block(1).named_parameters())
         assert [n for n, v in before.items() if not torch.equal(again[n], v)] == []
+
+
+def test_held_out_calls_veto_a_scale_that_does_not_generalise(tiny_adapter, layer_data):
+    """validate: a pair's scales are kept only when they also lower the loss of the held-out
+    calls. Here the held-out call's target is the RTN output itself (RTN loss 0 there), so
+    every scale is worse on it and is refused, although it wins on the training call."""
+    from amct_ext.capture import UnitCall
+
+    ids, xs = layer_data
+    block = tiny_adapter.block(0)
+    with torch.no_grad():
+        block.attn_norm.weight[:4] *= 30
+        for name in ("wq_a", "wkv"):
+            getattr(block.attn, name).weight[:, :4] /= 30
+    block = quantize_block(block, load_scheme("w8a8"), T)
+    units, datas = captured(block, 0, ids, xs[0])
+    unit, call = units[0], datas[units[0].name].calls[0]
+    with torch.no_grad():
+        rtn_out = unit.module(*call.args)
+    held = UnitCall(call.args, call.kwargs, rtn_out)
+    ctx = SolveContext(holdout=0.5)
+    st = SmoothQuant(alpha=0.5).apply(unit, UnitData([call, held]), ctx)
+    info = st["pairs"]["attn_norm"]
+    assert info["loss_with_alpha"] < info["loss_before"] / 3          # wins on the training call
+    assert info["kept"] is False and info["held_out_after"] > info["held_out_before"] == 0.0
+    assert unit.module.input_smooth is None
+    SmoothQuant(alpha=0.5, validate=False, keep_if_better=False).apply(unit, UnitData([call, held]), ctx)
+    assert unit.module.input_smooth is not None

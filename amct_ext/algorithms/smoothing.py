@@ -240,9 +240,11 @@ def _check_pairs(pairs: str) -> None:
 
 
 def smooth_unit(unit_module: nn.Module, data: UnitData, device: torch.device, pairs: str,
-                candidates) -> dict[str, Any]:
+                candidates, held_out: Sequence[UnitCall] = ()) -> dict[str, Any]:
     """Run ``candidates(pair, stats, loss_fn) -> (s or None, info)`` on every quantizing pair
-    of the unit and commit the chosen scales. Returns per-pair statistics."""
+    of the unit and commit the chosen scales. ``loss_fn`` measures the training calls (all
+    calls but ``held_out``, given by position: the last ones); with held-out calls a chosen s
+    is kept only when it also lowers their loss. Returns per-pair statistics."""
     if any(getattr(m, "has_fixed_qparams", False) for m in unit_module.modules()):
         # a fixed grid (GPTQ) holds values of the unscaled weights: scaling them breaks it
         raise ConfigError("smoothing must run before gptq in the recipe (the unit already has fixed "
@@ -251,7 +253,8 @@ def smooth_unit(unit_module: nn.Module, data: UnitData, device: torch.device, pa
             if any(_is_quantizing(_module(unit_module, r)) for r in p.readers)]
     if not todo or not len(data):
         return {"pairs": {}, "skipped": "no calls" if todo else "no quantized smoothing pair"}
-    stats = channel_stats(unit_module, data.calls, device, {p.name: p.stat_module for p in todo})
+    n_train = len(data) - len(held_out)
+    stats = channel_stats(unit_module, data.calls[:n_train], device, {p.name: p.stat_module for p in todo})
     has_static = any(isinstance(m, ActivationQuantizer) and m.is_static and m.mode != "off"
                      for m in unit_module.modules())
     report: dict[str, Any] = {}
@@ -260,13 +263,14 @@ def smooth_unit(unit_module: nn.Module, data: UnitData, device: torch.device, pa
         if pair.name not in stats:
             continue
 
-        def loss_of(s: torch.Tensor | None, pair=pair) -> float:
+        def loss_of(s: torch.Tensor | None, pair=pair, part: str = "train") -> float:
             """Quantized output MSE with ``s`` folded in (then undone); None = as it is now."""
+            calls = data.calls[:n_train] if part == "train" else data.calls[n_train:]
             if s is None:
-                return unit_mse(unit_module, data.calls, device)
+                return unit_mse(unit_module, calls, device)
             snap = _Snapshot(unit_module, pair)
             fold_scales(unit_module, pair, s)
-            calls = scaled_calls(data.calls, s) if pair.producer is None else data.calls
+            calls = scaled_calls(calls, s) if pair.producer is None else calls
             try:
                 if has_static:
                     reobserve_static(unit_module, calls, device)
@@ -277,6 +281,11 @@ def smooth_unit(unit_module: nn.Module, data: UnitData, device: torch.device, pa
                     reobserve_static(unit_module, data.calls, device)
 
         s, info = candidates(pair, stats[pair.name], loss_of)
+        if s is not None and n_train < len(data):
+            h0, h1 = loss_of(None, part="held_out"), loss_of(s, part="held_out")
+            info = {**info, "held_out_before": h0, "held_out_after": h1}
+            if not h1 < h0:   # better on the calls it was chosen on only: not kept
+                s, info["kept"] = None, False
         if s is not None:
             commit_scales(unit_module, data, pair, s)
             if has_static:
@@ -297,18 +306,24 @@ def commit_scales(unit_module: nn.Module, data: UnitData | None, pair, s: torch.
         unit_module.mark_replaced(name)
 
 
+def _held_out(data: UnitData, ctx: SolveContext, validate: bool) -> list[UnitCall]:
+    return ctx.split(data.calls)[1] if validate else []
+
+
 @register
 @dataclass
 class SmoothQuant(Algorithm):
     """SmoothQuant with a fixed migration strength ``alpha`` on every pair of ``pairs``.
 
     ``keep_if_better``: a pair's scales are kept only when they lower the quantized unit's
-    output MSE on the captured calls (otherwise that pair stays unsmoothed)."""
+    output MSE on the training calls (otherwise that pair stays unsmoothed). ``validate``: and
+    on the held-out calls (``SolveContext.holdout``, the last calls of the unit)."""
 
     name: ClassVar[str] = "smoothquant"
     alpha: float = 0.5
     pairs: str = "all"
     keep_if_better: bool = True
+    validate: bool = True
 
     def check(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -328,7 +343,7 @@ class SmoothQuant(Algorithm):
                                            "loss_with_alpha": after}
 
         with torch.no_grad():
-            return smooth_unit(module, data, ctx.device, self.pairs, choose)
+            return smooth_unit(module, data, ctx.device, self.pairs, choose, _held_out(data, ctx, self.validate))
 
 
 @register
@@ -336,13 +351,15 @@ class SmoothQuant(Algorithm):
 class AWQ(Algorithm):
     """Activation-aware scale search: per pair, alpha over ``i / n_grid`` (i < n_grid) with
     ``s = mean|X|^alpha`` (``duo_scaling``: ``/ max|W|^(1-alpha)``); keeps the alpha with the
-    smallest quantized unit output MSE on the captured calls, or no scaling when none beats
-    the unsmoothed unit."""
+    smallest quantized unit output MSE on the training calls, or no scaling when none beats
+    the unsmoothed unit; ``validate``: the chosen alpha is kept only when it also beats the
+    unsmoothed unit on the held-out calls (``SolveContext.holdout``)."""
 
     name: ClassVar[str] = "awq"
     n_grid: int = 20
     duo_scaling: bool = False
     pairs: str = "all"
+    validate: bool = True
 
     def check(self) -> None:
         if self.n_grid < 1:
@@ -367,4 +384,4 @@ class AWQ(Algorithm):
             return best_s, {"alpha": best_alpha, "loss_before": base, "loss_after": best_loss}
 
         with torch.no_grad():
-            return smooth_unit(module, data, ctx.device, self.pairs, choose)
+            return smooth_unit(module, data, ctx.device, self.pairs, choose, _held_out(data, ctx, self.validate))
