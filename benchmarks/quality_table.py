@@ -12,6 +12,15 @@ For every built-in scheme and quant target it runs `tools/run_ptq.py --model tin
     python benchmarks/quality_table.py --out benchmarks/quality [--eval-windows 64] [--seq-len 256]
 
 Finished runs are kept in OUT/runs/<scheme>_<targets>/report.json and skipped on a rerun.
+
+Algorithm table (``--algorithms``): rows = every built-in weight scheme, columns = algorithms
+(RTN, clip, GPTQ, smoothing + GPTQ, AWQ, learnable rounding, the scheme's default recipe, and
+any ``--extra`` combination ``algo[,algo...][@float|@quant]``), each with PPL and PTQ wall time:
+
+    python benchmarks/quality_table.py --algorithms --out runs/quality_i13 [--schemes w3a16-g128,w8a8]
+
+A column whose algorithms are not registered (not merged yet) is shown as "n/a". Writes
+OUT/algorithms.json and OUT/algorithms.md; runs are kept in OUT/runs/<scheme>/<column>/.
 """
 from __future__ import annotations
 
@@ -48,14 +57,131 @@ def run_one(scheme: str, targets: str, out: Path, args) -> dict:
     return json.loads(report.read_text())
 
 
+WEIGHT_SCHEMES = ("w8a8", "w4a8", "w4a16-g128", "w3a16-g128", "w4a16", "w2a16-g64", "fp8", "mxfp8", "mxfp4")
+#: (column title, algo string or None for RTN or "default", propagate or None for the default)
+ALGO_COLUMNS = (("RTN", None, None), ("clip", "clip", "float"), ("GPTQ", "gptq", "float"),
+                ("smoothing+GPTQ", "smoothquant,gptq", "float"), ("AWQ", "awq", "float"),
+                ("learnable rounding", "autoround", "float"), ("default", "default", None))
+
+
+def _registered(algo: str) -> bool:
+    from amct_ext.algorithms.recipe import RecipeError, parse_algo
+
+    try:
+        parse_algo(algo)
+        return True
+    except RecipeError:
+        return False
+
+
+def _column_tag(algo: str | None, prop: str | None) -> str:
+    if algo is None:
+        return "rtn-eval"
+    return algo.replace(",", "+").replace(":", "-").replace("=", "_") + (f"@{prop}" if prop else "")
+
+
+def run_algo(scheme: str, algo: str | None, prop: str | None, out: Path, args, with_float: bool = False) -> dict:
+    from tools.run_ptq import main as run_ptq
+
+    run_dir = out / "runs" / scheme / _column_tag(algo, prop)
+    report = run_dir / "report.json"
+    if not report.is_file():
+        argv = ["--model", "tiny-trained", "--scheme", scheme, "--quant-target", args.targets,
+                "--output-dir", str(run_dir), "--eval-windows", str(args.eval_windows),
+                "--seq-len", str(args.seq_len), "--calib-samples", str(args.calib_samples), "--quiet"]
+        if algo is None:
+            argv += ["--no-ptq", "--ppl-modes", "float,rtn" if with_float else "rtn"]
+        else:
+            argv += ["--algo", algo, "--ppl-modes", ""]
+            if prop:
+                argv += ["--propagate", prop]
+        rc = run_ptq(argv)
+        if rc != 0:
+            raise SystemExit(f"run_ptq failed for {scheme} / {algo}")
+    return json.loads(report.read_text())
+
+
+def algorithms_main(args) -> int:
+    from amct_ext.algorithms.recipe import default_recipe
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    schemes = [s for s in args.schemes.split(",") if s] if args.schemes else list(WEIGHT_SCHEMES)
+    columns = list(ALGO_COLUMNS)
+    for extra in args.extra:
+        algo, _, prop = extra.partition("@")
+        columns.append((extra, algo, prop or "float"))
+    table: dict[str, dict[str, dict]] = {}
+    float_ppl = None
+    jpath = out / "algorithms.json"
+    if jpath.is_file():
+        saved = json.loads(jpath.read_text())
+        table, float_ppl = saved.get("table", {}), saved.get("float_ppl")
+    for si, scheme in enumerate(schemes):
+        row = table.setdefault(scheme, {})
+        done: dict[tuple, dict] = {}
+        for title, algo, prop in columns:
+            t0 = time.time()
+            if algo == "default":
+                algo, prop = default_recipe(scheme)
+                cell_note = f"{algo}@{prop}"
+            else:
+                cell_note = None
+            if algo is not None and not _registered(algo):
+                row[title] = {"ppl": None, "wall_s": None, "note": "n/a (algorithm not registered)"}
+                continue
+            key = (algo, prop)
+            if args.render_only and key not in done and not (
+                    out / "runs" / scheme / _column_tag(algo, prop) / "report.json").is_file():
+                row[title] = {"ppl": None, "wall_s": None, "note": "not run"}
+                continue
+            rep = done.get(key) or run_algo(scheme, algo, prop, out, args, with_float=float_ppl is None)
+            done[key] = rep
+            if algo is None:
+                float_ppl = rep["ppl"]["float"] if rep["ppl"].get("float") else float_ppl
+                ppl, wall = rep["ppl"]["rtn"], 0.0
+            else:
+                ppl, wall = rep["ppl"]["quant"], rep.get("ptq_wall_s")
+            row[title] = {"ppl": ppl, "wall_s": wall, "note": cell_note}
+            print(f"{scheme:12s} {title:20s} ppl {ppl:.3f}  ({time.time() - t0:.0f} s)", flush=True)
+            atomic_write_json({"float_ppl": float_ppl, "table": table, "columns": [c[0] for c in columns]}, jpath)
+    titles = [c[0] for c in columns]
+    lines = [f"Float perplexity **{float_ppl:.3f}** (assets/tiny-v4; {args.eval_windows} x {args.seq_len} tokens of "
+             f"wiki.test.raw; calibration {args.calib_samples} x {args.seq_len} of valid.txt; targets {args.targets}). "
+             "Each cell: PPL (change vs float) / PTQ wall time.", "",
+             "| scheme | " + " | ".join(titles) + " |", "| --- |" + " ---: |" * len(titles)]
+    for scheme in schemes:
+        cells = []
+        for t in titles:
+            c = table.get(scheme, {}).get(t)
+            if not c or c["ppl"] is None:
+                cells.append((c or {}).get("note") or "-")
+                continue
+            txt = f"{c['ppl']:.2f} ({100 * (c['ppl'] / float_ppl - 1):+.2f} %) / {c['wall_s']:.0f} s"
+            if c.get("note"):
+                txt += f" [{c['note']}]"
+            cells.append(txt)
+        lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
+    atomic_write(out / "algorithms.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--algorithms", action="store_true", help="the algorithm table (see the module doc)")
+    ap.add_argument("--schemes", default=None, help="algorithm table: comma list of schemes (default: all weight schemes)")
+    ap.add_argument("--extra", nargs="*", default=[], help="algorithm table: extra columns algo[,algo][@propagate]")
+    ap.add_argument("--targets", default="attn-linear,moe", help="algorithm table: quant targets")
+    ap.add_argument("--render-only", action="store_true", help="algorithm table: no new runs (missing cells 'not run')")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "quality"))
     ap.add_argument("--eval-windows", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--calib-samples", type=int, default=16)
     ap.add_argument("--epochs", type=int, default=2)
     args = ap.parse_args(argv)
+    if args.algorithms:
+        return algorithms_main(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -129,3 +129,75 @@ def test_unit_data_map_inputs_keeps_targets():
     d = UnitData([UnitCall((torch.zeros(2),), {"w": 1}, out)])
     d.map_inputs(lambda a, k: ((a[0] + 3,), k))
     assert torch.equal(d.calls[0].args[0], torch.full((2,), 3.0)) and d.calls[0].output is out
+
+
+def test_cli_refuses_bad_recipes_before_any_work(tmp_path, capsys):
+    from tools import run_ptq
+
+    out = tmp_path / "out"
+    for argv, needle in ((["--algo", "gptq,nope"], "unknown algorithm 'nope'"),
+                         (["--algo", "gptq:act_ordr=true"], "has no field 'act_ordr'"),
+                         (["--algo", "gptq", "--recipe", str(tmp_path / "r.json")], "not both"),
+                         (["--recipe", str(tmp_path / "missing.json")], "not found"),
+                         (["--legacy-solver", "--algo", "gptq"], "--legacy-solver")):
+        code = run_ptq.main(["--model", "tiny-trained", "--output-dir", str(out), "--quiet", *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err[-1].startswith("error: ") and needle in err[-1], err
+    assert not out.exists()
+
+
+def test_every_builtin_scheme_has_a_default_recipe():
+    from amct_ext.algorithms.recipe import DEFAULT_RECIPES, default_recipe
+    from amct_ext.schemes import builtin_schemes
+
+    assert set(builtin_schemes()) <= set(DEFAULT_RECIPES)
+    for name in builtin_schemes():
+        algo, prop = default_recipe(name)
+        assert prop in ("float", "quant")
+        parse_algo(algo)       # every default parses (its algorithms are registered)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_recipe_run_resumes_bit_identically_with_quant_propagation(tiny_adapter, tmp_path):
+    """gptq with propagate=quant: an interrupted run (mid-layer, mid-experts) resumed equals an
+    uninterrupted one file for file (the resumed layers' units are reloaded so that later
+    layers see the same quantized inputs)."""
+    from amct_ext.base import PtqConfig
+    from amct_ext.io_utils import safe_torch_load
+    from amct_ext.schemes import load_scheme
+    from amct_ext.workflow import PARAMS_DIR, load_calib_windows, run_blockwise_ptq
+
+    cfg = PtqConfig(n_samples=2, seq_len=64, batch_size=1, seed=0)
+    calib = load_calib_windows(tiny_adapter, cfg)
+    scheme, targets, layers = load_scheme("w8a8"), ["attn-linear", "moe"], range(0, 2)
+    recipe = parse_algo("gptq")
+
+    def run(out, hook=None):
+        return run_blockwise_ptq(tiny_adapter, scheme, targets, cfg, out, layers=layers, calib_windows=calib,
+                                 recipe=recipe, propagate="quant", on_unit_done=hook)
+
+    full = tmp_path / "full"
+    run(full)
+
+    class Interrupt(Exception):
+        pass
+
+    done = []
+
+    def stop(r):
+        done.append(r.name)
+        if len(done) == 13:
+            raise Interrupt
+
+    part = tmp_path / "part"
+    with pytest.raises(Interrupt):
+        run(part, stop)
+    res = run(part)
+    assert sum(u.resumed for u in res.units) == 13
+    names = sorted(p.name for p in (full / PARAMS_DIR).glob("*.pt"))
+    assert names == sorted(p.name for p in (part / PARAMS_DIR).glob("*.pt")) and len(names) == 20
+    for name in names:
+        a, b = safe_torch_load(full / PARAMS_DIR / name), safe_torch_load(part / PARAMS_DIR / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    meta = json.loads((full / PARAMS_DIR / "meta.json").read_text())
+    assert meta["solver"]["recipe"][0]["name"] == "gptq" and meta["solver"]["propagate"] == "quant"

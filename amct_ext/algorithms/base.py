@@ -24,8 +24,19 @@ layer's order) instead of ``apply`` per unit. The default ``apply_group`` is the
 
 Contract for the result an algorithm leaves behind: after ``apply``, the unit's
 ``export_ptq_params()`` holds everything needed to rebuild the quantized unit from the float
-checkpoint with ``load_ptq_params`` (see PLAN conventions: ``{leaf}.weight`` for a replaced
-weight, ``{leaf}.weight_quantizer.clip`` / ``.scale`` / ``.zero_point`` ...).
+checkpoint with ``load_ptq_params``:
+- a leaf (QuantLinear / WoAQuant) whose float weight was changed: write it in place (same
+  Parameter, same dtype) and set ``leaf.weight_replaced = True``; the leaf then exports
+  ``{leaf}.weight`` and loading writes it back (``quant_linear.load_replaced_weight``);
+- clip factors: ``{leaf}.weight_quantizer.clip`` (``WeightQuantizer.clip``);
+- a grid chosen by the algorithm: ``WeightQuantizer.set_fixed_qparams(weight, scale, zp)`` ->
+  ``{leaf}.weight_quantizer.scale`` / ``.zero_point``; forward and export then use exactly
+  these scales (GPTQ);
+- static activation ranges: ``{leaf}.input_quantizer.running_min`` / ``running_max``.
+The workflow's guard (``runner.run_recipe_on_units``) snapshots the unit before the recipe
+(parameters, buffers, weight-quantizer state, observed ranges) and restores it when the recipe
+made the unit worse than RTN on its calibration calls; state held OUTSIDE the unit (a norm
+folded by smoothing) is the algorithm's to record in the unit.
 """
 from __future__ import annotations
 
