@@ -279,8 +279,8 @@ def test_workflow_saves_what_was_solved(tiny_adapter, tmp_path):
 
     ids = torch.randint(2, 512, (2, 64), generator=torch.Generator().manual_seed(5))
     cfg = PtqConfig(n_samples=2, seq_len=64, batch_size=2)
-    recipe = parse_algo("awq:n_grid=4,autoround:iters=8")
-    res = run_blockwise_ptq(tiny_adapter, W4, T, cfg, tmp_path, layers=range(0, 2), calib_windows=ids,
+    recipe = parse_algo("awq:n_grid=3,autoround:iters=4")
+    res = run_blockwise_ptq(tiny_adapter, W4, T, cfg, tmp_path, layers=range(1, 2), calib_windows=ids,
                             recipe=recipe)
     reported = {u.name: u for u in res.units}
     x = tiny_adapter.do_embedding_forward([ids])[0]
