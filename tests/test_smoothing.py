@@ -347,3 +347,35 @@ def test_held_out_calls_veto_a_scale_that_does_not_generalise(tiny_adapter, laye
     assert unit.module.input_smooth is None
     SmoothQuant(alpha=0.5, validate=False, keep_if_better=False).apply(unit, UnitData([call, held]), ctx)
     assert unit.module.input_smooth is not None
+
+
+def test_smoothquant_then_gptq_then_clip_reloads_exactly(tiny_adapter, layer_data):
+    """The composed recipe of the issue (smoothquant,gptq,clip) through the recipe runner:
+    GPTQ's fixed grids sit on the smoothed weights, and a fresh block loading the saved
+    parameters reproduces the solved block bit for bit. Smoothing after GPTQ is refused."""
+    from amct_ext.algorithms.runner import run_recipe_on_units
+
+    ids, xs = layer_data
+    i = 1
+    block = quantize_block(tiny_adapter.block(i), W4, T)
+    units, datas = captured(block, i, ids, xs[i])
+    calls = {u.name: datas[u.name].calls for u in units}
+    rs = run_recipe_on_units(units, calls, parse_algo("smoothquant:keep_if_better=false,gptq,clip"),
+                             device=torch.device("cpu"), seed=0, guard=False)
+    assert all(r.loss_after is not None for r in rs if r.n_calls)
+    saved = {u.name: u.module.export_ptq_params() for u in units}
+    attn = saved[f"layers.{i}.attn"]
+    assert "input_smooth" in attn and "q_norm.weight" in attn and "wq_a.weight" in attn
+    fresh = quantize_block(tiny_adapter.block(i), W4, T)
+    for u in iter_block_ptq_units(fresh, i, T):
+        u.module.load_ptq_params(saved[u.name])
+    block.ffn.grouped = fresh.ffn.grouped = True
+    with torch.no_grad():
+        assert torch.equal(block(xs[i], 0, ids), fresh(xs[i], 0, ids))
+    other = quantize_block(tiny_adapter.block(i), W4, T)
+    ounits, odatas = captured(other, i, ids, xs[i])
+    run_recipe_on_units(ounits[:1], {ounits[0].name: odatas[ounits[0].name].calls}, parse_algo("gptq"),
+                        device=torch.device("cpu"), seed=0, guard=False)
+    assert ounits[0].module.wq_a.weight_quantizer.has_fixed_qparams
+    with pytest.raises(AmctError, match="before gptq"):
+        SmoothQuant().apply(ounits[0], odatas[ounits[0].name], SolveContext())
