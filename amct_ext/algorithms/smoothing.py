@@ -14,7 +14,9 @@ activation (large s on outlier channels) or more precise salient weight columns.
   the captured calls -- or no smoothing when none beats it.
 
 Both run subgraph by subgraph in the unit's order (attention: attn_norm, q_norm, wo_a;
-experts: w3 -> w2); channel statistics come from one float pass over the captured calls.
+experts: w3 -> w2); channel statistics come from one float pass over the training calls. With
+``validate`` (default) the last ``SolveContext.holdout`` share of the calls is held out: a
+pair's scales chosen on the others are kept only when they also lower the held-out loss.
 
 The attention's attn_norm lives in the Block, outside the unit: the unit folds s into that
 norm (``fold_input_smooth``, saved as ``input_smooth``) and the captured inputs become x / s

@@ -17,6 +17,12 @@ optimised; this way there is one copy.
     QuantV4Expert      the gated-MLP wrapper with a w1/w3/w2 -> gate/up/down facade; forward is
                        the float Expert's (clamp-then-silu, routing weight before w2).
 
+Smoothing state (algorithms/smoothing.py): each unit lists its scale-migration pairs
+(``smoothing_subgraphs()``); the attention keeps a plain reference to the block's attn_norm and
+folds ``input_smooth`` into it; an expert whose w3 rows were scaled clamps its up projection
+per channel (``up_limit``). Replaced float weights (smoothing, GPTQ) are saved under their own
+parameter names (``mark_replaced``) and written back by ``load_ptq_params``.
+
 Block and FFN children are named ``attn`` / ``ffn`` (not ``self_attn`` / ``mlp``): generic code
 that looks for the HF names finds nothing here, so the adapter applies these wrappers itself.
 """
