@@ -249,12 +249,11 @@ DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
     "w4a16-g128": ("clip,gptq", "float"),     # 275.24 (+0.45 %); quant 275.35; clip 275.31
     "w3a16-g128": ("clip,gptq", "quant"),     # 281.66 (+2.79 %); float 282.64; clip 281.70
     "w4a16": ("clip", "float"),               # 275.20; clip,gptq@quant 275.62; gptq 276.65
-    # (filled in from the table below as rows finish)
-    "w4a8": ("clip,gptq", "float"),
-    "w2a16-g64": ("clip,gptq", "quant"),
-    "fp8": ("clip,gptq", "quant"),
-    "mxfp8": ("clip,gptq", "quant"),
-    "mxfp4": ("clip,gptq", "quant"),
+    "w4a8": ("clip,gptq", "quant"),           # 274.09 (+0.03 %); clip 275.53; RTN 278.10; gptq 279.58
+    "w2a16-g64": ("clip", "float"),           # 326.12; clip,gptq@quant 333.26; RTN 453.28; gptq 457.34
+    "fp8": ("clip", "float"),                 # 273.06 (< RTN 273.72); clip,gptq@quant 274.06; gptq 275.12
+    "mxfp8": ("clip,gptq", "quant"),          # 274.75 (< RTN 274.82); gptq 275.14 (clip: no-op on MX)
+    "mxfp4": ("clip,gptq", "quant"),          # 279.42 (< RTN 281.51); gptq 279.67
     "kv8": ("rtn", "float"),                  # cache-only schemes: no weights to solve
     "kv8-fp8": ("rtn", "float"),
 }
