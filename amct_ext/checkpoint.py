@@ -343,6 +343,10 @@ class CheckpointReader:
                 t = self._load_exported(k, exported[k], want_shape, device)
             else:
                 t = self._load_one(k, scale_of.get(k), want_shape, device)
+            # a tensor read without any conversion is a view of the shard's memory map, and the
+            # handle is cached: writing into it in place (smoothing, GPTQ, a loaded replaced
+            # weight) would change what every later load of that key returns (casebook i13s-1)
+            mapped = self._is_mapped(k, t) if t.device.type == "cpu" else None
             if t.dtype.is_floating_point:
                 target = want_dtype
                 if target is None and target_dtype is not None:
@@ -353,6 +357,8 @@ class CheckpointReader:
                     raise CheckpointError(f"tensor {k!r}: stored as integer {t.dtype} but the model "
                                           f"expects {want_dtype}")
                 t = t.to(want_dtype)
+            if mapped is not None and _shares_memory(t, mapped):
+                t = t.clone()
             result.tensors[name] = t
             result.loaded.append(name)
         if check_finite:
@@ -380,6 +386,13 @@ class CheckpointReader:
             checks.append((flags, errors))
         if checks:
             device_checks.raise_first(checks)
+
+    def _is_mapped(self, key: str, t: torch.Tensor):
+        """The raw stored tensor when ``t`` is (still) that very memory, else None."""
+        if t.dtype not in FLOAT_DTYPES and t.dtype not in INT_DTYPES:
+            return None
+        raw = self.get_raw(key)
+        return raw if _shares_memory(t, raw) else None
 
     def _missing_message(self, missing: list[str], prefix: str, strip_prefix: bool) -> str:
         parts = []
@@ -455,3 +468,9 @@ def iter_layer_prefixes(reader: CheckpointReader, prefix: str = "layers.") -> It
     """``'layers.0.'``, ``'layers.1.'``, ... for every layer present in the checkpoint."""
     for i in reader.layer_indices(prefix):
         yield f"{prefix}{i}."
+
+
+def _shares_memory(a: torch.Tensor, b) -> bool:
+    if not isinstance(b, torch.Tensor) or a.device != b.device or not a.numel():
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

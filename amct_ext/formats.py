@@ -253,9 +253,13 @@ def _int_block_qparams(xv: torch.Tensor, lay: _Layout, bits: int, symmetric: boo
     return int_qparams_from_range(xmin, xmax, bits, False)
 
 
-def _int_codes(xv, scale, zp, qmin, qmax):
-    """Integer codes (as float): ``clamp(round(x / scale) + zp, qmin, qmax)``."""
-    q = _round(xv / scale)
+def _int_codes(xv, scale, zp, qmin, qmax, offset_v=None):
+    """Integer codes (as float): ``clamp(round(x / scale + V) + zp, qmin, qmax)``; ``V`` is the
+    learned rounding offset (AutoRound, in [-0.5, 0.5], shaped like x's view) or None (RTN)."""
+    y = xv / scale
+    if offset_v is not None:
+        y = y + offset_v
+    q = _round(y)
     if zp is not None:
         q = q + zp
     return torch.clamp(q, qmin, qmax)
@@ -268,12 +272,22 @@ def _int_decode(q, scale, zp):
     return q * scale
 
 
-def _fq_int(x: torch.Tensor, spec: TensorSpec, clip) -> torch.Tensor:
+def _offset_view(lay: _Layout, x: torch.Tensor, round_offset: torch.Tensor | None) -> torch.Tensor | None:
+    """The rounding offset in the view layout of x (same shape as x, else a clear error)."""
+    if round_offset is None:
+        return None
+    if tuple(round_offset.shape) != tuple(x.shape):
+        raise QuantInputError(f"round_offset of shape {tuple(round_offset.shape)} does not match the "
+                              f"tensor {tuple(x.shape)} it rounds")
+    return lay.view(round_offset.float())
+
+
+def _fq_int(x: torch.Tensor, spec: TensorSpec, clip, round_offset=None) -> torch.Tensor:
     lay = _layout(x.shape, spec, "input")
     xv = lay.view(x.float())
     scale, zp = _int_block_qparams(xv, lay, spec.bits, spec.symmetric, lay.clip_view(clip, "input"))
     qmin, qmax = _int_range(spec.bits, spec.symmetric)
-    out = _int_decode(_int_codes(xv, scale, zp, qmin, qmax), scale, zp)
+    out = _int_decode(_int_codes(xv, scale, zp, qmin, qmax, _offset_view(lay, x, round_offset)), scale, zp)
     return lay.restore(out).to(x.dtype)
 
 
@@ -299,7 +313,7 @@ def fake_quant_int(x: torch.Tensor, bits: int = 8, *, symmetric: bool = True,
     return x if spec.is_identity else _fq_int(x, spec, clip)
 
 
-def quantize_int(x: torch.Tensor, spec: TensorSpec, clip=None):
+def quantize_int(x: torch.Tensor, spec: TensorSpec, clip=None, round_offset=None):
     """Deployable integer form: ``(q, scale, zero_point)``.
 
     ``q`` has x's shape; int8 for symmetric specs, uint8 for asymmetric ones (one value per
@@ -313,7 +327,7 @@ def quantize_int(x: torch.Tensor, spec: TensorSpec, clip=None):
     xv = lay.view(x.float())
     scale, zp = _int_block_qparams(xv, lay, spec.bits, spec.symmetric, lay.clip_view(clip, "input"))
     qmin, qmax = _int_range(spec.bits, spec.symmetric)
-    q = lay.restore(_int_codes(xv, scale, zp, qmin, qmax))
+    q = lay.restore(_int_codes(xv, scale, zp, qmin, qmax, _offset_view(lay, x, round_offset)))
     q = q.detach().to(torch.int8 if spec.symmetric else torch.uint8)
     zp_out = None if zp is None else lay.to_public(zp).detach().to(torch.int32)
     return q, lay.to_public(scale).detach(), zp_out
@@ -528,15 +542,20 @@ def _fused_int_token(x: torch.Tensor, spec: TensorSpec, clip) -> bool:
             and not (torch.is_grad_enabled() and x.requires_grad) and fused_quant.fused_int_token_supported(x))
 
 
-def fake_quant(x: torch.Tensor, spec: TensorSpec | None, clip=None) -> torch.Tensor:
+def fake_quant(x: torch.Tensor, spec: TensorSpec | None, clip=None, round_offset=None) -> torch.Tensor:
     """Fake-quantize ``x`` per ``spec`` (see the per-format functions for the math).
 
     ``spec`` None or identity (format 'none', int bits >= 16) returns ``x`` itself.
     The spec's ``dynamic`` flag is irrelevant here: scales always come from ``x``; static
-    activation scales go through :func:`fake_quant_from_range`.
+    activation scales go through :func:`fake_quant_from_range`. ``round_offset`` (int formats
+    only, shaped like x): learned rounding, codes ``round(x / scale + round_offset)``.
     """
     if spec is None or spec.is_identity:
         return x
+    if round_offset is not None:
+        _need(spec, ("int",))
+        _check_input(x)
+        return _fq_int(x, spec, clip, round_offset)
     if _fused_int_token(x, spec, clip):
         # the same numbers in one pass (amct_ext/fused_quant.py); non-finite inputs still refused
         out, n_bad = fused_quant.fake_quant_int_token(x, spec.bits)
@@ -550,14 +569,16 @@ def fake_quant(x: torch.Tensor, spec: TensorSpec | None, clip=None) -> torch.Ten
     return _fq_mx(x, spec.format, clip)
 
 
-def quantize(x: torch.Tensor, spec: TensorSpec, clip=None) -> dict[str, torch.Tensor]:
+def quantize(x: torch.Tensor, spec: TensorSpec, clip=None, round_offset=None) -> dict[str, torch.Tensor]:
     """Deployable tensors of ``x`` as a dict: int -> ``q``, ``scale`` (+ ``zero_point``);
     fp8 -> ``q`` (float8_e4m3fn), ``scale``; MX -> ``q`` (elements / e2m1 codes),
     ``scale_e8m0``. ``dequantize(quantize(x, spec), spec)`` equals ``fake_quant(x, spec)``."""
     if spec is None or spec.is_identity:
         raise QuantConfigError("quantize() needs a quantizing spec; this one leaves tensors in float")
+    if round_offset is not None:
+        _need(spec, ("int",))
     if spec.format == "int":
-        q, s, zp = quantize_int(x, spec, clip)
+        q, s, zp = quantize_int(x, spec, clip, round_offset)
         out = {"q": q, "scale": s}
         if zp is not None:
             out["zero_point"] = zp

@@ -76,18 +76,19 @@ class QuantLinear(nn.Module):
     def _can_cache(self) -> bool:
         if not self.cache_weight or self.training or self.weight_quantizer.is_identity:
             return False
-        clip = self.weight_quantizer.clip
-        if clip is not None and clip.requires_grad:
-            return False
+        for p in (self.weight_quantizer.clip, self.weight_quantizer.round_offset):
+            if p is not None and p.requires_grad:
+                return False
         # A cached (detached) weight would cut the gradient path to the weight.
         return not (torch.is_grad_enabled() and self.weight.requires_grad)
 
     def _key(self) -> tuple:
-        w, clip = self.weight, self.weight_quantizer.clip
+        w, clip, off = self.weight, self.weight_quantizer.clip, self.weight_quantizer.round_offset
         ck = None if clip is None else (id(clip), clip.data_ptr(), clip._version)
+        ok = None if off is None else (id(off), off.data_ptr(), off._version)
         fs = self.weight_quantizer.fixed_scale
         fk = None if fs is None else (id(fs), fs._version)
-        return (id(w), w.data_ptr(), w._version, w.device, w.dtype, ck, fk)
+        return (id(w), w.data_ptr(), w._version, w.device, w.dtype, ck, ok, fk)
 
     def quantized_weight(self) -> torch.Tensor:
         """The fake-quant weight used by forward (same dtype as the weight)."""

@@ -45,12 +45,18 @@ class WeightQuantizer(nn.Module):
     leaves (0, 1] is undone by the clamp but can still come back (a plain clamp would freeze
     the gradient once the parameter left the range). MX formats have power-of-two scales that
     a clip cannot move smoothly, so they are never learnable (:attr:`learnable` is False).
+
+    The optional rounding offset (``self.round_offset``, float32, the weight's shape, int formats
+    only; AutoRound) shifts every code: ``q = clamp(round(w / scale + V) + zp, ...)`` with V
+    clamped to [-0.5, 0.5] in the forward pass (straight-through, like the clip). V = 0 is RTN
+    exactly.
     """
 
     def __init__(self, spec: TensorSpec | None):
         super().__init__()
         self.spec = _active(spec)
         self.clip: nn.Parameter | None = None
+        self.round_offset: nn.Parameter | None = None
         # Fixed grid (public scale shape): set by algorithms that choose the scales themselves
         # (GPTQ); then forward / export use them instead of computing scales from the weight,
         # so a replaced weight reproduces exactly the grid values the algorithm wrote.
@@ -95,6 +101,7 @@ class WeightQuantizer(nn.Module):
                 raise QuantConfigError(f"zero_point values must be integers in [0, {qmax}]")
         self.fixed_scale, self.fixed_zero_point = scale, zero_point
         self.clip = None
+        self.round_offset = None
 
     def clear_fixed_qparams(self) -> None:
         self.fixed_scale = None
@@ -128,8 +135,32 @@ class WeightQuantizer(nn.Module):
         return [clip]
 
     def disable_learning(self) -> None:
-        if self.clip is not None:
-            self.clip.requires_grad_(False)
+        for p in (self.clip, self.round_offset):
+            if p is not None:
+                p.requires_grad_(False)
+
+    @property
+    def roundable(self) -> bool:
+        """Whether a learned rounding offset applies: integer grids whose scales come from the
+        weight (a fixed grid, e.g. GPTQ's, already holds the rounded values)."""
+        return self.spec is not None and self.spec.format == "int" and self.fixed_scale is None
+
+    def init_round_offset(self, weight: torch.Tensor) -> nn.Parameter | None:
+        """Create the rounding offset at 0 (= RTN); None when the format has no integer grid."""
+        if not self.roundable:
+            return None
+        if self.round_offset is None or tuple(self.round_offset.shape) != tuple(weight.shape):
+            self.round_offset = nn.Parameter(torch.zeros(weight.shape, dtype=torch.float32, device=weight.device),
+                                             requires_grad=False)
+        return self.round_offset
+
+    def effective_round_offset(self) -> torch.Tensor | None:
+        """The offset as used in the forward pass: clamped to [-0.5, 0.5], straight-through grad."""
+        v = self.round_offset
+        if v is None:
+            return None
+        clamped = v.clamp(-0.5, 0.5)
+        return v + (clamped - v).detach() if v.requires_grad else clamped
 
     def effective_clip(self) -> torch.Tensor | None:
         """Clip as used in the forward pass: clamped to [CLIP_MIN, 1], straight-through grad."""
@@ -145,6 +176,9 @@ class WeightQuantizer(nn.Module):
         c = self.effective_clip()
         if c is not None:
             out["clip"] = c.detach().clone()
+        v = self.effective_round_offset()
+        if v is not None:
+            out["round_offset"] = v.detach().clone()
         if self.fixed_scale is not None:
             out["scale"] = self.fixed_scale.detach().clone()
             if self.fixed_zero_point is not None:
@@ -154,19 +188,21 @@ class WeightQuantizer(nn.Module):
     def load_ptq_params(self, params: Mapping[str, torch.Tensor], weight: torch.Tensor | None = None) -> None:
         """Load what :meth:`ptq_params` returned. ``weight`` is needed to create the clip
         parameter when it does not exist yet."""
-        unknown = sorted(set(params) - {"clip", "scale", "zero_point"})
+        unknown = sorted(set(params) - {"clip", "scale", "zero_point", "round_offset"})
         if unknown:
             raise QuantConfigError(f"unknown weight-quantizer parameter(s) {', '.join(unknown)}; "
-                                   "expected: clip, scale, zero_point")
+                                   "expected: clip, scale, zero_point, round_offset")
         if "scale" in params or "zero_point" in params:
-            if "clip" in params:
-                raise QuantConfigError("weight-quantizer parameters: clip and fixed scales are exclusive")
+            if "clip" in params or "round_offset" in params:
+                raise QuantConfigError("weight-quantizer parameters: fixed scales exclude clip and round_offset")
             if weight is None:
                 raise QuantConfigError("load_ptq_params: pass the weight to check the fixed scales' shape")
             if "scale" not in params:
                 raise QuantConfigError("weight-quantizer parameters: zero_point without scale")
             self.set_fixed_qparams(weight, params["scale"], params.get("zero_point"))
             return
+        if "round_offset" in params:
+            self._load_round_offset(params["round_offset"], weight)
         if "clip" not in params:
             return
         value = params["clip"]
@@ -183,13 +219,28 @@ class WeightQuantizer(nn.Module):
         with torch.no_grad():
             self.clip.copy_(value.to(self.clip.device, torch.float32))
 
+    def _load_round_offset(self, value: torch.Tensor, weight: torch.Tensor | None) -> None:
+        if not self.roundable:
+            raise QuantConfigError(f"round_offset given for a weight quantizer without an integer grid (spec {self.spec})")
+        if weight is None and self.round_offset is None:
+            raise QuantConfigError("load_ptq_params: pass the weight to create the round_offset parameter")
+        shape = tuple(weight.shape) if weight is not None else tuple(self.round_offset.shape)
+        if tuple(value.shape) != shape:
+            raise QuantConfigError(f"round_offset shape {tuple(value.shape)} does not match the weight {shape}")
+        if not bool(torch.isfinite(value).all()) or not bool((value.abs() <= 0.5).all()):
+            raise QuantConfigError("round_offset values must be finite and lie in [-0.5, 0.5]")
+        if weight is not None:
+            self.init_round_offset(weight)
+        with torch.no_grad():
+            self.round_offset.copy_(value.to(self.round_offset.device, torch.float32))
+
     # ------------------------------------------------------------------------------ use
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if self.spec is None:
             return w
         if self.fixed_scale is not None:
             return formats.fake_quant_with_qparams(w, self.spec, self.fixed_scale, self.fixed_zero_point)
-        return formats.fake_quant(w, self.spec, self.effective_clip())
+        return formats.fake_quant(w, self.spec, self.effective_clip(), self.effective_round_offset())
 
     @torch.no_grad()
     def export(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -200,7 +251,7 @@ class WeightQuantizer(nn.Module):
         if self.fixed_scale is not None:
             d = formats.quantize_with_qparams(w, self.spec, self.fixed_scale, self.fixed_zero_point)
         else:
-            d = formats.quantize(w, self.spec, self.effective_clip())
+            d = formats.quantize(w, self.spec, self.effective_clip(), self.effective_round_offset())
         d["qweight"] = d.pop("q")
         return d
 

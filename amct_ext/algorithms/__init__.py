@@ -6,6 +6,8 @@
     gptq.py      GPTQ (Hessian-based error compensation), batched over routed experts
     clipping.py  clipping that never loses: grid start + learned (Adam) clip, held-out check
     runner.py    a recipe on the units of one layer (group entry points, RTN guard)
+    smoothing.py SmoothQuant (fixed alpha) and AWQ (alpha searched per subgraph), scales folded
+    rounding.py  AutoRound: SignSGD on per-weight rounding offsets + clip factors
 """
 from .base import Algorithm, SolveContext, UnitData  # noqa: F401
 from .recipe import Recipe, RecipeError, parse_algo, register, resolve_recipe  # noqa: F401

@@ -33,6 +33,9 @@ BUILTIN_MODULES = {
     "rtn": "amct_ext.algorithms.rtn",
     "gptq": "amct_ext.algorithms.gptq",
     "clip": "amct_ext.algorithms.clipping",
+    "smoothquant": "amct_ext.algorithms.smoothing",
+    "awq": "amct_ext.algorithms.smoothing",
+    "autoround": "amct_ext.algorithms.rounding",
 }
 
 _REGISTRY: dict[str, type[Algorithm]] = {}

@@ -36,6 +36,7 @@ class _Snapshot:
     quantizers: dict[str, dict[str, Any]]
     replaced: dict[str, bool]
     ranges: dict[str, tuple]
+    extra: Callable[[], None] | None = None   # the unit's own restore (snapshot_extra_state)
 
 
 def snapshot_unit(module: nn.Module) -> _Snapshot:
@@ -54,7 +55,8 @@ def snapshot_unit(module: nn.Module) -> _Snapshot:
                                 if k not in _WQ_STATE and v is not None})
         if hasattr(m, "weight_quantizer"):
             replaced[name] = bool(getattr(m, "weight_replaced", False))
-    return _Snapshot(tensors, quant, replaced, ranges)
+    extra = getattr(module, "snapshot_extra_state", None)
+    return _Snapshot(tensors, quant, replaced, ranges, extra() if extra is not None else None)
 
 
 @torch.no_grad()
@@ -81,6 +83,8 @@ def restore_unit(module: nn.Module, snap: _Snapshot) -> None:
             m.weight_replaced = snap.replaced[name]
         if isinstance(m, QuantLinear):
             m.invalidate_cache()
+    if snap.extra is not None:   # smoothing: input_smooth, the block's attn_norm, up_limit
+        snap.extra()
 
 
 def run_recipe_on_units(units: Sequence[PtqUnit], calls: dict[str, list[UnitCall]], recipe: Recipe, *,

@@ -17,12 +17,19 @@ optimised; this way there is one copy.
     QuantV4Expert      the gated-MLP wrapper with a w1/w3/w2 -> gate/up/down facade; forward is
                        the float Expert's (clamp-then-silu, routing weight before w2).
 
+Smoothing state (algorithms/smoothing.py): each unit lists its scale-migration pairs
+(``smoothing_subgraphs()``); the attention keeps a plain reference to the block's attn_norm and
+folds ``input_smooth`` into it; an expert whose w3 rows were scaled clamps its up projection
+per channel (``up_limit``). Replaced float weights (smoothing, GPTQ) are saved under their own
+parameter names (``mark_replaced``) and written back by ``load_ptq_params``.
+
 Block and FFN children are named ``attn`` / ``ffn`` (not ``self_attn`` / ``mlp``): generic code
 that looks for the HF names finds nothing here, so the adapter applies these wrappers itself.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Iterator, Mapping
 
 import torch
@@ -127,6 +134,26 @@ def _split_params(params: Mapping[str, torch.Tensor], owners: tuple[str, ...], w
 QUANT_LEAVES = (QuantLinear, QuantMatmul, WoAQuant)
 
 
+@dataclasses.dataclass
+class SmoothPair:
+    """One smoothing subgraph of a unit: ``producer`` (a unit-relative module name) makes the
+    activation channels that ``readers`` (modules with a [out, in] weight) consume.
+
+    Folding a per-channel s: the producer is divided by s (``producer_kind`` 'norm': its weight;
+    'rows': its weight rows; 'up_rows': an expert's w3 rows and its clamp limit) and every
+    reader's weight column j is multiplied by s_j, so the float function is unchanged.
+    ``producer=None`` means the unit's input (the attention's attn_norm, outside the unit):
+    the unit folds s into that norm and the captured inputs become x / s. ``stat_module`` is the
+    reader whose input the channel statistics are taken from (None: the unit's first argument).
+    """
+
+    name: str
+    readers: list[str]
+    producer: str | None
+    producer_kind: str = "input"
+    stat_module: str | None = None
+
+
 # ---------------------------------------------------------------------------- unit mixin
 class PtqUnitMixin:
     """What the blockwise solver needs from a unit: its learnable parameters and their state."""
@@ -153,14 +180,52 @@ class PtqUnitMixin:
                 if isinstance(leaf, QuantLinear):
                     leaf.invalidate_cache()
 
+    # -- float tensors an algorithm replaced (GPTQ, smoothing): saved under their own names
+    def mark_replaced(self, name: str) -> None:
+        """Record that the unit's parameter ``name`` (e.g. 'wq_a.weight', 'q_norm.weight') now
+        holds a value that differs from the checkpoint: it is saved with the unit's parameters."""
+        if name not in dict(self.named_parameters()):
+            raise QuantConfigError(f"{type(self).__name__} has no parameter {name!r} to replace")
+        self.__dict__.setdefault("_replaced", set()).add(name)
+
+    def replaced_names(self) -> list[str]:
+        return sorted(self.__dict__.get("_replaced", ()))
+
+    def extra_ptq_params(self) -> dict[str, torch.Tensor]:
+        """Unit-level state that belongs to no quantized leaf (see the subclasses)."""
+        return {}
+
+    def snapshot_extra_state(self):
+        """A callable that puts back what ``state_dict`` does not hold: the replaced-weight
+        record and the subclasses' unit-level state (non-persistent buffers, the attention's
+        input norm outside the unit). Used by the recipe runner's fall back to RTN."""
+        replaced = set(self.__dict__.get("_replaced", ()))
+
+        def restore() -> None:
+            self.__dict__["_replaced"] = set(replaced)
+        return restore
+
+    def load_extra_ptq_params(self, params: dict[str, torch.Tensor]) -> None:
+        """Consume the unit-level keys of ``params`` (pop them); the rest go to the leaves."""
+
     def export_ptq_params(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for name, leaf in self.quant_leaves():
             for key, value in leaf.export_ptq_params().items():
                 out[f"{name}.{key}"] = value.detach().cpu()
+        named = dict(self.named_parameters())
+        for name in self.replaced_names():
+            out[name] = named[name].detach().cpu().clone()
+        for key, value in self.extra_ptq_params().items():
+            out[key] = value.detach().cpu().clone()
         return out
 
     def load_ptq_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        params = dict(params)
+        named = dict(self.named_parameters())
+        for key in [k for k in params if k in named]:
+            _load_replaced(self, key, named[key], params.pop(key))
+        self.load_extra_ptq_params(params)
         leaves = dict(self.quant_leaves())
         grouped: dict[str, dict[str, torch.Tensor]] = collections.defaultdict(dict)
         for key, value in params.items():
@@ -171,6 +236,27 @@ class PtqUnitMixin:
             grouped[owner][key[len(owner) + 1:]] = value
         for owner, values in grouped.items():
             leaves[owner].load_ptq_params(values)
+
+
+def _load_replaced(unit: nn.Module, key: str, param: torch.Tensor, value: torch.Tensor) -> None:
+    """Write a saved replacement into the unit's parameter ``key`` (same shape and dtype)."""
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape) or value.dtype != param.dtype:
+        got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise QuantConfigError(f"PTQ parameter {key!r}: expected a tensor of shape {tuple(param.shape)} and dtype "
+                               f"{param.dtype}, got {got}")
+    if not bool(torch.isfinite(value).all()):
+        raise QuantConfigError(f"PTQ parameter {key!r} contains NaN or Inf")
+    with torch.no_grad():
+        param.copy_(value.to(param.device))
+    unit.mark_replaced(key)
+    invalidate_quant_caches(unit)
+
+
+def invalidate_quant_caches(module: nn.Module) -> None:
+    """Drop every cached fake-quant weight inside ``module`` (after writing weights in place)."""
+    for leaf in module.modules():
+        if isinstance(leaf, QuantLinear):
+            leaf.invalidate_cache()
 
 
 # ---------------------------------------------------------------------------- rebinding
@@ -236,7 +322,88 @@ class QuantV4Attention(PtqUnitMixin, Attention):
         if cache:
             q.qk_matmul = QuantMatmul(attn.qk_matmul, cspec)
             q.pv_matmul = QuantMatmul(attn.pv_matmul, cspec)
+        # smoothing of the attention input (attn_norm -> every reader of x): the per-channel
+        # vector s folded into the block's attn_norm (weight / s); the norm itself lives in the
+        # Block, so the unit keeps a plain reference to it (set by quantize_block)
+        q.register_buffer("input_smooth", None, persistent=False)
+        object.__setattr__(q, "_input_norm", None)
+        object.__setattr__(q, "_input_norm_weight", None)
         return q
+
+    def set_input_norm(self, norm: nn.Module | None) -> None:
+        """The RMSNorm whose output is this attention's input (plain reference, not a child)."""
+        object.__setattr__(self, "_input_norm", norm)
+        object.__setattr__(self, "_input_norm_weight", None)
+
+    @property
+    def input_norm(self) -> nn.Module | None:
+        return self.__dict__.get("_input_norm")
+
+    @torch.no_grad()
+    def fold_input_smooth(self, s: torch.Tensor) -> None:
+        """Divide the input norm's weight by ``s`` (accumulated over calls: the weight is always
+        the checkpoint weight / the total s, so a reload computes the same bits)."""
+        norm = self.input_norm
+        if norm is None:
+            raise QuantConfigError(f"layer {self.layer_id}: the attention has no input-norm reference "
+                                   "(quantize the block with quantize_block) -- cannot fold input_smooth")
+        s = s.detach().to(torch.float32)
+        if s.shape != norm.weight.shape or not bool(torch.isfinite(s).all() & (s > 0).all()):
+            raise QuantConfigError(f"input_smooth must be finite, positive and of shape {tuple(norm.weight.shape)}, "
+                                   f"got shape {tuple(s.shape)}")
+        if self.__dict__.get("_input_norm_weight") is None:
+            object.__setattr__(self, "_input_norm_weight", norm.weight.detach().clone())
+        total = s.to(norm.weight.device) if self.input_smooth is None else self.input_smooth * s.to(self.input_smooth.device)
+        self.input_smooth = total
+        norm.weight.copy_(self._input_norm_weight.to(norm.weight.device) / total.to(norm.weight.device))
+
+    def extra_ptq_params(self) -> dict[str, torch.Tensor]:
+        return {} if self.input_smooth is None else {"input_smooth": self.input_smooth}
+
+    def snapshot_extra_state(self):
+        base = super().snapshot_extra_state()
+        smooth = None if self.input_smooth is None else self.input_smooth.clone()
+        orig = self.__dict__.get("_input_norm_weight")
+        norm = self.input_norm
+        norm_w = None if norm is None else norm.weight.detach().clone()
+
+        @torch.no_grad()
+        def restore() -> None:
+            base()
+            self.input_smooth = smooth
+            object.__setattr__(self, "_input_norm_weight", orig)
+            if norm is not None:
+                norm.weight.copy_(norm_w)
+        return restore
+
+    def smoothing_subgraphs(self) -> list[SmoothPair]:
+        """Scale-migration pairs of the attention (producer / s, every reader * s).
+
+        attn_norm -> every reader of the attention input x: wq_a, wkv, the compressor's wkv /
+        wgate and the indexer's weights_proj and compressor (they all read the same x, so all
+        get the compensating columns, quantized or not; compressor weights stay fp32);
+        q_norm -> wq_b and the indexer's wq_b (the only readers of qr); wo_a (its rows, i.e.
+        the [G, o_lora] output channels of the grouped einsum) -> wo_b's input columns."""
+        pairs = []
+        readers = ["wq_a", "wkv"]
+        if self.ratio:
+            readers += ["compressor.wkv", "compressor.wgate"]
+            if self.ratio == 4:
+                readers += ["indexer.weights_proj", "indexer.compressor.wkv", "indexer.compressor.wgate"]
+        if self.input_norm is not None:
+            pairs.append(SmoothPair("attn_norm", readers, producer=None, stat_module=None))
+        q_readers = ["wq_b"] + (["indexer.wq_b"] if self.ratio == 4 else [])
+        pairs.append(SmoothPair("q_norm", q_readers, producer="q_norm", producer_kind="norm", stat_module="wq_b"))
+        pairs.append(SmoothPair("wo_a", ["wo_b"], producer="wo_a", producer_kind="rows", stat_module="wo_b"))
+        return pairs
+
+    def load_extra_ptq_params(self, params: dict[str, torch.Tensor]) -> None:
+        if "input_smooth" not in params:
+            return
+        if self.input_smooth is not None:
+            raise QuantConfigError(f"layer {self.layer_id}: input_smooth is already folded into attn_norm "
+                                   "(parameters loaded twice into the same block?)")
+        self.fold_input_smooth(params.pop("input_smooth"))
 
     # the float module's hooks for wo_a, with the side quantizer swapped in
     def wo_a_weight(self) -> torch.Tensor:
@@ -268,6 +435,10 @@ class QuantV4Expert(PtqUnitMixin, QuantGatedMLP):
     def __init__(self, expert: Expert, weight_spec, act_spec):
         super().__init__(_ExpertFacade(expert), weight_spec, act_spec)
         self.swiglu_limit = expert.swiglu_limit
+        # per-channel clamp limit of the up projection after w3 -> w2 smoothing (None: the
+        # scalar swiglu_limit). Scaling w3's row j by 1/s_j is exact only with the limit
+        # L / s_j: clamp(u / s, -L / s, L / s) == clamp(u, -L, L) / s (s > 0).
+        self.register_buffer("up_limit", None, persistent=False)
 
     @property
     def quantized(self) -> bool:
@@ -276,8 +447,58 @@ class QuantV4Expert(PtqUnitMixin, QuantGatedMLP):
                    for p in (self.w1, self.w2, self.w3))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        # the float Expert's own math (clamp-then-silu, routing weight before w2) on our linears
-        return Expert.forward(self, x, weights)
+        if self.up_limit is None:
+            # the float Expert's own math (clamp-then-silu, routing weight before w2) on our linears
+            return Expert.forward(self, x, weights)
+        gate = self.w1(x).float()
+        up = self.w3(x).float()
+        lim = self.up_limit
+        up = torch.minimum(torch.maximum(up, -lim), lim)
+        gate = gate.clamp(max=self.swiglu_limit)
+        h = torch.nn.functional.silu(gate) * up
+        if weights is not None:
+            h = h * weights
+        return self.w2(h.to(x.dtype))
+
+    @torch.no_grad()
+    def scale_up_limit(self, s: torch.Tensor) -> None:
+        """w3's rows were divided by ``s``: divide the up clamp limit per channel alike."""
+        if self.swiglu_limit <= 0:
+            return  # no clamp: scaling w3 rows is exact as it is
+        base = self.up_limit if self.up_limit is not None else torch.full(
+            (self.w3.out_features,), float(self.swiglu_limit), dtype=torch.float32, device=s.device)
+        self.up_limit = base.to(s.device) / s.float()
+        self.w3.invalidate_cache()  # bumps QuantLinear.generation: the MoE re-plans its path
+
+    def extra_ptq_params(self) -> dict[str, torch.Tensor]:
+        return {} if self.up_limit is None else {"up_limit": self.up_limit}
+
+    def snapshot_extra_state(self):
+        base = super().snapshot_extra_state()
+        limit = None if self.up_limit is None else self.up_limit.clone()
+
+        def restore() -> None:
+            base()
+            self.up_limit = limit
+            self.w3.invalidate_cache()
+        return restore
+
+    def smoothing_subgraphs(self) -> list[SmoothPair]:
+        """w3 (its rows, with the per-channel clamp limit) -> w2's input columns. ffn_norm ->
+        w1 / w3 is not a pair: the routers read the same normed hidden state."""
+        return [SmoothPair("w3", ["w2"], producer="w3", producer_kind="up_rows", stat_module="w2")]
+
+    def load_extra_ptq_params(self, params: dict[str, torch.Tensor]) -> None:
+        if "up_limit" not in params:
+            return
+        value = params.pop("up_limit")
+        if tuple(value.shape) != (self.w3.out_features,) or not bool(torch.isfinite(value).all() & (value > 0).all()):
+            raise QuantConfigError(f"up_limit must be finite, positive and of shape ({self.w3.out_features},), "
+                                   f"got shape {tuple(value.shape)}")
+        if self.swiglu_limit <= 0:
+            raise QuantConfigError("up_limit given for an expert without a SwiGLU clamp (swiglu_limit 0)")
+        self.up_limit = value.detach().float().to(self.w3.weight.device).clone()
+        self.w3.invalidate_cache()
 
 
 class QuantV4MoE(MoE):
@@ -307,8 +528,10 @@ class QuantV4MoE(MoE):
             return plan
         experts = list(self.experts)
         quantized = any(getattr(e, "quantized", False) for e in experts)
+        # per-channel up limits (w3 -> w2 smoothing): the grouped kernels clamp with one scalar
+        smoothed = any(getattr(e, "up_limit", None) is not None for e in experts)
         stacks, groupable = None, False
-        if quantized and all(isinstance(e, QuantV4Expert) and e.quantized for e in experts):
+        if quantized and not smoothed and all(isinstance(e, QuantV4Expert) and e.quantized for e in experts):
             w = experts[0].w1.weight
             groupable = _grouped_mm_supported(w) and all(
                 _row_wise(getattr(e, proj).input_quantizer.spec)
@@ -321,15 +544,15 @@ class QuantV4MoE(MoE):
                     w2 = torch.stack([e.w2.quantized_weight() for e in experts])
                 stacks = (w13, w2)
         # building the stacks filled the QuantLinear caches; read the generation afterwards
-        self._plan = (QuantLinear.generation, self.experts, quantized, groupable, stacks)
+        self._plan = (QuantLinear.generation, self.experts, quantized, groupable, stacks, smoothed)
         return self._plan
 
     def _can_group(self, flat: torch.Tensor) -> bool:
         if not self.grouped:
             return False
-        _, _, quantized, groupable, stacks = self._current_plan(flat)
+        _, _, quantized, groupable, stacks, smoothed = self._current_plan(flat)
         if not quantized:
-            return super()._can_group(flat)
+            return not smoothed and super()._can_group(flat)
         if torch.is_grad_enabled():
             return False  # the stacked fake-quant weights are detached: gradients need the loop
         return groupable and stacks[0].device == flat.device
@@ -366,6 +589,7 @@ def quantize_block(block: Block, scheme: QuantScheme, targets: list[str] | str) 
         if isinstance(block.attn, QuantV4Attention):
             raise QuantConfigError(f"layer {block.layer_id}: attention is already quantized")
         block.attn = QuantV4Attention.from_float(block.attn, scheme, targets)
+        block.attn.set_input_norm(block.attn_norm)
     if "moe" in targets:
         ts = scheme.target("moe")
         wspec, aspec = (ts.weight, ts.input) if ts is not None else (None, None)
