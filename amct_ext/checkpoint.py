@@ -346,7 +346,8 @@ class CheckpointReader:
             # a tensor read without any conversion is a view of the shard's memory map, and the
             # handle is cached: writing into it in place (smoothing, GPTQ, a loaded replaced
             # weight) would change what every later load of that key returns (casebook i13s-1)
-            mapped = self._is_mapped(k, t) if t.device.type == "cpu" else None
+            # (an exported tensor is decoded into fresh memory: nothing to check)
+            mapped = self._is_mapped(k, t) if t.device.type == "cpu" and k not in exported else None
             if t.dtype.is_floating_point:
                 target = want_dtype
                 if target is None and target_dtype is not None:

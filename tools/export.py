@@ -55,10 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out")
     ap.add_argument("--dequantize-rest", action="store_true", help="store not-quantized FP8 / FP4 tensors in bf16")
     ap.add_argument("--device", default="auto", help="auto | npu | cuda | cpu: where each layer is built and quantized")
-    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                    help="compute dtype of the layer (the exported codes do not depend on it)")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                    help="compute dtype of the layer (default: with --from the run's dtype -- replaced "
+                         "weights (GPTQ, smoothing) were learned in it -- else bf16)")
     ap.add_argument("--quiet", action="store_true")
     return ap
+
+
+def _run_dtype(params_dir: Path) -> str | None:
+    """The compute dtype recorded in a run's ptq_params/meta.json (None if absent)."""
+    try:
+        meta = json.loads((Path(params_dir) / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = meta.get("dtype") if isinstance(meta, dict) else None
+    return value if value in ("bf16", "fp32") else None
 
 
 def export_from_args(args, model_path: Path | None = None) -> dict:
@@ -69,15 +80,18 @@ def export_from_args(args, model_path: Path | None = None) -> dict:
 
     model_path = model_path or resolve_model_path(args)
     check_weights_present(model_path)
+    dtype_name = args.dtype or "bf16"
     if args.from_dir:
         scheme, targets, pdir = resolve_run(args.from_dir, model_path, args.scheme, args.quant_target)
+        if args.dtype is None:
+            dtype_name = _run_dtype(pdir) or dtype_name
     else:
         scheme = load_scheme(args.scheme or "w8a8")
         targets, pdir = parse_targets(args.quant_target or "attn-linear,moe"), None
     cfg = ExportConfig(model_path=model_path, out_dir=Path(args.out), format=args.format, scheme=scheme,
                        targets=targets, params_dir=pdir, dequantize_rest=args.dequantize_rest,
                        overwrite=args.overwrite, device=args.device,
-                       dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype],
+                       dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name],
                        progress=not args.quiet)
     report = export_checkpoint(cfg)
     d = dict(report.__dict__)
