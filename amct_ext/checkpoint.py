@@ -318,6 +318,11 @@ class CheckpointReader:
             name = rel(k)
             want_shape, want_dtype = exp[name] if exp is not None else (None, None)
             t = self._load_one(k, scale_of.get(k), want_shape, device)
+            # a plain tensor read on the host can share memory with the open shard (every later
+            # read of the key returns the same memory): in-place edits of a built layer's weight
+            # (GPTQ, smoothing) would reach every later build in this process (casebook i15b-1)
+            shared = k not in scale_of and t.device.type == "cpu"
+            src_ptr = t.untyped_storage().data_ptr() if shared else None
             if t.dtype.is_floating_point:
                 target = want_dtype
                 if target is None and target_dtype is not None:
@@ -328,6 +333,8 @@ class CheckpointReader:
                     raise CheckpointError(f"tensor {k!r}: stored as integer {t.dtype} but the model "
                                           f"expects {want_dtype}")
                 t = t.to(want_dtype)
+            if src_ptr is not None and t.untyped_storage().data_ptr() == src_ptr:
+                t = t.clone()
             result.tensors[name] = t
             result.loaded.append(name)
         return result
