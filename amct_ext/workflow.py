@@ -14,6 +14,10 @@ model and the calibration windows, so a resumed run recomputes exactly the same 
 produces bit-identical parameters; (3) one forward per layer gives both the captured unit I/O
 and the next layer's input. (Quantized predecessors would let later layers compensate earlier
 errors, at the cost of a second pass per layer and of resume determinism.)
+``run_blockwise_ptq(propagate='quant')`` (``--propagate quant``) does exactly that: after a
+layer's units are solved, the quantized layer's output is the next layer's input (a resumed
+run reloads the finished units first, so it stays bit-identical). Which is better is measured
+per scheme on the quality table (benchmarks/results_i13.md; algorithms/recipe.py defaults).
 
 Static activation specs (``dynamic: false``) need observed ranges: after ``quantize_block`` an
 'observe' pass over the calibration inputs of the layer (float inputs, RTN weights) records

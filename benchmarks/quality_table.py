@@ -125,6 +125,8 @@ def algorithms_main(args) -> int:
             if algo == "default":
                 algo, prop = default_recipe(scheme)
                 cell_note = f"{algo}@{prop}"
+                if algo == "rtn":          # the default is plain RTN: the RTN column's run
+                    algo, prop = None, None
             else:
                 cell_note = None
             if algo is not None and not _registered(algo):

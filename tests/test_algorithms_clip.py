@@ -134,3 +134,12 @@ def test_clip_options_are_checked():
         parse_algo("clip:grid=1")
     with pytest.raises(Exception, match="act_grid"):
         parse_algo("clip:act_grid=abc")
+
+
+def test_mx_weights_have_nothing_to_clip():
+    w = torch.randn(8, 64)
+    q, unit = _unit(w, TensorSpec("mxfp4"))
+    before = q.quantized_weight().detach().clone()
+    stats = Clip().apply(unit, UnitData(_calls(torch.randn(64, 64), w)), SolveContext())
+    assert stats == {"choice": "incoming", "reason": "nothing to clip"}
+    assert torch.equal(q.quantized_weight(), before)

@@ -167,9 +167,9 @@ def test_recipe_run_resumes_bit_identically_with_quant_propagation(tiny_adapter,
     from amct_ext.schemes import load_scheme
     from amct_ext.workflow import PARAMS_DIR, load_calib_windows, run_blockwise_ptq
 
-    cfg = PtqConfig(n_samples=2, seq_len=64, batch_size=1, seed=0)
+    cfg = PtqConfig(n_samples=2, seq_len=32, batch_size=1, seed=0)
     calib = load_calib_windows(tiny_adapter, cfg)
-    scheme, targets, layers = load_scheme("w8a8"), ["attn-linear", "moe"], range(0, 2)
+    scheme, targets, layers = load_scheme("w8a8"), ["moe"], range(0, 2)
     recipe = parse_algo("gptq")
 
     def run(out, hook=None):
@@ -186,16 +186,16 @@ def test_recipe_run_resumes_bit_identically_with_quant_propagation(tiny_adapter,
 
     def stop(r):
         done.append(r.name)
-        if len(done) == 13:
+        if len(done) == 12:    # layer 1, mid-way through its routed experts
             raise Interrupt
 
     part = tmp_path / "part"
     with pytest.raises(Interrupt):
         run(part, stop)
     res = run(part)
-    assert sum(u.resumed for u in res.units) == 13
+    assert sum(u.resumed for u in res.units) == 12
     names = sorted(p.name for p in (full / PARAMS_DIR).glob("*.pt"))
-    assert names == sorted(p.name for p in (part / PARAMS_DIR).glob("*.pt")) and len(names) == 20
+    assert names == sorted(p.name for p in (part / PARAMS_DIR).glob("*.pt")) and len(names) == 18
     for name in names:
         a, b = safe_torch_load(full / PARAMS_DIR / name), safe_torch_load(part / PARAMS_DIR / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -1,8 +1,11 @@
 #!/usr/bin/env python
-"""Blockwise post-training quantization of DeepSeek-V4 (learnable weight clipping), with
-Wikitext-2 perplexity of the float, RTN and PTQ models.
+"""Blockwise post-training quantization of DeepSeek-V4 (a recipe of algorithms per unit: GPTQ,
+clipping, ...), with Wikitext-2 perplexity of the float, RTN and PTQ models.
 
     python tools/run_ptq.py --model tiny --output-dir out/tiny
+    python tools/run_ptq.py --model tiny-trained --scheme w3a16-g128 --algo clip,gptq --propagate quant \
+        --output-dir out/w3
+    python tools/run_ptq.py --model tiny-trained --recipe my_recipe.json --output-dir out/r
     python tools/run_ptq.py --model v4-flash --model-path /data/DeepSeek-V4-Flash --output-dir out/flash \\
         --quant-target attn-linear,moe --scheme w8a8 --device npu
 
@@ -19,6 +22,12 @@ Defaults for --model tiny (chosen so the whole run, PPL included, takes well und
 on 2 CPU cores): 8 calibration windows x 128 tokens, 2 epochs, lr 5e-3, fp32 compute,
 PPL on the first 32 test windows of 128 tokens (float + RTN + PTQ), 1 intra-op thread.
 For v4-*: 128 x 2048 calibration tokens, bf16, PPL off unless --eval-ppl (then every window).
+
+Recipes
+  --algo a,b,c runs the algorithms in order on every unit (rtn, clip, gptq, and whatever else is
+  registered; options as gptq:act_order=true:percdamp=0.05); --recipe FILE the same as JSON /
+  YAML. Without either, the scheme's default recipe and propagation (algorithms/recipe.py,
+  measured on the quality table) apply. --legacy-solver is the old learned-clip-only solver.
 
 Outputs (OUTPUT = --output-dir)
   OUTPUT/ptq_params/meta.json          scheme fingerprint, targets, model, solver settings

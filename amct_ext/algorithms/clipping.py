@@ -140,6 +140,11 @@ class Clip(Algorithm):
         train, held = ctx.split(data.calls)
         if not train:
             return {"choice": "incoming", "reason": "no calibration calls"}
+        clippable = any(t.spec.format in ("int", "fp8") for t in _targets(module))
+        static = self.activation and any(isinstance(m, ActivationQuantizer) and m.is_static
+                                         for m in module.modules())
+        if not clippable and not static:   # MX scales are powers of two: no clip to learn
+            return {"choice": "incoming", "reason": "nothing to clip"}
         judge = held or train
         incoming = snapshot_unit(module)
         inc_loss = _mse(module, judge, dev)
