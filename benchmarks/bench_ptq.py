@@ -138,6 +138,8 @@ def summarize(timer: PhaseTimer, layers: range) -> dict[int, dict]:
         cap = [r for r in timer.records if r.layer == i and r.name == "capture"]
         rec["capture_bytes"] = sum(r.tags.get("capture_bytes", 0) for r in cap)
         rec["spilled_bytes"] = sum(r.tags.get("spilled_bytes", 0) for r in cap)
+        # a recipe that replays no calls stores none: per-leaf Hessians instead (device memory)
+        rec["hessian_bytes"] = sum(r.tags.get("hessian_bytes", 0) for r in cap)
         out[i] = rec
     return out
 
