@@ -30,7 +30,13 @@ an attention: {wq_a, wkv, compressor and indexer linears reading x} -> {wq_b, in
 reading qr} -> {wo_a} -> {wo_b}; for an expert {w1, w3} -> {w2}); each stage's Hessians come
 from a replay of the unit's calls in which every earlier stage is already GPTQ-quantized (and
 all activation quantizers are on), so w2 sees the inputs of the quantized w1 / w3.
-``sequential=false`` takes every Hessian from one replay through the RTN unit instead.
+``sequential=false`` takes every Hessian from the FLOAT unit instead (llm-compressor's choice:
+all Hessians of a layer from one pass of the unquantized layer): such a GPTQ replays no calls
+(``needs_calls()`` False), so the workflow accumulates the Hessians during the capture itself
+(``hessians.HessianCollector``: no call stored, the MoE's grouped path kept); with stored calls
+(another algorithm of the recipe needs them) one float replay gives the same sums. w1 / w3 of an
+expert read one tensor: they share one Hessian and are solved as one matrix of stacked rows.
+Each leaf keeps GPTQ's weights only where the exact loss ``tr(dW H dW^T)`` is not above RTN's.
 
 Routed experts: :meth:`GPTQ.apply_group` gets every expert of the layer; each stage's Hessians
 are stacked [E, D, D] and solved in one batched pass, ``expert_chunk`` experts at a time (a
