@@ -5,6 +5,7 @@
     rtn.py       round-to-nearest (nothing learned; the reference every algorithm must beat)
     gptq.py      GPTQ (Hessian-based error compensation), batched over routed experts
     clipping.py  clipping that never loses: grid start + learned (Adam) clip, held-out check
+    runner.py    a recipe on the units of one layer (group entry points, RTN guard)
 """
 from .base import Algorithm, SolveContext, UnitData  # noqa: F401
 from .recipe import Recipe, RecipeError, parse_algo, register, resolve_recipe  # noqa: F401

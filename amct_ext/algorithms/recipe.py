@@ -249,8 +249,8 @@ DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
     "w4a8": ("clip,gptq", "quant"),           # 274.09 (+0.03 %); clip 275.53; RTN 278.10; gptq 279.58
     "w2a16-g64": ("clip", "float"),           # 326.12; clip,gptq@quant 333.26; RTN 453.28; gptq 457.34
     "fp8": ("clip", "float"),                 # 273.06 (< RTN 273.72); clip,gptq@quant 274.06; gptq 275.12
-    "mxfp8": ("clip,gptq", "quant"),
-    "mxfp4": ("clip,gptq", "quant"),
+    "mxfp8": ("clip,gptq", "quant"),          # 274.75 (< RTN 274.82); gptq 275.14 (clip: no-op on MX)
+    "mxfp4": ("clip,gptq", "quant"),          # 279.42 (< RTN 281.51); gptq 279.67
     "kv8": ("rtn", "float"),                  # cache-only schemes: no weights to solve
     "kv8-fp8": ("rtn", "float"),
 }
