@@ -77,7 +77,10 @@ class PhaseTimer:
     """Records one ``PhaseRecord`` per ``with timer.phase(...)`` (phases do not nest)."""
 
     def __init__(self, devices: Sequence[str | torch.device] = (), interval: float = 0.02,
-                 sample_host: bool = True):
+                 sample_host: bool = True, on_record: Any = None):
+        #: called with each finished PhaseRecord (a benchmark's live log: a run cut short by a
+        #: time limit still tells what it measured)
+        self.on_record = on_record
         self.devices = [torch.device(d) for d in devices if torch.device(d).type != "cpu"]
         self.records: list[PhaseRecord] = []
         self.interval = interval
@@ -129,6 +132,8 @@ class PhaseTimer:
             self.records.append(PhaseRecord(name, layer, seconds,
                                             {str(d): devmod.peak_memory_bytes(d) for d in self.devices},
                                             host, anon, dict(tags)))
+            if self.on_record is not None:
+                self.on_record(self.records[-1])
 
     def note(self, **tags: Any) -> None:
         """Attach facts (e.g. captured bytes) to the last finished phase."""

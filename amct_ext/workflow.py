@@ -494,6 +494,9 @@ class PtqRuntime:
 
     capture_memory_bytes: int | None = None
     sharded: bool = False
+    #: a recipe that replays no calls (``Recipe.needs_calls()`` False) gets per-leaf Hessians
+    #: accumulated during the capture instead of stored calls; False stores calls anyway
+    statistics: bool = True
     make_sink: Callable[[Any], CallSink | None] | None = None
 
     def check(self) -> None:
@@ -626,25 +629,47 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
             adapter.quantize_block(block, scheme, targets)
         units = list(adapter.iter_ptq_units(block, i, targets))
         todo = {u.name for u in units if not (pdir / f"{u.file_stem}.pt").is_file()}
-        adapter.prepare_capture(block)            # every unit called as a module: hooks see it
+        # a recipe that replays no calls (rtn, gptq:sequential=false) gets per-leaf Hessians
+        # accumulated during the float forward instead of stored calls (algorithms/hessians.py);
+        # the layer then keeps its fast paths (the MoE's grouped GEMMs report their rows)
+        stats_mode = recipe is not None and not recipe.needs_calls() and not sharded and runtime.statistics
+        hessians = collector = None
+        if not stats_mode:
+            adapter.prepare_capture(block)        # every unit called as a module: hooks see it
         store = CaptureStore(runtime.capture_memory_bytes,
                              None if runtime.capture_memory_bytes is None
                              else Path(output_dir) / SCRATCH_DIR / f"layer_{i}")
         sinks = {}
-        for u in units:
+        for u in (units if not stats_mode else ()):
             if u.name in todo:
                 made = runtime.make_sink(u) if runtime.make_sink is not None else None
                 sinks[u.name] = made if made is not None else store.sink(u.file_stem)
         try:
             with ph.phase("capture", layer=i):
                 adapter.set_quant_enabled(block, False)   # float math, bit for bit
-                if todo:
+                if todo and stats_mode:
+                    from .algorithms.hessians import HessianCollector
+
+                    collector = HessianCollector([u for u in units if u.name in todo])
+                    collector.attach(block)
+                    try:
+                        next_hidden = adapter.do_block_forward(block, calib.hidden, calib.state)
+                    finally:
+                        collector.detach()
+                    calls = {}
+                    hessians = {u.name: collector.stats(u.name) for u in units if u.name in todo}
+                    observe_static(adapter, block, calib, i)
+                elif todo:
                     calls, next_hidden = capture_unit_io(
                         [u for u in units if u.name in todo],
                         lambda: adapter.do_block_forward(block, calib.hidden, calib.state), sinks=sinks)
                     result.unobserved_static += observe_static(adapter, block, calib, i)
                 else:  # the whole layer was done by an earlier run: only its float output is needed
                     calls, next_hidden = {}, adapter.do_block_forward(block, calib.hidden, calib.state)
+            if hessians is not None:
+                ph.note(hessian_bytes=_tensor_bytes({id(ls.H): ls.H for st in hessians.values()
+                                                     for ls in st.values() if ls.H is not None}.values()),
+                        host_count_reads=collector.host_reads)
             mem.capture_memory_peak_bytes = max(mem.capture_memory_peak_bytes,
                                                 store.peak_in_memory if store.memory_bytes is not None
                                                 else sum(s.nbytes for s in sinks.values()))
@@ -688,7 +713,8 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                 for udev, group in by_dev.items():
                     with ph.phase("solve:recipe", layer=i, device=str(udev)):
                         rs = run_recipe_on_units(group, calls, recipe, device=udev, seed=cfg.seed,
-                                                 dtype=adapter.run.dtype, holdout=holdout, guard=guard)
+                                                 dtype=adapter.run.dtype, holdout=holdout, guard=guard,
+                                                 hessians=hessians)
                     done.update({u.name: r for u, r in zip(group, rs)})
                 if todo_units:
                     for unit, r in zip(todo_units, [done[u.name] for u in todo_units]):
@@ -703,6 +729,10 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
             for s in sinks.values():
                 s.discard()
             store.cleanup()
+            hessians = None                   # frees the layer's Hessians (GBs on the device)
+            if collector is not None:
+                collector.free()
+                collector = None
         if propagate == "quant":
             with ph.phase("propagate", layer=i):
                 next_hidden = adapter.do_block_forward(block, calib.hidden, calib.state)

@@ -138,6 +138,8 @@ def summarize(timer: PhaseTimer, layers: range) -> dict[int, dict]:
         cap = [r for r in timer.records if r.layer == i and r.name == "capture"]
         rec["capture_bytes"] = sum(r.tags.get("capture_bytes", 0) for r in cap)
         rec["spilled_bytes"] = sum(r.tags.get("spilled_bytes", 0) for r in cap)
+        # a recipe that replays no calls stores none: per-leaf Hessians instead (device memory)
+        rec["hessian_bytes"] = sum(r.tags.get("hessian_bytes", 0) for r in cap)
         out[i] = rec
     return out
 
@@ -204,7 +206,14 @@ def main(argv=None) -> int:
         print("run_ptq", " ".join(argv), flush=True)
         args = run_ptq.build_parser().parse_args(argv)
         devices = [dev] if not getattr(args, "sharded_ptq", False) else D.device_list(dev.type)
-        with PhaseTimer(devices) as timer:
+        def live(r):
+            if r.layer is not None:
+                peak = max(r.device_peak_bytes.values(), default=0)
+                print(f"[phase] layer {r.layer} {r.name}: {r.seconds:.2f} s, device peak {peak / 2**30:.1f} GiB, "
+                      f"host RSS {r.host_peak_bytes / 2**30:.1f} GiB (anon {r.host_anon_peak_bytes / 2**30:.1f})"
+                      + (f" {r.tags}" if r.tags else ""), flush=True)
+
+        with PhaseTimer(devices, on_record=live) as timer:
             t0 = time.perf_counter()
             rc = run_ptq.run(args, phases=timer)
             wall = time.perf_counter() - t0
@@ -214,6 +223,17 @@ def main(argv=None) -> int:
         report = json.loads((out / "report.json").read_text())
         layers = range(*report["layers"])
         per_layer = summarize(timer, layers)
+        # a recipe run times its layer as one phase: the units' own seconds, per kind
+        for rec_i, rec in per_layer.items():
+            kinds: dict[str, dict] = {}
+            for u in report["units"]:
+                if u.get("layer") == rec_i:
+                    k = kinds.setdefault(u["kind"], {"units": 0, "seconds": 0.0})
+                    k["units"] += 1
+                    k["seconds"] += u.get("seconds") or 0.0
+            rec["unit_seconds_by_kind"] = kinds
+            print(f"layer {rec_i} unit seconds by kind: "
+                  + ", ".join(f"{k}: {v['seconds']:.2f} s ({v['units']} units)" for k, v in kinds.items()), flush=True)
         phase_total = sum(r.seconds for r in timer.records)
         once = wall - sum(rec["seconds"] for rec in per_layer.values())
         float_layers = sorted({r.layer for r in timer.records if r.layer is not None and r.layer not in layers})

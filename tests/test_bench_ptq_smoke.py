@@ -1,5 +1,5 @@
 """benchmarks/bench_ptq.py --smoke: the job's own run() on a tiny synthetic checkpoint with the
-V4-Flash layer pattern, timed per phase, with spilled capture and projections."""
+V4-Flash layer pattern, timed per phase, with the statistics capture and projections."""
 import json
 import sys
 
@@ -28,8 +28,10 @@ def test_bench_ptq_smoke(tmp_path, one_thread):
         # the default recipe solves a layer's units together; the legacy solver one unit at a time
         assert "solve:recipe" in rec["phases"] or rec["phases"]["solve:expert"]["count"] == 8
         assert rec["phases"]["write"]["count"] == 10
-        assert rec["host_peak_bytes"] >= rec["host_anon_peak_bytes"] > 0 and rec["capture_bytes"] > 0
-        assert rec["spilled_bytes"] > 0                     # the smoke budget forces spilling
+        assert rec["host_peak_bytes"] >= rec["host_anon_peak_bytes"] > 0
+        # w8a8's default recipe (rtn) replays no calls: the capture stores none, only per-leaf
+        # Hessians (the statistics path); spilling of stored calls: tests/test_ptq_runtime.py
+        assert rec["capture_bytes"] == 0 and rec["spilled_bytes"] == 0 and rec["hessian_bytes"] > 0
     assert r["ptq"]["units"] == 4 * 10
     # the per-layer phases cover the PTQ loop: their sum never exceeds the job's wall time
     assert sum(rec["seconds"] for rec in per.values()) <= r["ptq"]["wall_s"]

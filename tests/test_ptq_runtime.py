@@ -206,11 +206,13 @@ def test_ptq_builds_layers_on_the_compute_device(tiny_adapter, calib, reference,
 
 @pytest.fixture(scope="module")
 def recipe_reference(tiny_adapter, calib, tmp_path_factory):
-    """The scheme's default recipe (grouped over experts) on one device, everything in memory."""
-    from amct_ext.algorithms.recipe import default_recipe, resolve_recipe
+    """GPTQ (grouped over experts, sequential stages: a recipe that replays stored calls) on one
+    device, everything in memory. (w8a8's default recipe is now rtn, which replays nothing: it
+    takes the statistics path, tests/test_hessian_capture.py.)"""
+    from amct_ext.algorithms.recipe import resolve_recipe
 
-    algo, _ = default_recipe("w8a8")
-    recipe = resolve_recipe(None, None, default=algo)
+    recipe = resolve_recipe("gptq")
+    assert recipe.needs_calls()
     out = tmp_path_factory.mktemp("recipe-ref")
     res = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, out, layers=LAYERS,
                             calib_windows=calib, recipe=recipe)
@@ -241,8 +243,8 @@ def test_recipe_run_reads_spilled_calls_lazily(tiny_adapter, calib, recipe_refer
     kept = []
     real_init = algo_base.UnitData.__init__
 
-    def spy(self, calls=None):
-        real_init(self, calls)
+    def spy(self, calls=None, **kw):
+        real_init(self, calls, **kw)
         kept.append(isinstance(self.calls, SpilledCalls))
 
     monkeypatch.setattr(algo_base.UnitData, "__init__", spy)

@@ -84,7 +84,10 @@ class UnitData:
     """The captured calls of one unit; algorithms may replace the calls' inputs (never the
     float targets)."""
 
-    def __init__(self, calls: Sequence[UnitCall] | None = None):
+    def __init__(self, calls: Sequence[UnitCall] | None = None, hessians: dict | None = None):
+        #: statistics collected during the capture instead of calls (algorithms/hessians.py):
+        #: leaf name -> LeafStat; None when calls were stored
+        self.hessians = hessians
         # calls spilled to disk (capture.SpilledCalls) stay a lazily read sequence: list() would
         # load every call of every unit of the layer back into host memory at once
         self._calls: Sequence[UnitCall] = calls if isinstance(calls, SpilledCalls) else list(calls or [])

@@ -30,7 +30,13 @@ an attention: {wq_a, wkv, compressor and indexer linears reading x} -> {wq_b, in
 reading qr} -> {wo_a} -> {wo_b}; for an expert {w1, w3} -> {w2}); each stage's Hessians come
 from a replay of the unit's calls in which every earlier stage is already GPTQ-quantized (and
 all activation quantizers are on), so w2 sees the inputs of the quantized w1 / w3.
-``sequential=false`` takes every Hessian from one replay through the RTN unit instead.
+``sequential=false`` takes every Hessian from the FLOAT unit instead (llm-compressor's choice:
+all Hessians of a layer from one pass of the unquantized layer): such a GPTQ replays no calls
+(``needs_calls()`` False), so the workflow accumulates the Hessians during the capture itself
+(``hessians.HessianCollector``: no call stored, the MoE's grouped path kept); with stored calls
+(another algorithm of the recipe needs them) one float replay gives the same sums. w1 / w3 of an
+expert read one tensor: they share one Hessian and are solved as one matrix of stacked rows.
+Each leaf keeps GPTQ's weights only where the exact loss ``tr(dW H dW^T)`` is not above RTN's.
 
 Routed experts: :meth:`GPTQ.apply_group` gets every expert of the layer; each stage's Hessians
 are stacked [E, D, D] and solved in one batched pass, ``expert_chunk`` experts at a time (a
@@ -311,10 +317,18 @@ class GPTQ(Algorithm):
         if self.expert_chunk < 1:
             raise RecipeError(f"gptq.expert_chunk must be >= 1, got {self.expert_chunk}")
 
+    def needs_calls(self) -> bool:
+        # sequential stages replay the unit with earlier stages quantized; all_tokens feeds every
+        # token to every expert: both need the stored calls. Otherwise every Hessian comes from
+        # the float layer, accumulated during the capture (algorithms/hessians.py)
+        return self.sequential or self.all_tokens
+
     def apply(self, unit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
         return self.apply_group([unit], [data], ctx)[0]
 
     def apply_group(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
+        if not self.needs_calls():
+            return self._apply_float_hessians(units, datas, ctx)
         dev = ctx.device
         # all_tokens concerns routed experts only (the other kinds already see every token)
         routed = all(u.kind == "expert" for u in units)
@@ -389,3 +403,163 @@ class GPTQ(Algorithm):
                 st["hessian_tokens"] += t.n
                 t.H = None   # free the Hessian as soon as its leaf is solved
                 b0 += t.B
+
+
+    # ------------------------------------------------------------------ float Hessians
+    def _apply_float_hessians(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
+        """``sequential=false``: every leaf's Hessian from the FLOAT unit (llm-compressor's
+        choice). From the capture's statistics when the workflow collected them
+        (``UnitData.hessians``), else from one replay of the stored calls with quantization
+        off. Leaves reading one tensor (an expert's w1 / w3) share a Hessian and are solved as
+        one matrix of stacked rows (GPTQ treats rows independently: the same result).
+
+        Guard per leaf, exact: the leaf keeps GPTQ's weights only where
+        ``tr(dW H dW^T)`` (= its output error on the calibration rows, float inputs) is not
+        above RTN's; otherwise it stays RTN."""
+        from .hessians import HessianCollector, fake_quant_weight, quant_leaves
+
+        dev = ctx.device
+        stats_of = []
+        for u, d in zip(units, datas):
+            st = d.hessians
+            if st is None:          # stored calls: replay the float unit once
+                col = HessianCollector([u])
+                col.attach(u.module)
+                try:
+                    with _quant_off(u.module):
+                        _replay(u.module, d.calls, dev)
+                finally:
+                    col.detach()
+                st = col.stats(u.name)
+            stats_of.append(st)
+        out = [{"leaves": 0, "gptq_loss": 0.0, "hessian_tokens": 0, "kept_rtn": 0, "leaf_loss": {}}
+               for _ in units]
+        buckets: dict[tuple, list[tuple[int, list[tuple[str, nn.Module]], Any]]] = {}
+        for ui, (u, st) in enumerate(zip(units, stats_of)):
+            leaves = dict(quant_leaves(u.module))
+            joint: dict[int, list[str]] = {}
+            for name in leaves:
+                ls = st.get(name)
+                if ls is not None and ls.n > 0 and ls.H is not None:
+                    joint.setdefault(id(ls), []).append(name)
+            for names in joint.values():
+                # leaves sharing a Hessian are stacked only with equal spec / dtype / width
+                sub: dict[tuple, list[str]] = {}
+                for n in names:
+                    lf = leaves[n]
+                    sub.setdefault((lf.weight_quantizer.spec, lf.weight.dtype, _groups_of(lf)), []).append(n)
+                for (spec, dtype, g), ns in sub.items():
+                    ls = st[ns[0]]
+                    key = (tuple(ns), tuple(leaves[n].weight.shape for n in ns), dtype, spec, g)
+                    buckets.setdefault(key, []).append((ui, [(n, leaves[n]) for n in ns], ls))
+        for items in buckets.values():
+            self._solve_joint(items, out, dev, fake_quant_weight)
+        for o in out:
+            o["hessian"] = "float"
+        return out
+
+    def _solve_joint(self, items, out, dev, fake_quant_weight) -> None:
+        first = items[0][1][0][1]
+        spec = first.weight_quantizer.spec
+        B = _groups_of(first) or 1
+        dynamic = spec.format == "int" and spec.granularity == "group" and not self.act_order
+        per_chunk = max(1, self.expert_chunk // B)
+        for c0 in range(0, len(items), per_chunk):
+            chunk = items[c0:c0 + per_chunk]
+            Ws, Hs, Rs, Ss, Zs, clips = [], [], [], [], [], []
+            for _, leaves, ls in chunk:
+                for _, lf in leaves:
+                    w = lf.weight.detach()
+                    Ws.append(w.to(dev, torch.float32).reshape(B, -1, w.shape[-1]))
+                    Rs.append(fake_quant_weight(lf).to(dev, torch.float32).reshape(B, -1, w.shape[-1]))
+                    if dynamic:
+                        c = lf.weight_quantizer.effective_clip()
+                        clips.append(None if c is None else c.detach().to(dev).reshape(B, -1, c.shape[-1]))
+                    else:
+                        c = lf.weight_quantizer.effective_clip()
+                        sc, zp = formats.qparams(w.to(dev), spec, None if c is None else c.detach().to(dev))
+                        Ss.append(formats.expand_qparam(sc, w.shape, spec).reshape(B, -1, w.shape[-1]))
+                        if zp is not None:
+                            Zs.append(formats.expand_qparam(zp, w.shape, spec).reshape(B, -1, w.shape[-1]))
+                Hs.append(ls.H.to(dev) * (2.0 / ls.n))
+            n_leaves = len(chunk[0][1])
+            # [chunk * B, rows of the joint leaves, C]
+            W = torch.cat([torch.cat(Ws[j * n_leaves:(j + 1) * n_leaves], 1) for j in range(len(chunk))])
+            RTN = torch.cat([torch.cat(Rs[j * n_leaves:(j + 1) * n_leaves], 1) for j in range(len(chunk))])
+            H = torch.cat(Hs)
+            S = Z = clip = None
+            if dynamic:
+                if any(c is not None for c in clips):
+                    full = [c if c is not None else torch.ones(B, Ws[k].shape[1], Ws[k].shape[2] // spec.group_size,
+                                                                 device=dev) for k, c in enumerate(clips)]
+                    clip = torch.cat([torch.cat(full[j * n_leaves:(j + 1) * n_leaves], 1) for j in range(len(chunk))])
+            else:
+                S = torch.cat([torch.cat(Ss[j * n_leaves:(j + 1) * n_leaves], 1) for j in range(len(chunk))])
+                if Zs:
+                    Z = torch.cat([torch.cat(Zs[j * n_leaves:(j + 1) * n_leaves], 1) for j in range(len(chunk))])
+            Q, S, Z, loss = gptq_solve(W, H, spec, S=S, Z=Z, clip=clip, block_size=self.block_size,
+                                       percdamp=self.percdamp, act_order=self.act_order)
+            # exact output errors per row on the calibration rows: tr(dW H dW^T) with H = sum x^T x
+            # (H above is 2/n of it: undo the factor per matrix)
+            scale = torch.cat([torch.full((B,), ls.n / 2.0, device=dev) for _, _, ls in chunk])
+            err_q = _row_error(Q - W, H) * scale[:, None]
+            err_r = _row_error(RTN - W, H) * scale[:, None]
+            del H, RTN
+            rows = [lf.weight.shape[0] // B for _, lf in chunk[0][1]]
+            bounds = [0]
+            for r in rows:
+                bounds.append(bounds[-1] + r)
+            # per leaf sums, one host read per chunk
+            per_leaf_q = torch.stack([err_q[j * B:(j + 1) * B, bounds[k]:bounds[k + 1]].sum()
+                                      for j in range(len(chunk)) for k in range(n_leaves)])
+            per_leaf_r = torch.stack([err_r[j * B:(j + 1) * B, bounds[k]:bounds[k + 1]].sum()
+                                      for j in range(len(chunk)) for k in range(n_leaves)])
+            lq, lr = per_leaf_q.tolist(), per_leaf_r.tolist()
+            obj = loss.view(len(chunk), B).sum(1).tolist()
+            for j, (ui, leaves, ls) in enumerate(chunk):
+                st = out[ui]
+                st["hessian_tokens"] += ls.n * len(leaves)
+                st["gptq_loss"] += obj[j]
+                sl = slice(j * B, (j + 1) * B)
+                for k, (name, lf) in enumerate(leaves):
+                    st["leaves"] += 1
+                    i = j * n_leaves + k
+                    if lq[i] <= lr[i]:
+                        rs = slice(bounds[k], bounds[k + 1])
+                        _Target(name, lf).write(Q[sl, rs], S[sl, rs], None if Z is None else Z[sl, rs])
+                        st["leaf_loss"][name] = lq[i]
+                    else:
+                        st["kept_rtn"] += 1
+                        st["leaf_loss"][name] = lr[i]
+
+
+def _groups_of(leaf: nn.Module) -> int:
+    return int(getattr(leaf, "n_groups", 0) or 0)
+
+
+def _row_error(dW: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """[B, R]: per row r of matrix b, dW_br H_b dW_br^T (fp32)."""
+    return (torch.bmm(dW, H) * dW).sum(-1)
+
+
+class _quant_off:
+    """Quantization of every quantized leaf inside ``module`` off (the float function) for the
+    duration; restored after."""
+
+    def __init__(self, module: nn.Module):
+        self.leaves = [m for m in module.modules() if isinstance(getattr(m, "enabled", None), bool)
+                       and (hasattr(m, "weight_quantizer") or hasattr(m, "a_quantizer"))]
+        self.saved = [m.enabled for m in self.leaves]
+
+    def _set(self, values) -> None:
+        for m, v in zip(self.leaves, values):
+            m.enabled = v
+            if isinstance(m, QuantLinear):
+                m.invalidate_cache()
+
+    def __enter__(self):
+        self._set([False] * len(self.leaves))
+        return self
+
+    def __exit__(self, *exc):
+        self._set(self.saved)

@@ -87,12 +87,95 @@ def restore_unit(module: nn.Module, snap: _Snapshot) -> None:
         snap.extra()
 
 
+@torch.no_grad()
+def hessian_leaf_errors(unit: PtqUnit, stats: dict) -> dict[str, tuple[torch.Tensor, int]]:
+    """Per quantized leaf with a statistic: (``tr(dW H dW^T)`` on the device, output elements),
+    dW = fake-quant weight - weight: the leaf's exact squared output error on its calibration
+    rows (float inputs, weight quantization only)."""
+    from .hessians import fake_quant_weight, quant_leaves, weight_error
+
+    out = {}
+    for name, leaf in quant_leaves(unit.module):
+        ls = stats.get(name)
+        if ls is None or ls.H is None or ls.n == 0:
+            continue
+        w = leaf.weight.detach()
+        B = ls.H.shape[0]
+        dW = (fake_quant_weight(leaf).float() - w.float()).reshape(B, -1, w.shape[-1]).to(ls.H.device)
+        out[name] = (weight_error(dW, ls.H).sum(), ls.n * w.shape[0])
+    return out
+
+
+def _run_on_hessians(units, hessians, recipe, *, device, seed, dtype, holdout, on_algorithm):
+    """Recipe run on capture statistics (no calls): losses are the exact per-leaf output errors
+    of the weights on the float calibration rows, summed over the unit's leaves, per output
+    element; the guard is the algorithms' own (GPTQ keeps a leaf's result only where it is not
+    above RTN's on that exact loss), so no snapshot of the layer is taken."""
+    datas = {u.name: UnitData([], hessians=hessians.get(u.name, {})) for u in units}
+    ctxs = {u.name: SolveContext(device=device, seed=unit_seed(seed, u.name), dtype=dtype, holdout=holdout,
+                                 layer_idx=u.layer_idx) for u in units}
+    before_leaf = {u.name: hessian_leaf_errors(u, datas[u.name].hessians) for u in units}
+    seconds = {u.name: 0.0 for u in units}
+    stats: dict[str, dict[str, Any]] = {u.name: {} for u in units}
+    leaf_after: dict[str, dict[str, float]] = {u.name: {} for u in units}
+    for algo in recipe.algorithms:
+        ta = time.perf_counter()
+        kinds = sorted({u.kind for u in units if u.kind in algo.group_kinds})
+        for kind in kinds:
+            members = [u for u in units if u.kind == kind]
+            tg = time.perf_counter()
+            results = algo.apply_group(members, [datas[u.name] for u in members], ctxs[members[0].name])
+            share = (time.perf_counter() - tg) / max(len(members), 1)
+            for u, r in zip(members, results):
+                stats[u.name][algo.name] = r
+                seconds[u.name] += share
+        for u in units:
+            if u.kind in algo.group_kinds:
+                continue
+            tu = time.perf_counter()
+            stats[u.name][algo.name] = algo.apply(u, datas[u.name], ctxs[u.name])
+            seconds[u.name] += time.perf_counter() - tu
+        for u in units:
+            r = stats[u.name].get(algo.name) or {}
+            leaf_after[u.name].update(r.pop("leaf_loss", {}) if isinstance(r, dict) else {})
+        if on_algorithm is not None:
+            on_algorithm(algo.name, time.perf_counter() - ta)
+    # one host read for all units' RTN losses
+    names = [(u.name, leaf) for u in units for leaf in before_leaf[u.name]]
+    values = torch.stack([before_leaf[n][leaf][0].to(device) for n, leaf in names]).tolist() if names else []
+    rtn = {key: v for key, v in zip(names, values)}
+    out = []
+    for u in units:
+        leaves = before_leaf[u.name]
+        elems = sum(n for _, n in leaves.values())
+        if not leaves:
+            before = after = None
+        else:
+            before = sum(rtn[(u.name, leaf)] for leaf in leaves) / elems
+            after = sum(leaf_after[u.name].get(leaf, rtn[(u.name, leaf)]) for leaf in leaves) / elems
+        stats[u.name]["reverted_to_rtn"] = False
+        stats[u.name]["loss"] = "hessian: sum over leaves of ||X (W_q - W)^T||^2 / output elements (float inputs)"
+        out.append(UnitResult(name=u.name, kind=u.kind, layer=u.layer_idx, loss_before=before, loss_after=after,
+                              seconds=seconds[u.name], n_calls=0, n_params=0, best_epoch=0, stats=stats[u.name]))
+    return out
+
+
 def run_recipe_on_units(units: Sequence[PtqUnit], calls: dict[str, list[UnitCall]], recipe: Recipe, *,
                         device: torch.device, seed: int, dtype: torch.dtype | None = None,
                         holdout: float = 0.25, guard: bool = True,
-                        on_algorithm: Callable[[str, float], None] | None = None) -> list[UnitResult]:
+                        on_algorithm: Callable[[str, float], None] | None = None,
+                        hessians: dict[str, dict] | None = None) -> list[UnitResult]:
     """Apply ``recipe`` to ``units`` (already on ``device``, quantizers on); returns one
-    UnitResult per unit (loss_before = RTN, loss_after = the kept state)."""
+    UnitResult per unit (loss_before = RTN, loss_after = the kept state).
+
+    ``hessians``: per unit the capture's statistics (``hessians.HessianCollector``) instead of
+    calls, for a recipe that needs no calls (``recipe.needs_calls()`` False); see
+    ``_run_on_hessians`` for what the losses and the guard are then."""
+    if hessians is not None:
+        if recipe.needs_calls():
+            raise ValueError(f"recipe {recipe} replays calls: it cannot run on capture statistics")
+        return _run_on_hessians(units, hessians, recipe, device=device, seed=seed, dtype=dtype, holdout=holdout,
+                                on_algorithm=on_algorithm)
     t0 = time.perf_counter()
     datas = {u.name: UnitData(calls.get(u.name, [])) for u in units}
     ctxs = {u.name: SolveContext(device=device, seed=unit_seed(seed, u.name), dtype=dtype, holdout=holdout,

@@ -726,7 +726,13 @@ class MoE(nn.Module):
         counts.scatter_add_(0, slots, torch.ones_like(slots))
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         tok = order // indices.shape[1]
-        xs = self.grouped_rows(flat[tok], "w1")
+        xs = flat[tok]
+        # statistics during calibration (e.g. per-expert Hessians): the float rows, sorted by
+        # expert, and the rows per expert; a plain attribute, never set outside a capture
+        observer = self.__dict__.get("row_observer")
+        if observer is not None:
+            observer(xs, "w1", counts)
+        xs = self.grouped_rows(xs, "w1")
         fused = fused_kernels_enabled(flat.device) and not (torch.is_grad_enabled() and (
             xs.requires_grad or w13.requires_grad or w2.requires_grad))
         slot_weights = weights.flatten()[order]
@@ -744,6 +750,8 @@ class MoE(nn.Module):
                     up = up.clamp(-limit, limit)
                     gate = gate.clamp(max=limit)
                 h = (F.silu(gate) * up * slot_weights.unsqueeze(-1)).to(flat.dtype)
+        if observer is not None:
+            observer(h, "w2", counts)
         h = self.grouped_rows(h, "w2")
         if triton_gemm:
             y = grouped_gemm(h, w2, offsets)                                    # [T, D], sorted slots

@@ -96,6 +96,10 @@ class WoAQuant(nn.Module):
         return w.view(self.n_groups, -1, w.shape[-1])
 
     def quantize_input(self, o: torch.Tensor) -> torch.Tensor:
+        # wo_a is no module call of its own: observers (GPTQ's Hessians) see its input here,
+        # with quantization on or off
+        for fn in self.__dict__.get("input_observers", ()):
+            fn(o)
         return self.input_quantizer(o) if self.enabled else o
 
     def export_ptq_params(self) -> dict[str, torch.Tensor]:

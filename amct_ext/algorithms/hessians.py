@@ -1,0 +1,211 @@
+"""Hessian statistics of a layer's quantized leaves, accumulated while the layer runs.
+
+GPTQ needs, per quantized leaf, only ``H = sum_x x^T x`` over the leaf's calibration inputs
+(fp32, on the device) and the number of rows. When no algorithm of a recipe replays the
+captured unit calls (``Recipe.needs_calls()`` is False: ``rtn``, ``gptq:sequential=false``), the
+workflow stores no calls at all: a :class:`HessianCollector` is attached to the layer during its
+ONE float forward and every leaf's Hessian is folded in as the rows go by. Nothing of the
+calibration activations is kept. This is llm-compressor's sequential pipeline as well: all
+Hessians of a layer come from the float (not yet quantized) layer in one pass.
+
+Where the rows are seen
+- a QuantLinear called as a module: a forward pre-hook (its input, before any input
+  quantization; the float forward has quantization off anyway);
+- ``wo_a`` (WoAQuant: a grouped einsum, no module call): its ``input_observers`` list, one
+  Hessian per output group, [G, d, d];
+- routed experts on the MoE's grouped-GEMM path (the expert modules are never called there):
+  the MoE's ``row_observer`` gets the rows sorted by expert with the rows per expert; each
+  expert's Hessian is one ``addmm`` on its segment (a loop of E matmuls on the device after ONE
+  read of the counts per forward; the loop path's per-expert calls reach the pre-hooks instead
+  and give the same sums, in the same order). The experts' Hessians are stacked [E, C, C] per
+  projection input, allocated on first use.
+
+Leaves that read the same tensor share one statistic (``w1`` / ``w3`` of an expert; ``wq_a`` /
+``wkv`` of an attention): found by identity of the input tensor on the first call, so w1 / w3's
+[E, 4096, 4096] fp32 stack (17 GB for 256 V4-Flash experts) exists once.
+
+Exact losses from a Hessian: for a linear ``y = x W^T`` with float inputs X,
+``||X (W_q - W)^T||^2 = tr((W_q - W) H (W_q - W)^T)`` -- exact, no calls needed
+(:func:`weight_error`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["LeafStat", "HessianCollector", "quant_leaves", "weight_error", "fake_quant_weight"]
+
+
+@dataclass
+class LeafStat:
+    """``H``: [B, C, C] fp32 sum of x^T x (B = 1, or the output groups of wo_a); ``n``: rows
+    per matrix. ``H`` may be a view into a stacked tensor (routed experts)."""
+
+    H: torch.Tensor | None = None
+    n: int = 0
+    leaves: list[str] = field(default_factory=list)   # leaf names (in the unit) that read this input
+
+    def add(self, x: torch.Tensor, groups: int = 0) -> None:
+        C = x.shape[-1]
+        x = x.detach().float()
+        if groups:
+            xg = x.reshape(-1, groups, C).transpose(0, 1)                    # [G, N, d]
+            if self.H is None:
+                self.H = torch.zeros(groups, C, C, dtype=torch.float32, device=x.device)
+            self.H.baddbmm_(xg.transpose(1, 2), xg)
+            self.n += xg.shape[1]
+        else:
+            x2 = x.reshape(-1, C)
+            if self.H is None:
+                self.H = torch.zeros(1, C, C, dtype=torch.float32, device=x.device)
+            self.H[0].addmm_(x2.t(), x2)
+            self.n += x2.shape[0]
+
+
+def quant_leaves(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every leaf of a unit with a quantizing weight spec and an input (QuantLinear / WoAQuant)."""
+    out = []
+    for name, m in module.named_modules():
+        wq = getattr(m, "weight_quantizer", None)
+        if wq is None or wq.is_identity or not isinstance(getattr(m, "weight", None), torch.Tensor):
+            continue
+        if not hasattr(m, "input_quantizer"):
+            continue
+        out.append((name, m))
+    return out
+
+
+def _groups(leaf: nn.Module) -> int:
+    return int(getattr(leaf, "n_groups", 0) or 0)
+
+
+def observe_leaf(leaf: nn.Module, fn: Callable[[torch.Tensor], None]) -> Callable[[], None]:
+    """Call ``fn(x)`` with every input of ``leaf``; returns the remover."""
+    if _groups(leaf):
+        obs = leaf.__dict__.setdefault("input_observers", [])
+        obs.append(fn)
+        return lambda: obs.remove(fn)
+    h = leaf.register_forward_pre_hook(lambda _m, args: fn(args[0]))
+    return h.remove
+
+
+class _UnitStats:
+    """The statistics of one unit: leaf name -> LeafStat (shared by leaves reading one tensor)."""
+
+    def __init__(self) -> None:
+        self.by_leaf: dict[str, LeafStat] = {}
+        self._last: tuple[torch.Tensor, LeafStat] | None = None   # the input seen last, for aliasing
+
+    def feed(self, name: str, leaf: nn.Module, x: torch.Tensor) -> None:
+        st = self.by_leaf.get(name)
+        if st is None:
+            if self._last is not None and self._last[0] is x and not _groups(leaf) and \
+                    self._last[1].H is not None and self._last[1].H.shape[-1] == x.shape[-1]:
+                st = self._last[1]           # same tensor as the previous leaf: share, count once
+                st.leaves.append(name)
+                self.by_leaf[name] = st
+                return
+            st = self.by_leaf[name] = LeafStat(leaves=[name])
+        elif name != st.leaves[0]:
+            return                           # an alias: its rows were counted by the first reader
+        st.add(x, _groups(leaf))
+        self._last = (x, st)
+
+
+class HessianCollector:
+    """Per-leaf Hessians of ``units`` (PtqUnits of one layer) while ``block`` runs.
+
+    ``attach(block)`` / ``detach()`` (or use as a context manager); ``stats(unit_name)`` ->
+    {leaf name: LeafStat}. Routed experts of a MoE exposing ``row_observer`` (its grouped path)
+    are matched to the units by identity of the expert modules."""
+
+    def __init__(self, units: Sequence[Any]):
+        self.units = list(units)
+        self._stats = {u.name: _UnitStats() for u in self.units}
+        self._removers: list[Callable[[], None]] = []
+        self._stacks: dict[tuple[int, str], torch.Tensor] = {}
+        self.host_reads = 0               # count reads of the rows per expert (one per forward)
+
+    def stats(self, name: str) -> dict[str, LeafStat]:
+        return self._stats[name].by_leaf
+
+    def attach(self, block: nn.Module) -> "HessianCollector":
+        for u in self.units:
+            ust = self._stats[u.name]
+            for name, leaf in quant_leaves(u.module):
+                self._removers.append(observe_leaf(leaf, lambda x, n=name, lf=leaf, s=ust: s.feed(n, lf, x)))
+        by_module = {id(u.module): u for u in self.units}
+        for moe in block.modules():
+            experts = getattr(moe, "experts", None)
+            if not isinstance(experts, nn.ModuleList) or not hasattr(moe, "route_grouped"):
+                continue
+            index = {e: by_module[id(m)] for e, m in enumerate(experts) if id(m) in by_module}
+            if not index:
+                continue
+            moe.row_observer = self._row_observer(moe, index)
+            self._removers.append(lambda m=moe: m.__dict__.pop("row_observer", None))
+        return self
+
+    def detach(self) -> None:
+        for r in reversed(self._removers):
+            r()
+        self._removers = []
+
+    def __enter__(self) -> "HessianCollector":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def _row_observer(self, moe: nn.Module, index: dict[int, Any]):
+        cache: dict[str, Any] = {"counts": None, "list": None}
+        # expert leaves: w1 and w3 read the sorted rows, w2 the SwiGLU output rows
+        readers = {"w1": ("w1", "w3"), "w2": ("w2",)}
+
+        def observe(rows: torch.Tensor, projection: str, counts: torch.Tensor) -> None:
+            if cache["counts"] is not counts:   # one host read of the counts per forward
+                cache["counts"], cache["list"] = counts, counts.tolist()
+                self.host_reads += 1
+            n_per = cache["list"]
+            C = rows.shape[-1]
+            key = (id(moe), projection)
+            stack = self._stacks.get(key)
+            if stack is None:
+                stack = self._stacks[key] = torch.zeros(len(n_per), C, C, dtype=torch.float32, device=rows.device)
+                for e, u in index.items():
+                    ust = self._stats[u.name]
+                    st = LeafStat(H=stack[e:e + 1], n=0, leaves=list(readers[projection]))
+                    for leaf in readers[projection]:
+                        ust.by_leaf[leaf] = st
+            x = rows.detach().float()
+            start = 0
+            for e, n in enumerate(n_per):
+                if n and e in index:
+                    seg = x[start:start + n]
+                    stack[e].addmm_(seg.t(), seg)
+                    self._stats[index[e].name].by_leaf[readers[projection][0]].n += n
+                start += n
+        return observe
+
+    def free(self) -> None:
+        self._stacks.clear()
+        for s in self._stats.values():
+            s.by_leaf.clear()
+
+
+# ----------------------------------------------------------------------------- exact losses
+@torch.no_grad()
+def fake_quant_weight(leaf: nn.Module) -> torch.Tensor:
+    """The weight the leaf's forward uses with quantization on (fake-quant), 2-D."""
+    return leaf.weight_quantizer(leaf.weight.detach())
+
+
+@torch.no_grad()
+def weight_error(dW: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """``sum_b tr(dW_b H_b dW_b^T)`` per matrix b: dW [B, R, C], H [B, C, C] -> [B] (fp32 math,
+    fp64 result). With H = sum x^T x this is exactly ``||X dW^T||^2``."""
+    dW = dW.float()
+    return (torch.bmm(dW, H) * dW).sum(dim=(1, 2)).double()
