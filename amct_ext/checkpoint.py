@@ -345,7 +345,7 @@ class CheckpointReader:
                 t = self._load_one(k, scale_of.get(k), want_shape, device)
             # a tensor read without any conversion is a view of the shard's memory map, and the
             # handle is cached: writing into it in place (smoothing, GPTQ, a loaded replaced
-            # weight) would change what every later load of that key returns (casebook i13s-1, i15b-1)
+            # weight) would change what every later load of that key returns (casebook/smoothing-rounding.md-1, i15b-1)
             # (an exported tensor is decoded into fresh memory: nothing to check)
             mapped = self._is_mapped(k, t) if t.device.type == "cpu" and k not in exported else None
             if t.dtype.is_floating_point:

@@ -170,7 +170,7 @@ def undispatch_layer(module: nn.Module) -> nn.Module:
     accelerate's removal leaves ``module.forward`` as an INSTANCE attribute (the bound method it
     had saved). Harmless by itself, but a wrapper built by copying the module's ``__dict__``
     (``quant_module._rebind``) would inherit it and run the FLOAT module's forward on the float
-    children: a quantized layer silently computing in float (casebook i15-1). So the attribute
+    children: a quantized layer silently computing in float (casebook/real-size-ptq.md-1). So the attribute
     is dropped whenever it is just the module's own class forward."""
     remove_hook_from_module(module, recurse=True)
     for sub in module.modules():

@@ -18,7 +18,7 @@ Both give the bits of the one-process run. The critical path is the same (the fl
 through layers 0..start_r-1 is sequential either way: recomputed by rank r, or chained through
 ranks 0..r-1); send adds a second load of each rank's own layers and 8.6 GB per boundary at
 128 x 2048 x 4 x 4096 bf16, recompute adds (world/2) x the model's reads in aggregate. See
-benchmarks/results_i16.md for the measurements and the choice.
+benchmarks/RESULTS.md §12 for the measurements and the choice.
 
 Rank 0 writes ptq_params/meta.json before any rank writes a unit (barrier), gathers the unit
 results and writes report.json and the summary. Resume is per rank: a rank skips its finished
@@ -474,7 +474,7 @@ class Watchdog:
 
     One node's torchrun stops its own workers when one fails, but a worker on ANOTHER node
     goes on with its layer range until its next collective (verified with two agents on
-    loopback, benchmarks/results_i16.md) -- at real size that can be hours. So every rank bumps
+    loopback, benchmarks/RESULTS.md §12) -- at real size that can be hours. So every rank bumps
     a counter in the store every ``period_s`` and watches the others' counters; a peer whose
     counter has not moved for ``stale_s`` (local clock; no cross-host clock comparison) is
     taken as dead or hung, and ``on_dead(message)`` runs (default: one line, exit 4). A rank that

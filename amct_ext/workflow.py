@@ -17,7 +17,7 @@ errors, at the cost of a second pass per layer and of resume determinism.)
 ``run_blockwise_ptq(propagate='quant')`` (``--propagate quant``) does exactly that: after a
 layer's units are solved, the quantized layer's output is the next layer's input (a resumed
 run reloads the finished units first, so it stays bit-identical). Which is better is measured
-per scheme on the quality table (benchmarks/results_i13.md; algorithms/recipe.py defaults).
+per scheme on the quality table (benchmarks/RESULTS.md §8; algorithms/recipe.py defaults).
 
 Static activation specs (``dynamic: false``) need observed ranges: after ``quantize_block`` an
 'observe' pass over the calibration inputs of the layer (float inputs, RTN weights) records
@@ -27,7 +27,7 @@ activations), and COUNTED -- ``EvalResult.unobserved_static`` / ``PtqResult.unob
 which tools/run_ptq.py writes into report.json and its summary. Not an error: with a few
 calibration windows and many experts some experts receive no token, and refusing would make
 small calibration sets unusable; inventing a range (e.g. from another expert) would be a
-silent guess. A count in the report makes the float fraction visible (casebook i17).
+silent guess. A count in the report makes the float fraction visible (casebook/fresh-clone-and-reliability.md).
 
 Parameter files: OUTPUT/ptq_params/meta.json (the run's fingerprint: scheme, targets, solver /
 recipe settings, dtype, device type, calibration text and window hashes with samples, seq-len,
@@ -614,7 +614,7 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     last = layers.stop
     # The layer is built where it runs (decoded there, never staged in host memory): the float
     # capture needs the whole layer on the device anyway, and a host-staged V4-Flash layer cost
-    # ~3x its 13 GB in host RSS (build, .to(device), .to('cpu') after; benchmarks/results_i15.md).
+    # ~3x its 13 GB in host RSS (build, .to(device), .to('cpu') after; benchmarks/RESULTS.md §7b).
     for i in _tqdm(range(first, last), desc="ptq layers", disable=not adapter.run.progress):
         with ph.phase("build", layer=i):
             block = adapter.block(i, sharded=True) if sharded else adapter.block(i, device=dev)

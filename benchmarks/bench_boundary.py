@@ -9,7 +9,7 @@ measured with the project's own functions:
 
     torchrun --nproc-per-node 2 benchmarks/bench_boundary.py --model-path CKPT [--device cpu]
 
-Prints one JSON object (rank 0); the numbers go into benchmarks/results_i16.md.
+Prints one JSON object (rank 0); the numbers go into benchmarks/RESULTS.md §12.
 """
 from __future__ import annotations
 

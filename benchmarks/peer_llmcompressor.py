@@ -18,7 +18,7 @@ reuses) a virtual environment of its own, ``benchmarks/.venv-peers`` (git-ignore
 
     python benchmarks/peer_llmcompressor.py --eval-data PATH/wiki.test.raw \\
         [--schemes w4a16-g128,...] [--algos gptq,awq,smoothquant+gptq] \\
-        [--json benchmarks/quality/peer_llmcompressor.json] [--md benchmarks/results_i13p.md]
+        [--json benchmarks/quality/peer_llmcompressor.json] [--md benchmarks/quality/peer_llmcompressor.md]
 
 ``--smoke`` runs in the project venv without llm-compressor: it checks the protocol code
 paths (windows, digests, recipe specs, module-name mapping) on a few windows.
@@ -129,7 +129,7 @@ SMOOTHQUANT_MAPPINGS = [
 ]
 AWQ_MAPPINGS = [
     {"smooth_layer": r"re:.*\.input_layernorm$", "balance_layers": _ATTN_IN},
-    # replaced per model by awq_mappings(): not in layers with an indexer (casebook i13p P9)
+    # replaced per model by awq_mappings(): not in layers with an indexer (casebook/peer-llm-compressor.md P9)
     {"smooth_layer": r"re:.*\.self_attn\.q_a_norm$", "balance_layers": _Q_RES},
     {"smooth_layer": r"re:.*\.self_attn\.o_a_proj$", "balance_layers": [r"re:.*\.self_attn\.o_b_proj$"]},
     {"smooth_layer": r"re:.*\.post_attention_layernorm$", "balance_layers": _MOE_IN},
@@ -293,7 +293,7 @@ def load_hf_model(model_path: Path, linearize: bool = True):
     ``down_proj`` [E, H, I] parameters), not Linear modules, so no quantization config can
     target them. llm-compressor's ``linearize_moe`` swaps each for a ModuleList of per-expert
     gate/up/down Linears (its LinearExperts2D keeps V4's clamped SwiGLU gate). Loading with
-    ``load_quantizable_moe`` instead fails here (see casebook i13p: it imports every
+    ``load_quantizable_moe`` instead fails here (see casebook/peer-llm-compressor.md: it imports every
     transformers model module, some of which need torchvision), so we linearize after load.
     """
     import torch
@@ -402,7 +402,7 @@ def check_mappings(model_path: Path, windows, seed: int = 0) -> dict:
 
 
 def cpu_only_workarounds() -> list[str]:
-    """Patches the peer needs on a machine without an accelerator (casebook i13p P7)."""
+    """Patches the peer needs on a machine without an accelerator (casebook/peer-llm-compressor.md P7)."""
     import torch
     from llmcompressor.pipelines.cache import IntermediatesCache
 
@@ -542,7 +542,7 @@ def write_markdown(path: Path, res: dict) -> None:
     lines = [
         "# llm-compressor 0.14 beside ours: trained tiny V4 (`assets/tiny-v4`)", "",
         "**Command**: `python benchmarks/peer_llmcompressor.py --eval-data PATH/wiki.test.raw "
-        "--json benchmarks/quality/peer_llmcompressor.json --md benchmarks/results_i13p.md` "
+        "--json benchmarks/quality/peer_llmcompressor.json --md benchmarks/quality/peer_llmcompressor.md` "
         "(creates / reuses benchmarks/.venv-peers)."
         + ("" if len(res.get("commands", [])) <= 1 else
            " This run was split over processes (one per algorithm, `--threads 1`) and merged "
@@ -582,7 +582,7 @@ def write_markdown(path: Path, res: dict) -> None:
               "sees every calibration token; routing of the output unchanged); GPTQ block 128, "
               "dampening 0.01, no act-order, min-max observer; AWQ duo scaling, 20-point grid; "
               "SmoothQuant strength 0.5; evaluation one window per forward. AWQ smooths q_a_norm "
-              "only in the layers without an indexer (0 and 2 here; casebook i13p P9). GPTQ's "
+              "only in the layers without an indexer (0 and 2 here; casebook/peer-llm-compressor.md P9). GPTQ's "
               "o_a_proj Hessian pools both output groups' inputs (P6).",
               "", "Wall time = `oneshot` only (calibration + algorithm), seconds, one thread, "
               "measured while 3-5 of these runs and other jobs shared the 2 cores (load average "
@@ -681,7 +681,7 @@ def ensure_peer_venv(venv: Path, quiet: bool = False) -> Path:
     if not py.is_file():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     # Only the LAST stdout line counts: importing llmcompressor logs a "No accelerator
-    # available!" warning to stdout on a CPU box (casebook i13p P11).
+    # available!" warning to stdout on a CPU box (casebook/peer-llm-compressor.md P11).
     probe = subprocess.run([str(py), "-c", "import llmcompressor, transformers, torch; "
                             "import importlib.metadata as m; print(m.version('llmcompressor'))"],
                            capture_output=True, text=True)

@@ -112,7 +112,7 @@ def test_kv_cache_scheme_parses():
 
 def test_group_targets_match_the_loaders_module_names():
     """config_groups / ignore regexes select the same modules under the release's flat names,
-    vLLM's mapped names and transformers' renamed modules (casebook i14, E6)."""
+    vLLM's mapped names and transformers' renamed modules (casebook/export.md, E6)."""
     import re
 
     from amct_ext.export import compressed_tensors as ct

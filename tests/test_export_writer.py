@@ -1,5 +1,5 @@
 """The streaming safetensors writer: same content as safetensors' own reader sees, for every dtype the
-export writes, including tensors whose strides view(uint8) refuses (casebook i14, E3)."""
+export writes, including tensors whose strides view(uint8) refuses (casebook/export.md, E3)."""
 import torch
 from safetensors.torch import load_file
 

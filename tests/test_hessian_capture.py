@@ -205,7 +205,7 @@ def test_workflow_stores_no_calls_for_a_statistics_recipe(tiny_adapter, tmp_path
 def test_an_in_place_weight_edit_never_reaches_a_later_build(tiny_adapter):
     """GPTQ writes weights in place; a host-built layer's plain (fp32 island) tensors used to share
     memory with the open shard, so the next build of the layer saw the quantized weights
-    (casebook i15b-1)."""
+    (casebook/statistics-path.md-1)."""
     b1 = tiny_adapter.block(1, device="cpu")
     w = b1.attn.compressor.wkv.weight
     assert w.dtype == torch.float32

@@ -99,7 +99,7 @@ def description(types: dict[str, str], scheme: QuantScheme, targets: list[str]) 
     desc.update({"version": VERSION, "model_quant_type": model_type, "metadata": {},
                  "group_size": groups.pop() if len(groups) == 1 else 0})
     if "attn-cache" in targets and scheme.cache is not None:
-        # int8 per-token dynamic q/k/p/v: no static cache scales to store (see casebook i14)
+        # int8 per-token dynamic q/k/p/v: no static cache scales to store (see casebook/export.md)
         desc["kv_cache_type"] = "C8"
     return desc
 

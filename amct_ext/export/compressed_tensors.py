@@ -1,6 +1,6 @@
 """compressed-tensors layout: per-module tensors and the ``quantization_config`` of config.json.
 
-Conventions (read from the compressed-tensors 0.20 source, compressors/*; see casebook/i14.md):
+Conventions (read from the compressed-tensors 0.20 source, compressors/*; see casebook/export.md):
 
 =================  =======================  ==================================================
 our weight spec    format                   tensors of module ``M``

@@ -269,7 +269,7 @@ def _rebind(cls: type, module: nn.Module) -> nn.Module:
     copied, so swapping a child in the wrapper leaves the float module untouched)."""
     new = cls.__new__(cls)
     # never carry a bound forward (or accelerate's saved one) over from the float module: it
-    # would run the float module's forward on the float children (casebook i15-1)
+    # would run the float module's forward on the float children (casebook/real-size-ptq.md-1)
     state = {k: v for k, v in module.__dict__.items() if k not in ("forward", "_old_forward", "_hf_hook")}
     for key, value in state.items():
         if isinstance(value, (dict, set)) and key.startswith("_"):
