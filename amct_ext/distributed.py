@@ -753,7 +753,8 @@ def run_layer_ranges(dist_env: DistEnv | None, layers: range, costs: Sequence[La
     """Run ``work(own_range)`` on every rank over a cost-balanced split of ``layers`` (no
     boundary: for jobs whose layers are independent given the saved parameters, e.g. export)
     and return every rank's JSON-able result in rank order. One process: ``[work(layers)]``.
-    Not wired to tools/export.py yet (issue 14's tool was not on main when this was written)."""
+    (The export has its own driver, ``export.exporter.export_checkpoint_distributed``: its
+    ranks share one output folder, which needs an ordering this generic hook does not give.)"""
     if dist_env is None:
         return [work(layers)]
     ranges = partition_layers(layers, costs, dist_env.world_size, prefix=False, use="float")

@@ -121,14 +121,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(args, env_extra=None, nproc=2):
+def _torchrun(args, env_extra=None, nproc=2, tool=TOOL):
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     if Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"     # loopback only
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(TOOL), *args]
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(tool), *args]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -249,3 +249,34 @@ def test_export_hook_runs_one_range_in_one_process():
     assert dist.run_layer_ranges(None, range(2, 6), [dist.LayerCost(1, 0)] * 6,
                                  lambda rg: seen.append(rg) or len(rg)) == [4]
     assert seen == [range(2, 6)]
+
+
+def test_export_over_two_ranks_writes_the_one_process_files(tiny_ckpt, tmp_path):
+    """torchrun tools/export.py: each rank exports a cost-balanced range of the decoder layers
+    (rank 1 into OUT/.rank1, taken over by rank 0), rank 0 the stem, MTP and index. Every file
+    must be byte-identical to the one-process export of the same command."""
+    import export as export_tool
+
+    args = ["--model", "tiny", "--model-path", str(tiny_ckpt), "--scheme", "w8a8", "--format", "compressed-tensors",
+            "--device", "cpu", "--quiet"]
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert export_tool.main([*args, "--out", str(tmp_path / "one")]) == 0
+    finally:
+        torch.set_num_threads(old)
+    from models.deepseek_v4.loading import load_config
+
+    config = load_config(tiny_ckpt)
+    n = int(config.n_layers)
+    costs = [dist.v4_layer_cost(config, i, ["attn-linear", "moe"], 1, 0) for i in range(n)]
+    ranges = dist.partition_layers(range(n), costs, 2, prefix=False, use="float")
+    assert len(ranges[0]) and len(ranges[1])     # both ranks really export layers
+    proc = _torchrun([*args, "--out", str(tmp_path / "two")], tool=REPO / "tools" / "export.py")
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-2000:]
+    one = {p.relative_to(tmp_path / "one"): p.read_bytes() for p in sorted((tmp_path / "one").rglob("*")) if p.is_file()}
+    two = {p.relative_to(tmp_path / "two"): p.read_bytes() for p in sorted((tmp_path / "two").rglob("*")) if p.is_file()}
+    assert sorted(one) == sorted(two)          # no staging folder or state file left behind
+    assert [k for k in one if one[k] != two[k]] == []
+    assert any(str(k).startswith("model-") for k in one) and any(k.name == "model.safetensors.index.json" for k in one)

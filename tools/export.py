@@ -72,7 +72,9 @@ def _run_dtype(params_dir: Path) -> str | None:
     return value if value in ("bf16", "fp32") else None
 
 
-def export_from_args(args, model_path: Path | None = None) -> dict:
+def export_from_args(args, model_path: Path | None = None, allow_distributed: bool = True) -> dict:
+    """``allow_distributed``: under torchrun, spread the layers over the ranks (False: this
+    process alone, e.g. rank 0 of a finished ``run_ptq --export``)."""
     import torch
 
     from amct_ext.export.exporter import ExportConfig, export_checkpoint, resolve_run
@@ -93,7 +95,25 @@ def export_from_args(args, model_path: Path | None = None) -> dict:
                        overwrite=args.overwrite, device=args.device,
                        dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name],
                        progress=not args.quiet)
-    report = export_checkpoint(cfg)
+    from amct_ext import distributed
+
+    dist = distributed.env_from() if allow_distributed else None
+    if dist is None:
+        report = export_checkpoint(cfg)
+    else:   # torchrun: one cost-balanced range of decoder layers per rank, rank 0 finishes
+        from amct_ext.export.exporter import export_checkpoint_distributed
+
+        dist = distributed.init(dist, args.device)
+        distributed.install_stop_handler(dist)
+        cfg.device = str(dist.device)
+        ok = False
+        try:
+            report = export_checkpoint_distributed(cfg, dist)
+            ok = True
+        finally:
+            distributed.shutdown(ok)
+        if not dist.is_main:
+            return dict(report.__dict__)
     d = dict(report.__dict__)
     print(json.dumps({k: d[k] for k in ("out_dir", "format", "quantized_layers", "mtp", "bytes_read",
                                          "bytes_written", "seconds", "peak_host_rss_bytes")}), flush=True)

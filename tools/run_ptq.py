@@ -429,7 +429,8 @@ def run(args, phases=None) -> int:
                                             "--out", str(eout), "--device", args.device, "--dtype", dtype_name]
                                            + (["--overwrite"] if complete else [])
                                            + (["--scheme", args.scheme] if args.scheme else []) + (["--quiet"] if args.quiet else []))
-        report["export"] = {k: v for k, v in export_from_args(eargs, model_path).items()
+        # rank 0 alone (the other ranks have returned): export_from_args must not start a group
+        report["export"] = {k: v for k, v in export_from_args(eargs, model_path, allow_distributed=False).items()
                             if k in ("out_dir", "format", "mtp", "seconds", "bytes_written")}
     atomic_write_json(report, out / "report.json")
     if any(unobserved.values()):

@@ -23,7 +23,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -325,7 +325,10 @@ class _Exporter:
         stems = {p.name for p in Path(self.cfg.params_dir).glob("layer_*.pt")}
         return [i for i in range(n) if any(s.startswith(f"layer_{i}_") for s in stems)]
 
-    def run(self) -> ExportReport:
+    def run(self, only_groups: Sequence[str] | None = None, absorb: Sequence[Path] = ()) -> ExportReport:
+        """The whole export; ``only_groups``: write just those groups' shards (one torchrun
+        rank's layers: no side files, no index); ``absorb``: staging folders of other ranks
+        whose finished shards are taken over first (``ShardedWriter.absorb``)."""
         cfg = self.cfg
         t0 = time.perf_counter()
         devmod.reset_peak_memory("cpu")
@@ -354,10 +357,14 @@ class _Exporter:
         stem, index_name = (ascend.SHARD_STEM, ascend.INDEX_NAME) if self.ascend else ("model", "model.safetensors.index.json")
         writer = ShardedWriter(cfg.out_dir, list(by_group), fingerprint, stem, index_name, overwrite=cfg.overwrite,
                                protect=[cfg.model_path])
+        for staging in absorb:
+            writer.absorb(staging)
         report = ExportReport(out_dir=str(cfg.out_dir), format=cfg.format, quantized_layers=qlayers,
                               groups_resumed=writer.resumed_groups)
         mtp_state = {}
         for group, gkeys in by_group.items():
+            if only_groups is not None and group not in only_groups:
+                continue
             if writer.done(group):
                 extra = writer.state["groups"][group].get("extra", {})
                 self.types.update(extra.get("types", {}))
@@ -395,6 +402,11 @@ class _Exporter:
             devmod.empty_cache(self.device)
             if cfg.progress:
                 print(f"export: {group} done", flush=True)
+        if only_groups is not None:   # one rank's share: the coordinating rank finishes
+            report.seconds = time.perf_counter() - t0
+            report.peak_host_rss_bytes = devmod.peak_memory_bytes("cpu")
+            self.reader.close()
+            return report
         types = {}
         for g in by_group:
             types.update(writer.state["groups"][g].get("extra", {}).get("types", {}))
@@ -459,3 +471,50 @@ def _params_digest(pdir: Path | None) -> str | None:
 def export_checkpoint(cfg: ExportConfig) -> ExportReport:
     cfg.check()
     return _Exporter(cfg).run()
+
+
+def staging_dir(out_dir: Path, rank: int) -> Path:
+    """Where torchrun rank ``rank`` > 0 writes its layers' shards before rank 0 takes them over."""
+    return Path(out_dir) / f".rank{rank}"
+
+
+def export_checkpoint_distributed(cfg: ExportConfig, dist_env) -> ExportReport:
+    """The export over torchrun ranks (``amct_ext.distributed``), one cost-balanced range of
+    decoder layers per rank; one process when ``dist_env`` is None.
+
+    Rank 0 opens the output folder first (refusal / --overwrite / resume happen once, before
+    any rank writes); every rank then writes its layers' shards, rank r > 0 into
+    ``OUT/.rank{r}`` with a writer of its own (one state file per writer: no two processes
+    write the same file); after a barrier rank 0 takes the finished shards over, writes the
+    stem, the MTP layer and the side files, and the index last. The files are those of the
+    one-process export (same shard names, same bytes). A rank that dies leaves its finished
+    shards in its staging folder: a rerun resumes them."""
+    from dataclasses import replace
+
+    from .. import distributed
+
+    if dist_env is None:
+        return export_checkpoint(cfg)
+    cfg.check()
+    first = _Exporter(cfg)
+    n = int(first.config.n_layers)
+    layers = range(n)
+    costs = [distributed.v4_layer_cost(first.config, i, cfg.targets, 1, 0) for i in layers]
+    ranges = distributed.partition_layers(layers, costs, dist_env.world_size, prefix=False, use="float")
+    mine = ranges[dist_env.rank]
+    if dist_env.is_main:
+        first.run(only_groups=[])          # opens OUT once: refusal, --overwrite, resume state
+    else:
+        first.reader.close()
+    distributed.barrier(dist_env)
+    own = replace(cfg, overwrite=False) if dist_env.is_main else \
+        replace(cfg, out_dir=staging_dir(cfg.out_dir, dist_env.rank), overwrite=False)
+    part = _Exporter(own).run(only_groups=[f"layers.{i}" for i in mine]) if len(mine) else None
+    written = distributed.all_gather_json(0 if part is None else part.bytes_written, dist_env)
+    if not dist_env.is_main:
+        return part or ExportReport(out_dir=str(cfg.out_dir), format=cfg.format, quantized_layers=[])
+    report = _Exporter(replace(cfg, overwrite=False)).run(
+        absorb=[staging_dir(cfg.out_dir, r) for r in range(1, dist_env.world_size)])
+    report.bytes_written += sum(written)
+    report.ranges = [[r.start, r.stop] for r in ranges]
+    return report

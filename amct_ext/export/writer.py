@@ -241,15 +241,18 @@ class ShardedWriter:
                 raise ExportOutputError(f"--out {self.out} is (or contains) the source checkpoint {p}; choose another folder")
         if not self.out.exists():
             self.out.mkdir(parents=True)
+            self._save_state()   # from the start: a rerun after a hard stop resumes, never "not empty"
             return
         if not self.out.is_dir():
             raise ExportOutputError(f"--out {self.out} exists and is not a folder")
         entries = list(self.out.iterdir())
         if not entries:
+            self._save_state()
             return
         if overwrite:
             for e in entries:
                 shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
+            self._save_state()
             return
         if self.state_path.is_file():
             try:
@@ -336,6 +339,33 @@ class ShardedWriter:
         path = atomic_write_json(index, self.out / self.index_name)
         self.state_path.unlink(missing_ok=True)
         return path
+
+    def absorb(self, staging: str | os.PathLike) -> list[str]:
+        """Take over the finished shards another process wrote into ``staging`` (a writer of
+        the same groups and fingerprint, e.g. one torchrun rank's layer range): each shard is
+        moved into this folder under its final name and recorded as done; ``staging`` is then
+        removed. Returns the groups taken over."""
+        staging = Path(staging)
+        state_path = staging / STATE_NAME
+        if not state_path.is_file():
+            return []
+        try:
+            other = json.loads(state_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ExportOutputError(f"{state_path}: unreadable ({e}); pass --overwrite") from None
+        why = _first_difference(other.get("fingerprint", {}), self.fingerprint)
+        if why:
+            raise ExportOutputError(f"{staging} holds shards of another export ({why}); pass --overwrite")
+        taken = []
+        for group, info in other.get("groups", {}).items():
+            src = staging / info["shard"]
+            if group in self.groups and src.is_file() and info["shard"] == self.shard_name(group):
+                os.replace(src, self.out / info["shard"])
+                self.state["groups"][group] = info
+                taken.append(group)
+        self._save_state()
+        shutil.rmtree(staging, ignore_errors=True)
+        return taken
 
     def tensor_layout(self) -> dict[str, list]:
         return {k: v for g in self.groups if self.done(g) for k, v in self.state["groups"][g]["tensors"].items()}
