@@ -29,6 +29,7 @@ change whether the calls are in memory or on disk.
 """
 from __future__ import annotations
 
+import abc
 import inspect
 import json
 import shutil
@@ -128,7 +129,7 @@ def call_nbytes(call: UnitCall) -> int:
 
 
 # ----------------------------------------------------------------------------- sinks
-class CallSink:
+class CallSink(abc.ABC):
     """Receives the calls of ONE unit during the float forward, in call order.
 
     ``add(call)`` gets each call (tensors already detached and on the capture's
@@ -136,11 +137,13 @@ class CallSink:
     solver receives; ``discard()`` frees whatever the sink still holds (files, memory) once the
     unit is done. ``nbytes``: bytes the sink holds in host memory now (for accounting)."""
 
+    @abc.abstractmethod
     def add(self, call: UnitCall) -> None:
-        raise NotImplementedError
+        """Take one call."""
 
+    @abc.abstractmethod
     def result(self) -> Any:
-        raise NotImplementedError
+        """What the unit's solver receives (after the forward)."""
 
     def discard(self) -> None:
         pass

@@ -40,6 +40,7 @@ folded by smoothing) is the algorithm's to record in the unit.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ class UnitData:
 
 
 @dataclass
-class Algorithm:
+class Algorithm(abc.ABC):
     """Base of every algorithm: a small config dataclass (its fields are its settings).
 
     Subclasses set ``name`` (the registry key) and implement :meth:`apply`.
@@ -132,8 +133,9 @@ class Algorithm:
     def check(self) -> None:
         """Validate the fields; raise ``recipe.RecipeError`` naming the field."""
 
+    @abc.abstractmethod
     def apply(self, unit: PtqUnit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
-        raise NotImplementedError(f"{type(self).__name__}.apply")
+        """Edit ``unit.module`` in place from its calibration data; returns the unit's stats."""
 
     def apply_group(self, units: Sequence[PtqUnit], datas: Sequence[UnitData],
                     ctx: SolveContext) -> list[dict[str, Any]]:
