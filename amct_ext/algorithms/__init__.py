@@ -7,6 +7,7 @@
     clipping.py  clipping that never loses: grid start + learned (Adam) clip, held-out check
     smoothing.py SmoothQuant (fixed alpha) and AWQ (alpha searched per subgraph), scales folded
     rounding.py  AutoRound: SignSGD on per-weight rounding offsets + clip factors
+    runner.py    a recipe on the units of one layer (group entry points, RTN guard)
 """
 from .base import Algorithm, SolveContext, UnitData  # noqa: F401
 from .recipe import Recipe, RecipeError, parse_algo, register, resolve_recipe  # noqa: F401
