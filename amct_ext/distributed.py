@@ -682,7 +682,7 @@ def evaluate(dist_env: DistEnv | None, adapter: BaseModel, windows: torch.Tensor
     """``workflow.evaluate_blockwise`` as a pipeline over the ranks (one process when
     ``dist_env`` is None). Every rank returns the same PPL; memory is this rank's."""
     from .workflow import (EvalResult, MemoryStats, Stream, _module_bytes, check_eval_args, embed_stream,
-                           eval_block, evaluate_blockwise, layer_range, scheme_has_static)
+                           eval_block, eval_needs_calibration, evaluate_blockwise, layer_range)
 
     if dist_env is None:
         return evaluate_blockwise(adapter, windows, cfg, mode, scheme=scheme, targets=targets, layers=layers,
@@ -697,10 +697,7 @@ def evaluate(dist_env: DistEnv | None, adapter: BaseModel, windows: torch.Tensor
     dev = adapter.device
     devmod.reset_peak_memory(dev)
     t0 = time.perf_counter()
-    needs_calib = mode == "rtn" and scheme_has_static(scheme, targets)
-    if needs_calib and calib_windows is None:
-        raise ConfigError(f"scheme {scheme.name!r} has static activation specs (dynamic: false): "
-                          "RTN evaluation needs calibration windows")
+    needs_calib = eval_needs_calibration(mode, scheme, targets, calib_windows)
     prev, nxt = dist_env.rank - 1, dist_env.rank + 1
     # 1. this rank's layers, built once and kept (the calibration stream for static specs flows first)
     calib = None

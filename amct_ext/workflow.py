@@ -392,6 +392,17 @@ def check_eval_args(mode: str, cfg: EvalConfig, scheme: QuantScheme | None, targ
     return targets, pdir
 
 
+def eval_needs_calibration(mode: str, scheme: QuantScheme | None, targets: Sequence[str] | None,
+                           calib_windows: torch.Tensor | None) -> bool:
+    """Whether evaluating ``mode`` must observe static activation ranges first (RTN of a scheme
+    with ``dynamic: false`` specs); raises ConfigError when those windows are missing."""
+    needs = mode == "rtn" and scheme_has_static(scheme, targets)
+    if needs and calib_windows is None:
+        raise ConfigError(f"scheme {scheme.name!r} has static activation specs (dynamic: false): "
+                          "RTN evaluation needs calibration windows")
+    return needs
+
+
 def eval_block(adapter: BaseModel, i: int, mode: str, quant: bool, cfg: EvalConfig, *,
                scheme: QuantScheme | None, targets: Sequence[str] | None, calib: Stream | None,
                pdir: Path | None) -> tuple[nn.Module, Stream | None, int]:
@@ -439,10 +450,7 @@ def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfi
     devmod.reset_peak_memory(dev)
     t0 = time.perf_counter()
 
-    needs_calib = mode == "rtn" and scheme_has_static(scheme, targets)
-    if needs_calib and calib_windows is None:
-        raise ConfigError(f"scheme {scheme.name!r} has static activation specs (dynamic: false): "
-                          "RTN evaluation needs calibration windows")
+    needs_calib = eval_needs_calibration(mode, scheme, targets, calib_windows)
     stream = embed_stream(adapter, windows, cfg.batch_size)
     calib = embed_stream(adapter, calib_windows, calib_batch_size) if needs_calib else None
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=stream.nbytes + (calib.nbytes if calib else 0))

@@ -238,15 +238,9 @@ class _Target:
 
 def _targets(module: nn.Module) -> list[_Target]:
     """Every leaf of the unit with a quantizing weight spec (QuantLinear / WoAQuant)."""
-    out = []
-    for name, m in module.named_modules():
-        wq = getattr(m, "weight_quantizer", None)
-        if wq is None or wq.is_identity or not isinstance(getattr(m, "weight", None), torch.Tensor):
-            continue
-        if not hasattr(m, "input_quantizer"):
-            continue
-        out.append(_Target(name, m))
-    return out
+    from .hessians import quant_leaves
+
+    return [_Target(name, m) for name, m in quant_leaves(module)]
 
 
 def _replay(module: nn.Module, calls: Sequence[UnitCall], device: torch.device) -> None:

@@ -106,6 +106,28 @@ def hessian_leaf_errors(unit: PtqUnit, stats: dict) -> dict[str, tuple[torch.Ten
     return out
 
 
+def _apply_algorithm(algo, units, datas, ctxs, stats, seconds) -> None:
+    """One algorithm of a recipe over a layer's units: the kinds it solves jointly
+    (``algo.group_kinds``, e.g. all routed experts) through ``apply_group``, the others one by
+    one. Each unit's result goes to ``stats[name][algo.name]``, its time (a group's time
+    shared equally) to ``seconds[name]``."""
+    kinds = sorted({u.kind for u in units if u.kind in algo.group_kinds})
+    for kind in kinds:
+        members = [u for u in units if u.kind == kind]
+        tg = time.perf_counter()
+        # one context for the group: the seed of its first unit (the group is solved jointly)
+        results = algo.apply_group(members, [datas[u.name] for u in members], ctxs[members[0].name])
+        share = (time.perf_counter() - tg) / max(len(members), 1)
+        for u, r in zip(members, results):
+            stats[u.name][algo.name] = r
+            seconds[u.name] += share
+    for u in units:
+        if u.kind not in algo.group_kinds:
+            tu = time.perf_counter()
+            stats[u.name][algo.name] = algo.apply(u, datas[u.name], ctxs[u.name])
+            seconds[u.name] += time.perf_counter() - tu
+
+
 def _run_on_hessians(units, hessians, recipe, *, device, seed, dtype, holdout, on_algorithm):
     """Recipe run on capture statistics (no calls): losses are the exact per-leaf output errors
     of the weights on the float calibration rows, summed over the unit's leaves, per output
@@ -120,21 +142,7 @@ def _run_on_hessians(units, hessians, recipe, *, device, seed, dtype, holdout, o
     leaf_after: dict[str, dict[str, float]] = {u.name: {} for u in units}
     for algo in recipe.algorithms:
         ta = time.perf_counter()
-        kinds = sorted({u.kind for u in units if u.kind in algo.group_kinds})
-        for kind in kinds:
-            members = [u for u in units if u.kind == kind]
-            tg = time.perf_counter()
-            results = algo.apply_group(members, [datas[u.name] for u in members], ctxs[members[0].name])
-            share = (time.perf_counter() - tg) / max(len(members), 1)
-            for u, r in zip(members, results):
-                stats[u.name][algo.name] = r
-                seconds[u.name] += share
-        for u in units:
-            if u.kind in algo.group_kinds:
-                continue
-            tu = time.perf_counter()
-            stats[u.name][algo.name] = algo.apply(u, datas[u.name], ctxs[u.name])
-            seconds[u.name] += time.perf_counter() - tu
+        _apply_algorithm(algo, units, datas, ctxs, stats, seconds)
         for u in units:
             r = stats[u.name].get(algo.name) or {}
             leaf_after[u.name].update(r.pop("leaf_loss", {}) if isinstance(r, dict) else {})
@@ -176,7 +184,6 @@ def run_recipe_on_units(units: Sequence[PtqUnit], calls: dict[str, list[UnitCall
             raise ValueError(f"recipe {recipe} replays calls: it cannot run on capture statistics")
         return _run_on_hessians(units, hessians, recipe, device=device, seed=seed, dtype=dtype, holdout=holdout,
                                 on_algorithm=on_algorithm)
-    t0 = time.perf_counter()
     datas = {u.name: UnitData(calls.get(u.name, [])) for u in units}
     ctxs = {u.name: SolveContext(device=device, seed=unit_seed(seed, u.name), dtype=dtype, holdout=holdout,
                                  layer_idx=u.layer_idx) for u in units}
@@ -187,22 +194,7 @@ def run_recipe_on_units(units: Sequence[PtqUnit], calls: dict[str, list[UnitCall
     stats: dict[str, dict[str, Any]] = {u.name: {} for u in units}
     for algo in recipe.algorithms:
         ta = time.perf_counter()
-        grouped = [u for u in units if u.kind in algo.group_kinds]
-        single = [u for u in units if u.kind not in algo.group_kinds]
-        kinds = sorted({u.kind for u in grouped})
-        for kind in kinds:
-            members = [u for u in grouped if u.kind == kind]
-            tg = time.perf_counter()
-            # one context for the group: the seed of its first unit (the group is solved jointly)
-            results = algo.apply_group(members, [datas[u.name] for u in members], ctxs[members[0].name])
-            share = (time.perf_counter() - tg) / max(len(members), 1)
-            for u, r in zip(members, results):
-                stats[u.name][algo.name] = r
-                seconds[u.name] += share
-        for u in single:
-            tu = time.perf_counter()
-            stats[u.name][algo.name] = algo.apply(u, datas[u.name], ctxs[u.name])
-            seconds[u.name] += time.perf_counter() - tu
+        _apply_algorithm(algo, units, datas, ctxs, stats, seconds)
         if on_algorithm is not None:
             on_algorithm(algo.name, time.perf_counter() - ta)
     out = []
@@ -217,5 +209,4 @@ def run_recipe_on_units(units: Sequence[PtqUnit], calls: dict[str, list[UnitCall
         out.append(UnitResult(name=u.name, kind=u.kind, layer=u.layer_idx, loss_before=before[u.name],
                               loss_after=after, seconds=seconds[u.name], n_calls=n, n_params=0,
                               best_epoch=0, stats=stats[u.name]))
-    del t0
     return out
