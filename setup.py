@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["amct_ext", "amct_ext.*", "models", "models.*"]),
     # the data a run needs offline ships inside the packages (amct_ext/data/README.md: licence)
     package_data={
-        "amct_ext": ["schemes/*.json"],
+        "amct_ext.quant": ["schemes/*.json"],
         "amct_ext.data": ["README.md", "LICENSE", "wikitext-2/*", "wikitext-2-raw/*"],
         "models.deepseek_v4": ["configs/*.json", "SPEC.md"],
     },

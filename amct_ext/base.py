@@ -34,9 +34,9 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from . import device as devmod, device_checks
+from .runtime import device as devmod, device_checks
 from .errors import ConfigError, DataError
-from .ptq_units import PtqUnit
+from .pipeline.ptq_units import PtqUnit
 
 
 # ------------------------------------------------------------------------------------ configs
@@ -252,7 +252,7 @@ class BaseModel(abc.ABC):
 
     def release_block(self, block: nn.Module) -> None:
         """Drop a layer built by :meth:`block`: remove dispatch hooks, free its memory."""
-        from .dispatch import undispatch_layer
+        from .runtime.dispatch import undispatch_layer
 
         undispatch_layer(block)
         # Moving parameters to meta frees their storage now, even if a caller still holds a

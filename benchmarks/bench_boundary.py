@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The two ways a rank gets the float inputs of its first layer (amct_ext/distributed.py),
+"""The two ways a rank gets the float inputs of its first layer (amct_ext/pipeline/distributed.py),
 measured with the project's own functions:
 
 - recompute: embed the calibration windows and run layers 0..k-1 float
@@ -24,11 +24,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from amct_ext import device as devmod, distributed as dist  # noqa: E402
+from amct_ext.runtime import device as devmod  # noqa: E402
+from amct_ext.pipeline import distributed as dist  # noqa: E402
 from amct_ext.base import PtqConfig, RunConfig  # noqa: E402
-from amct_ext.calibration import DEFAULT_CALIBRATION_PATH  # noqa: E402
-from amct_ext.schemes import load_scheme  # noqa: E402
-from amct_ext.workflow import Stream, embed_stream, float_layer_output, load_calib_windows  # noqa: E402
+from amct_ext.pipeline.calibration import DEFAULT_CALIBRATION_PATH  # noqa: E402
+from amct_ext.quant.schemes import load_scheme  # noqa: E402
+from amct_ext.pipeline.workflow import Stream, embed_stream, float_layer_output, load_calib_windows  # noqa: E402
 from models.deepseek_v4.adapter import DeepseekV4Adapter  # noqa: E402
 
 

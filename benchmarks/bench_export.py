@@ -17,7 +17,7 @@ What it measures
   one layer).
 
 The synthetic real-size checkpoint comes from tools/make_synthetic_checkpoint.py (issue 15) when it
-exists; any checkpoint folder works with --model-path. Devices only through amct_ext.device.
+exists; any checkpoint folder works with --model-path. Devices only through amct_ext.runtime.device.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def layer_bytes(model_path: Path) -> dict:
     """Largest decoder layer: stored bytes and bf16 (decoded) bytes, from the shard headers."""
     from safetensors import safe_open
 
-    from amct_ext.checkpoint import CheckpointReader
+    from amct_ext.io.checkpoint import CheckpointReader
 
     stored: dict[str, int] = {}
     logical: dict[str, int] = {}
@@ -123,9 +123,9 @@ def layer_bytes(model_path: Path) -> dict:
 def run(args) -> dict:
     import torch
 
-    from amct_ext import device as D
+    from amct_ext.runtime import device as D
     from amct_ext.export.exporter import ExportConfig, export_checkpoint
-    from amct_ext.schemes import load_scheme
+    from amct_ext.quant.schemes import load_scheme
 
     model_path = Path(args.model_path)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_export_"))

@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 from common import D  # noqa: E402
-from amct_ext.device_checks import deferred_checks  # noqa: E402
-from amct_ext.formats import NonFiniteInputError  # noqa: E402
+from amct_ext.runtime.device_checks import deferred_checks  # noqa: E402
+from amct_ext.quant.formats import NonFiniteInputError  # noqa: E402
 
 FLASH_LAYERS = "0,3,4"
 TINY_LAYERS = "0,2,3"  # tiny: 0 ratio0/hash, 1 ratio4/hash, 2 ratio128/score, 3 ratio4/score
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     quantize_block = scheme = None
     if not args.no_quant:
         try:
-            from amct_ext.schemes import load_scheme
+            from amct_ext.quant.schemes import load_scheme
             from models.deepseek_v4.quant_module import quantize_block
 
             scheme = load_scheme(args.scheme)

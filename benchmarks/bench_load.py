@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 from common import D  # noqa: E402
 
-from amct_ext.checkpoint import CheckpointReader  # noqa: E402
-from amct_ext.checkpoint_writer import save_sharded  # noqa: E402
-from amct_ext.io_utils import atomic_write_json  # noqa: E402
-from amct_ext.storage_formats import encode_fp4, encode_fp8_block  # noqa: E402
+from amct_ext.io.checkpoint import CheckpointReader  # noqa: E402
+from amct_ext.io.checkpoint_writer import save_sharded  # noqa: E402
+from amct_ext.io.io_utils import atomic_write_json  # noqa: E402
+from amct_ext.io.storage_formats import encode_fp4, encode_fp8_block  # noqa: E402
 from models.deepseek_v4.loading import load_block  # noqa: E402
 from models.deepseek_v4.release_format import FP4_EXPERT, FP8_LINEAR, official_config_dict, release_tensors  # noqa: E402
 

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import common as C  # noqa: E402
 from common import D  # noqa: E402
 
-from amct_ext.phases import PhaseTimer  # noqa: E402
+from amct_ext.pipeline.phases import PhaseTimer  # noqa: E402
 
 PHASES = ("build", "capture", "solve:recipe", "solve:attn", "solve:expert", "solve:shared_expert", "write", "release")
 FULL_LAYERS = {"v4-flash": 43, "v4-pro": 61}

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
 from bench_load import write_layer  # noqa: E402
 
-from amct_ext import device as D  # noqa: E402
+from amct_ext.runtime import device as D  # noqa: E402
 from amct_ext.base import RunConfig  # noqa: E402
-from amct_ext.checkpoint import CheckpointReader  # noqa: E402
+from amct_ext.io.checkpoint import CheckpointReader  # noqa: E402
 from models.deepseek_v4 import DeepseekV4Config  # noqa: E402
 from models.deepseek_v4.adapter import DeepseekV4Adapter  # noqa: E402
 from models.deepseek_v4.loading import load_block  # noqa: E402

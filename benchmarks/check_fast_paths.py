@@ -3,7 +3,7 @@
 
 1. the fused sparse-attention kernel (models/deepseek_v4/fused_attention.py) vs the torch path,
    for the three attention kinds (window only; window + indexer picks; window + causal entries);
-2. the fp32-island GEMMs on bf16 tensor cores with fp32 output (amct_ext/exact_gemm.py) vs a
+2. the fp32-island GEMMs on bf16 tensor cores with fp32 output (amct_ext/runtime/exact_gemm.py) vs a
    true fp32 GEMM, both against float64 (reported: tensor cores accumulate fp32 less exactly);
 3. the hc, indexer-score, SwiGLU and per-token int8 kernels vs their torch expressions;
 4. with --layers: whole bf16 layers with the fast paths on and off, each against the same layer
@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
-from amct_ext import device as D  # noqa: E402
-from amct_ext.exact_gemm import linear_fp32  # noqa: E402
+from amct_ext.runtime import device as D  # noqa: E402
+from amct_ext.runtime.exact_gemm import linear_fp32  # noqa: E402
 from models.deepseek_v4 import DeepseekV4Config  # noqa: E402
 from models.deepseek_v4.fused_attention import fused_sparse_attention  # noqa: E402
 from models.deepseek_v4.modeling import Attention  # noqa: E402
@@ -186,7 +186,7 @@ def check_index_score(config: DeepseekV4Config, bsz: int, seqlen: int, device, r
     """The indexer score through the kernel vs the torch path (bf16 operands), both vs float64."""
     from models.deepseek_v4.fused_attention import fused_index_score
     from models.deepseek_v4.modeling import causal_entry_mask
-    from amct_ext.exact_gemm import matmul_fp32
+    from amct_ext.runtime.exact_gemm import matmul_fp32
 
     g = torch.Generator(device="cpu").manual_seed(6)
     ih, idim, r = config.index_n_heads, config.index_head_dim, 4
@@ -425,8 +425,8 @@ def check_combine(tokens: int, k: int, dim: int, device, repeats: int) -> dict:
 
 def check_int_token(rows: int, dim: int, device, repeats: int) -> dict:
     """w8a8's activation fake quant (int8, per token, dynamic) through the kernel vs formats' torch path."""
-    from amct_ext import formats
-    from amct_ext.schemes import TensorSpec
+    from amct_ext.quant import formats
+    from amct_ext.quant.schemes import TensorSpec
 
     spec = TensorSpec("int", 8, True, "token", dynamic=True)
     g = torch.Generator(device="cpu").manual_seed(3)

@@ -9,7 +9,7 @@
   called the way ``DeepseekV4Model.forward`` calls it;
 - the two measured ceilings (bf16 matmul rate, device copy bandwidth) and small timing helpers.
 
-Device access goes through ``amct_ext.device`` only (no torch.cuda / torch.npu here).
+Device access goes through ``amct_ext.runtime.device`` only (no torch.cuda / torch.npu here).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from amct_ext import device as D  # noqa: E402
+from amct_ext.runtime import device as D  # noqa: E402
 from models.deepseek_v4.configuration import DeepseekV4Config  # noqa: E402
 from models.deepseek_v4.modeling import Block, Gate  # noqa: E402
 

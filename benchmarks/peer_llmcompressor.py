@@ -6,9 +6,9 @@ through llm-compressor's ``oneshot`` on transformers' own ``DeepseekV4ForCausalL
 from ``assets/tiny-v4``, evaluated with the SAME windows as ``benchmarks/quality_table.py``:
 
 - evaluation: Wikitext-2 test rows joined with "\\n\\n", tokenized once, the first 64
-  non-overlapping windows of 256 tokens (``amct_ext.perplexity``);
+  non-overlapping windows of 256 tokens (``amct_ext.pipeline.perplexity``);
 - calibration: 16 windows of 256 tokens drawn from the validation split with seed 0
-  (``amct_ext.calibration.load_calibration_windows``, imported from this repository);
+  (``amct_ext.pipeline.calibration.load_calibration_windows``, imported from this repository);
 - fp32 on CPU; the quantized model is compressed-tensors' in-memory fake-quant model.
 
 llm-compressor is NOT a project dependency. Without ``--smoke`` the script creates (or
@@ -60,7 +60,7 @@ OUR_FLOAT_PPL = 274.007
 FLOAT_RTOL = 1e-4
 
 # --------------------------------------------------------------------------- schemes
-# compressed-tensors QuantizationArgs for the project's schemes (amct_ext/schemes.py):
+# compressed-tensors QuantizationArgs for the project's schemes (amct_ext/quant/schemes.py):
 # "channel" = one scale per output row; "group" = group_size consecutive input elements;
 # activations "token" = dynamic, one scale per token (but see ACT_NOTE).
 _W = lambda bits, sym, strategy, gs=None: {  # noqa: E731
@@ -191,8 +191,8 @@ def default_eval_path() -> Path | None:
 
 
 def default_calib_path() -> Path:
-    """The project's own default calibration text (whatever amct_ext.calibration points to)."""
-    from amct_ext import calibration
+    """The project's own default calibration text (whatever amct_ext.pipeline.calibration points to)."""
+    from amct_ext.pipeline import calibration
 
     return Path(calibration.DEFAULT_CALIBRATION_PATH)
 
@@ -214,8 +214,8 @@ def file_sha256(path: Path) -> str:
 def protocol_windows(tokenizer, eval_path: Path, calib_path: Path, seq_len: int,
                      eval_windows: int, calib_samples: int, seed: int):
     """(eval windows, calibration windows), exactly as the project's workflow builds them."""
-    from amct_ext.calibration import load_calibration_windows
-    from amct_ext.perplexity import load_eval_text, tokenize_windows
+    from amct_ext.pipeline.calibration import load_calibration_windows
+    from amct_ext.pipeline.perplexity import load_eval_text, tokenize_windows
 
     ev = tokenize_windows(load_eval_text(eval_path), tokenizer, seq_len, eval_windows)
     cal = load_calibration_windows(calib_path, tokenizer, seq_len, calib_samples, seed)
@@ -315,7 +315,7 @@ def hf_perplexity(model, windows, batch_size: int = 1) -> float:
     """The project's NLL accumulation over transformers' logits, one window at a time
     (transformers' V4 forward is only checked at batch 1 here; rows are independent)."""
     import torch
-    from amct_ext.perplexity import perplexity
+    from amct_ext.pipeline.perplexity import perplexity
 
     def fn(ids):
         return model(input_ids=ids, use_cache=False).logits
@@ -529,14 +529,14 @@ def protocol_record(args, ev, cal) -> dict:
 
 
 def save(path: Path, res: dict) -> None:
-    from amct_ext.io_utils import atomic_write_json
+    from amct_ext.io.io_utils import atomic_write_json
 
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(res, path)
 
 
 def write_markdown(path: Path, res: dict) -> None:
-    from amct_ext.io_utils import atomic_write
+    from amct_ext.io.io_utils import atomic_write
 
     f = res["float"]
     lines = [
@@ -700,7 +700,7 @@ def smoke_main(args) -> int:
     the project workflow's, recipe specs and mappings are well formed, names map."""
     import torch
     from amct_ext.base import EvalConfig, PtqConfig, RunConfig
-    from amct_ext.workflow import load_calib_windows, load_eval_windows
+    from amct_ext.pipeline.workflow import load_calib_windows, load_eval_windows
     from models.deepseek_v4.adapter import DeepseekV4Adapter
 
     tok = load_tokenizer(args.model)
@@ -740,7 +740,7 @@ def parse_args(argv):
     ap.add_argument("--eval-data", type=Path, default=None,
                     help="raw Wikitext-2 test split (default: the copy shipped in amct_ext/data)")
     ap.add_argument("--calib-data", type=Path, default=None,
-                    help="calibration text (default: amct_ext.calibration's default)")
+                    help="calibration text (default: amct_ext.pipeline.calibration's default)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-windows", type=int, default=64)
     ap.add_argument("--calib-samples", type=int, default=16)

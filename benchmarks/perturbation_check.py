@@ -23,10 +23,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from amct_ext import formats  # noqa: E402
+from amct_ext.quant import formats  # noqa: E402
 from amct_ext.data import EVAL_DEFAULT  # noqa: E402
-from amct_ext.perplexity import load_eval_text, perplexity, tokenize_windows  # noqa: E402
-from amct_ext.schemes import load_scheme  # noqa: E402
+from amct_ext.pipeline.perplexity import load_eval_text, perplexity, tokenize_windows  # noqa: E402
+from amct_ext.quant.schemes import load_scheme  # noqa: E402
 from models.deepseek_v4 import load_checkpoint_model  # noqa: E402
 
 ATTN_LINEARS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "compressor.wkv",

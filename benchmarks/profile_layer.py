@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common as C  # noqa: E402
-from amct_ext import device as D  # noqa: E402
+from amct_ext.runtime import device as D  # noqa: E402
 from models.deepseek_v4 import DeepseekV4Config  # noqa: E402
 
 
@@ -38,13 +38,13 @@ def main(argv=None) -> int:
     config = DeepseekV4Config.from_dict(C.flash_config_dict(args.config)[0])
     block = C.build_block(config, args.layer, dev)
     if args.w8a8:
-        from amct_ext.schemes import load_scheme
+        from amct_ext.quant.schemes import load_scheme
         from models.deepseek_v4.quant_module import quantize_block
 
         quantize_block(block, load_scheme("w8a8"), ["attn-linear", "moe"])
     x = torch.randn(args.batch, args.seq_len, config.hc_mult, config.dim, device=dev, dtype=torch.bfloat16)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), device=dev)
-    from amct_ext.device_checks import deferred_checks
+    from amct_ext.runtime.device_checks import deferred_checks
 
     def forward():
         # as do_block_forward calls a layer: the quantizers' NaN/Inf flags are read back once, at

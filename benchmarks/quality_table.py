@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from amct_ext.io_utils import atomic_write, atomic_write_json  # noqa: E402
+from amct_ext.io.io_utils import atomic_write, atomic_write_json  # noqa: E402
 
 SCHEMES = ("w8a8", "w4a16-g128", "w4a8", "fp8", "mxfp8", "mxfp4")
 TARGETS = ("attn-linear", "moe", "attn-linear,moe")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Speedup model of the torchrun scale-out (amct_ext/distributed.py) for V4-Flash and V4-Pro.
+"""Speedup model of the torchrun scale-out (amct_ext/pipeline/distributed.py) for V4-Flash and V4-Pro.
 
     python benchmarks/speedup_model.py [--solve-ref-s 60] [--devices 8,16,64] [--json OUT]
 
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from amct_ext import distributed as dist  # noqa: E402
+from amct_ext.pipeline import distributed as dist  # noqa: E402
 
 TOKENS = 128 * 2048              # default calibration: 128 windows x 2048 tokens
 TARGETS = ["attn-linear", "moe"]

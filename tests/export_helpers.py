@@ -18,7 +18,7 @@ REFERENCE = Path(__file__).resolve().parent / "data" / "msmodelslim-26.1-tiny-v4
 def with_complete_mtp(src: Path, dst: Path, seed: int = 7) -> Path:
     """A copy of ``src`` whose ``mtp.0.*`` holds a whole decoder block (layer id n_layers) plus the
     MTP head tensors, like the checkpoint msModelSlim's MTP run used."""
-    from amct_ext.checkpoint_writer import save_sharded
+    from amct_ext.io.checkpoint_writer import save_sharded
     from models.deepseek_v4.loading import load_config
     from models.deepseek_v4.modeling import Block
     from models.deepseek_v4.release_format import release_tensors

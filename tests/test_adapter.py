@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from amct_ext.base import RunConfig
-from amct_ext.capture import Catcher, StopForward, capture_unit_io, run_until_caught
+from amct_ext.pipeline.capture import Catcher, StopForward, capture_unit_io, run_until_caught
 from amct_ext.errors import ConfigError, QuantConfigError
 from models.deepseek_v4.adapter import DeepseekV4Adapter
 
@@ -97,8 +97,8 @@ def test_block_forward_refuses_a_non_finite_sample(adapter):
     """``do_block_forward`` reads the quantizers' NaN/Inf flags once per sample
     (device_checks.deferred_checks, casebook S14): a NaN reaching a quantized layer still stops the run,
     and clean samples give the same outputs as a direct call."""
-    from amct_ext.formats import NonFiniteInputError
-    from amct_ext.schemes import load_scheme
+    from amct_ext.quant.formats import NonFiniteInputError
+    from amct_ext.quant.schemes import load_scheme
 
     hidden = adapter.do_embedding_forward(samples())
     block = adapter.quantize_block(adapter.block(0), load_scheme("w8a8"), ["attn-linear", "moe"])
@@ -157,7 +157,7 @@ def test_mlp_target_refused(adapter):
 
 
 def test_units_of_a_quantized_block(adapter):
-    from amct_ext.schemes import load_scheme
+    from amct_ext.quant.schemes import load_scheme
 
     block = adapter.block(2)
     adapter.quantize_block(block, load_scheme("w8a8"), ["attn-linear", "moe"])

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amct_ext import formats
+from amct_ext.quant import formats
 from amct_ext.algorithms import SolveContext, UnitData, parse_algo
 from amct_ext.algorithms.clipping import Clip, grid_clip
 from amct_ext.algorithms.gptq import GPTQ
-from amct_ext.capture import UnitCall
-from amct_ext.ptq_units import make_ptq_unit
-from amct_ext.quant_linear import QuantLinear
-from amct_ext.schemes import TensorSpec
+from amct_ext.pipeline.capture import UnitCall
+from amct_ext.pipeline.ptq_units import make_ptq_unit
+from amct_ext.quant.quant_linear import QuantLinear
+from amct_ext.quant.schemes import TensorSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SPEC = TensorSpec("int", 3, True, "channel")

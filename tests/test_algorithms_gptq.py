@@ -9,15 +9,15 @@ import copy
 import pytest
 import torch
 
-from amct_ext import formats
+from amct_ext.quant import formats
 from amct_ext.algorithms import SolveContext, UnitData, parse_algo
 from amct_ext.algorithms.gptq import GPTQ, _Target, gptq_solve
 from amct_ext.algorithms.recipe import RecipeError
 from amct_ext.algorithms.runner import run_recipe_on_units
-from amct_ext.capture import UnitCall, capture_unit_io
-from amct_ext.ptq_units import make_ptq_unit
-from amct_ext.quant_linear import QuantLinear
-from amct_ext.schemes import QuantScheme, TensorSpec
+from amct_ext.pipeline.capture import UnitCall, capture_unit_io
+from amct_ext.pipeline.ptq_units import make_ptq_unit
+from amct_ext.quant.quant_linear import QuantLinear
+from amct_ext.quant.schemes import QuantScheme, TensorSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,8 +14,8 @@ import torch
 
 from amct_ext.algorithms.recipe import default_recipe, parse_algo
 from amct_ext.base import EvalConfig, PtqConfig, RunConfig
-from amct_ext.schemes import load_scheme
-from amct_ext.workflow import PARAMS_DIR, evaluate_blockwise, load_calib_windows, load_eval_windows, run_blockwise_ptq
+from amct_ext.quant.schemes import load_scheme
+from amct_ext.pipeline.workflow import PARAMS_DIR, evaluate_blockwise, load_calib_windows, load_eval_windows, run_blockwise_ptq
 from models.deepseek_v4.adapter import DeepseekV4Adapter
 from tests.conftest import REPO
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from amct_ext import checkpoint as C
-from amct_ext.checkpoint import CheckpointReader, iter_layer_prefixes
+from amct_ext.io import checkpoint as C
+from amct_ext.io.checkpoint import CheckpointReader, iter_layer_prefixes
 from amct_ext.errors import CheckpointError
 
 
@@ -303,7 +303,7 @@ def test_mtp_skipped_and_unexpected_reported(ckpt, caplog):
 
         exp = _expected_layer0()
         del exp["attn.attn_sink"], exp["ffn.experts.0.w1.weight"]
-        with caplog.at_level(logging.WARNING, logger="amct_ext.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="amct_ext.io.checkpoint"):
             res = r.load_prefix("layers.0.", exp)
     assert sorted(res.unexpected) == ["attn.attn_sink", "ffn.experts.0.w1.weight"]
     assert "attn.attn_sink" not in res.tensors

@@ -7,8 +7,8 @@ import struct
 import pytest
 import torch
 
-from amct_ext import checkpoint as ckmod
-from amct_ext.checkpoint import CheckpointReader
+from amct_ext.io import checkpoint as ckmod
+from amct_ext.io.checkpoint import CheckpointReader
 from amct_ext.errors import CheckpointError
 from models.deepseek_v4.loading import load_block, load_checkpoint_model
 from models.deepseek_v4.tiny import tiny_config

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from amct_ext import device as D
+from amct_ext.runtime import device as D
 from amct_ext.errors import AmctError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,12 +107,12 @@ def test_timer_cpu():
 
 
 def test_only_device_py_touches_accelerator_modules():
-    # Architecture rule: torch.npu / torch.cuda appear only in amct_ext/device.py.
+    # Architecture rule: torch.npu / torch.cuda appear only in amct_ext/runtime/device.py.
     pat = re.compile(r"torch\.(cuda|npu)\b|import torch_npu")
     offenders = []
     for folder in ("amct_ext", "models", "tools"):
         for f in (REPO / folder).rglob("*.py") if (REPO / folder).is_dir() else []:
-            if f == REPO / "amct_ext" / "device.py":
+            if f == REPO / "amct_ext" / "runtime" / "device.py":
                 continue
             if pat.search(f.read_text(errors="ignore")):
                 offenders.append(str(f.relative_to(REPO)))
@@ -124,7 +124,7 @@ def test_device_guard_sets_the_current_device_for_kernel_launches(monkeypatch):
     (casebook S11). cpu and index-less devices need no guard."""
     import contextlib
 
-    from amct_ext import device as D
+    from amct_ext.runtime import device as D
 
     entered = []
 

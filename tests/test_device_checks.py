@@ -3,7 +3,7 @@ for a graph capture (casebook S14)."""
 import pytest
 import torch
 
-from amct_ext import device_checks as DC
+from amct_ext.runtime import device_checks as DC
 
 
 class Bad(ValueError):

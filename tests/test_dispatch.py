@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from amct_ext.dispatch import (build_layer_device_map, classify, dispatch_layer,
+from amct_ext.runtime.dispatch import (build_layer_device_map, classify, dispatch_layer,
                                resolve_device_for, undispatch_layer)
 
 N_EXPERTS = 6

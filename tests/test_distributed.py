@@ -1,4 +1,4 @@
-"""torchrun scale-out (amct_ext/distributed.py): backend choice, cost model and layer split,
+"""torchrun scale-out (amct_ext/pipeline/distributed.py): backend choice, cost model and layer split,
 and the end-to-end contract on CPU with gloo over loopback -- two ranks give the very files and
 PPLs of one process, a dead rank stops the job with a clear line, and a rerun resumes."""
 import itertools
@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from amct_ext import device as devmod, distributed as dist
+from amct_ext.runtime import device as devmod
+from amct_ext.pipeline import distributed as dist
 from amct_ext.errors import AmctError
-from amct_ext.io_utils import safe_torch_load
+from amct_ext.io.io_utils import safe_torch_load
 from models.deepseek_v4.tiny import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,9 +1,9 @@
-"""The bf16 split behind the fast fp32-island GEMMs (amct_ext/exact_gemm.py) is exact, and the
+"""The bf16 split behind the fast fp32-island GEMMs (amct_ext/runtime/exact_gemm.py) is exact, and the
 fallback (CPU, autograd) is the plain fp32 GEMM, bit for bit."""
 import pytest
 import torch
 
-from amct_ext.exact_gemm import SplitWeightCache, linear_fp32, matmul_fp32, split_bf16
+from amct_ext.runtime.exact_gemm import SplitWeightCache, linear_fp32, matmul_fp32, split_bf16
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -35,7 +35,7 @@ W4A8_CHANNEL = {  # the precision recipe of msModelSlim's pro-w4a8 run, in our s
 
 def _export(model_path, out, scheme):
     from amct_ext.export.exporter import ExportConfig, export_checkpoint
-    from amct_ext.schemes import load_scheme
+    from amct_ext.quant.schemes import load_scheme
 
     cfg = ExportConfig(model_path=model_path, out_dir=out, format="ascend", scheme=load_scheme(scheme),
                        targets=["attn-linear", "moe"], device="cpu", dtype=torch.float32)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _cfg(out, scheme="w8a8", **kw):
     from amct_ext.export.exporter import ExportConfig
-    from amct_ext.schemes import load_scheme
+    from amct_ext.quant.schemes import load_scheme
 
     kw.setdefault("model_path", TINY)
     return ExportConfig(out_dir=out, format=kw.pop("format", "compressed-tensors"), scheme=load_scheme(scheme),
@@ -28,8 +28,8 @@ def _cfg(out, scheme="w8a8", **kw):
 def fake_run(tmp_path_factory):
     """A run_ptq output folder with a real meta.json (w8a8 on the tiny asset) and no units."""
     from amct_ext.base import PtqConfig, RunConfig
-    from amct_ext.schemes import load_scheme
-    from amct_ext.workflow import prepare_params_dir
+    from amct_ext.quant.schemes import load_scheme
+    from amct_ext.pipeline.workflow import prepare_params_dir
     from models.deepseek_v4.adapter import DeepseekV4Adapter
 
     run = tmp_path_factory.mktemp("run")
@@ -83,7 +83,7 @@ def test_params_of_another_scheme_model_checkpoint_refused(fake_run, tmp_path, c
 def test_unit_params_of_another_shape_refused(fake_run, tmp_path):
     from amct_ext.errors import AmctError
     from amct_ext.export.exporter import export_checkpoint, resolve_run
-    from amct_ext.io_utils import atomic_save
+    from amct_ext.io.io_utils import atomic_save
 
     run = _run_copy(fake_run, tmp_path)
     # a clip for a 64-row weight where wq_a has 128 rows (e.g. saved from another model)
@@ -171,9 +171,9 @@ def test_schemes_a_format_cannot_hold_refused(tmp_path):
 def test_fp8_release_rest_stays_fp8_unless_dequantized(tiny_ckpt_fp8, tmp_path):
     """Only the experts quantized: the FP8 attention linears keep their bytes and .scale; with
     dequantize_rest they become bf16. Both read back to the same weights as the release."""
-    from amct_ext.checkpoint import CheckpointReader
+    from amct_ext.io.checkpoint import CheckpointReader
     from amct_ext.export.exporter import ExportConfig, export_checkpoint
-    from amct_ext.schemes import load_scheme
+    from amct_ext.quant.schemes import load_scheme
 
     def export(out, rest):
         cfg = ExportConfig(model_path=tiny_ckpt_fp8, out_dir=out, format="compressed-tensors",

@@ -30,7 +30,7 @@ SCHEMES = {
 
 @pytest.fixture(scope="module")
 def float_layer():
-    from amct_ext.checkpoint import CheckpointReader
+    from amct_ext.io.checkpoint import CheckpointReader
     from models.deepseek_v4.loading import load_block, load_config
 
     config = load_config(TINY)
@@ -58,7 +58,7 @@ def test_library_decompresses_to_our_fake_quant(float_layer, name):
     from amct_ext.export import compressed_tensors as ct
     from amct_ext.export.exporter import _quant_leaves
     from amct_ext.export.readback import decode, group_parts
-    from amct_ext.schemes import load_scheme
+    from amct_ext.quant.schemes import load_scheme
     from models.deepseek_v4 import quant_module
 
     scheme = load_scheme(SCHEMES[name])
@@ -101,7 +101,7 @@ def test_kv_cache_scheme_parses():
     from compressed_tensors.quantization import QuantizationConfig
 
     from amct_ext.export import compressed_tensors as ct
-    from amct_ext.schemes import load_scheme
+    from amct_ext.quant.schemes import load_scheme
 
     qc = ct.quantization_config(load_scheme("w8a8"), ["attn-linear", "attn-cache", "moe"])
     parsed = QuantizationConfig.model_validate(qc)

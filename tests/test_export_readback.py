@@ -25,7 +25,7 @@ LAYERS = range(1, 2)   # PTQ on one layer (ratio 4: attention, compressor, index
 def texts(tmp_path_factory, wiki_test_raw):
     """Short prefixes of the evaluation and calibration texts (tokenizing the whole files would
     dominate these tests); the same windows serve the PTQ evaluation and the read-back."""
-    from amct_ext.calibration import DEFAULT_CALIBRATION_PATH
+    from amct_ext.pipeline.calibration import DEFAULT_CALIBRATION_PATH
 
     d = tmp_path_factory.mktemp("texts")
     (d / "eval.raw").write_text(wiki_test_raw.read_text(encoding="utf-8")[:20000], encoding="utf-8")
@@ -36,7 +36,7 @@ def texts(tmp_path_factory, wiki_test_raw):
 @pytest.fixture(scope="module")
 def windows(texts):
     from amct_ext.base import EvalConfig, RunConfig
-    from amct_ext.workflow import load_eval_windows
+    from amct_ext.pipeline.workflow import load_eval_windows
     from models.deepseek_v4.adapter import DeepseekV4Adapter
 
     cfg = EvalConfig(seq_len=SEQ, max_windows=2, batch_size=2, data_path=texts[0])
@@ -55,8 +55,8 @@ def _adapter(path):
 def ptq_runs(tmp_path_factory, windows, texts):
     """scheme -> (run folder, PTQ PPL): one PTQ run per scheme, shared by both formats."""
     from amct_ext.base import PtqConfig
-    from amct_ext.schemes import load_scheme
-    from amct_ext.workflow import PARAMS_DIR, evaluate_blockwise, run_blockwise_ptq
+    from amct_ext.quant.schemes import load_scheme
+    from amct_ext.pipeline.workflow import PARAMS_DIR, evaluate_blockwise, run_blockwise_ptq
 
     win, ecfg = windows
     cache = {}
@@ -80,7 +80,7 @@ def ptq_runs(tmp_path_factory, windows, texts):
                                         ("w8a8", "ascend")])
 def test_exported_float_ppl_is_the_ptq_ppl(tmp_path, windows, ptq_runs, scheme, fmt):
     from amct_ext.export.exporter import ExportConfig, export_checkpoint, resolve_run
-    from amct_ext.workflow import evaluate_blockwise
+    from amct_ext.pipeline.workflow import evaluate_blockwise
 
     win, ecfg = windows
     run, ptq = ptq_runs(scheme)
@@ -93,7 +93,7 @@ def test_exported_float_ppl_is_the_ptq_ppl(tmp_path, windows, ptq_runs, scheme, 
         assert b.exported.layers == {1}
     assert abs(exported - ptq) <= 1e-4 * ptq, (exported, ptq)
     if scheme != "mxfp4":   # MX scales have no clip; elsewhere the export must carry learned clips
-        from amct_ext.io_utils import safe_torch_load
+        from amct_ext.io.io_utils import safe_torch_load
 
         clips = [v for p in pdir.glob("layer_1_*.pt") for k, v in safe_torch_load(p).items() if k.endswith(".clip")]
         assert clips and any(bool((c < 1).any()) for c in clips)
@@ -135,7 +135,7 @@ def test_cli_flow_and_load_checkpoint_model(tmp_path, texts, capsys):
     assert cfg["quantization_config"]["format"] == "pack-quantized" and cfg["amct_export"]["from_params"]
     assert (e2 / "tokenizer.json").is_file() and any(k.startswith("mtp.0.") for k in i1["weight_map"])
     # the whole model loads; w4a16 declares no activation quantization, so no wrapper is added
-    from amct_ext.quant_linear import QuantLinear
+    from amct_ext.quant.quant_linear import QuantLinear
 
     model, account = load_checkpoint_model(e2, return_account=True)
     assert not account.unexpected and account.skipped   # mtp kept in the file, skipped by the forward

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from amct_ext import formats as F
-from amct_ext.device_checks import deferred_checks
+from amct_ext.quant import formats as F
+from amct_ext.runtime.device_checks import deferred_checks
 from amct_ext.errors import AmctError, QuantConfigError
-from amct_ext.schemes import TensorSpec
+from amct_ext.quant.schemes import TensorSpec
 
 torch.manual_seed(0)
 

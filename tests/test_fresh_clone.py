@@ -89,7 +89,8 @@ def test_installed_package_carries_the_data(monkeypatch):
     pkg_data = seen["package_data"]
     assert "datasets" in seen["extras_require"]          # --calib-dataset's optional extra
     needed = ["amct_ext/data/wikitext-2/wiki.valid.tokens", "amct_ext/data/wikitext-2-raw/wiki.test.raw",
-              "amct_ext/data/LICENSE", "amct_ext/data/README.md", "models/deepseek_v4/SPEC.md",
+              "amct_ext/data/LICENSE", "amct_ext/data/README.md", "amct_ext/quant/schemes/w8a8.json",
+              "models/deepseek_v4/SPEC.md",
               "models/deepseek_v4/configs/deepseek-v4-flash.config.json",
               "models/deepseek_v4/configs/deepseek-v4-pro.config.json"]
     for rel in needed:
@@ -124,7 +125,7 @@ def test_library_default_eval_text_is_the_shipped_test_split(tiny_adapter):
     import torch
 
     from amct_ext.base import EvalConfig
-    from amct_ext.workflow import load_eval_windows
+    from amct_ext.pipeline.workflow import load_eval_windows
     from tests.conftest import WIKI_TEST_RAW
 
     default = load_eval_windows(tiny_adapter, EvalConfig(seq_len=64, max_windows=3))

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import models.deepseek_v4.modeling as modeling
-from amct_ext import device as D
-from amct_ext.schemes import load_scheme
+from amct_ext.runtime import device as D
+from amct_ext.quant.schemes import load_scheme
 from models.deepseek_v4.quant_module import quantize_block
 from models.deepseek_v4.tiny import random_tiny_model
 
@@ -344,8 +344,9 @@ def _fq_checks() -> dict:
     """(child process) the per-token int kernel against the torch definition (formats._fq_int):
     the number of differing elements (bit-identical expected), and its NaN count. The final cast
     to bf16 is checked on the GPU (benchmarks/check_fast_paths.py)."""
-    from amct_ext import formats, fused_quant
-    from amct_ext.schemes import TensorSpec
+    from amct_ext.quant import formats
+    from amct_ext.runtime import fused_quant
+    from amct_ext.quant.schemes import TensorSpec
 
     g = torch.Generator().manual_seed(4)
     res = {}

@@ -11,10 +11,10 @@ from amct_ext.algorithms.hessians import HessianCollector, quant_leaves
 from amct_ext.algorithms.recipe import parse_algo
 from amct_ext.algorithms.runner import run_recipe_on_units
 from amct_ext.base import PtqConfig
-from amct_ext.capture import capture_unit_io
-from amct_ext.io_utils import safe_torch_load
-from amct_ext.schemes import QuantScheme, load_scheme
-from amct_ext.workflow import PARAMS_DIR, PtqRuntime, load_calib_windows, run_blockwise_ptq
+from amct_ext.pipeline.capture import capture_unit_io
+from amct_ext.io.io_utils import safe_torch_load
+from amct_ext.quant.schemes import QuantScheme, load_scheme
+from amct_ext.pipeline.workflow import PARAMS_DIR, PtqRuntime, load_calib_windows, run_blockwise_ptq
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -177,7 +177,7 @@ PTQ = PtqConfig(epochs=1, lr=5e-3, n_samples=2, seq_len=48, batch_size=1, seed=0
 def test_workflow_stores_no_calls_for_a_statistics_recipe(tiny_adapter, tmp_path, monkeypatch):
     """run_blockwise_ptq with gptq:sequential=false: no call is captured (capture_unit_io is never
     reached) and the parameters equal those of the same recipe on stored calls."""
-    import amct_ext.workflow as wf
+    import amct_ext.pipeline.workflow as wf
 
     calib = load_calib_windows(tiny_adapter, PTQ)
     recipe = parse_algo("gptq:sequential=false")

@@ -4,7 +4,7 @@ import stat
 import pytest
 import torch
 
-from amct_ext.io_utils import atomic_save, atomic_write, atomic_write_json, safe_torch_load
+from amct_ext.io.io_utils import atomic_save, atomic_write, atomic_write_json, safe_torch_load
 
 
 def test_atomic_outputs_get_ordinary_permissions(tmp_path):

@@ -4,8 +4,8 @@ import shutil
 
 import pytest
 
-from amct_ext import leak_guard
-from amct_ext.calibration import refuse_test_split
+from amct_ext.pipeline import leak_guard
+from amct_ext.pipeline.calibration import refuse_test_split
 from amct_ext.errors import DataError
 from tests.conftest import WIKI_TEST_RAW, WIKI_VALID
 

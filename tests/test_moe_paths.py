@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from amct_ext.schemes import QuantScheme, load_scheme
+from amct_ext.quant.schemes import QuantScheme, load_scheme
 from models.deepseek_v4.quant_module import quantize_block, set_quant_enabled
 from models.deepseek_v4.tiny import random_tiny_model
 

@@ -107,7 +107,7 @@ FP4_TABLE = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3
 
 def decode_independently(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """FP8 e4m3 128x128 blocks or packed FP4 (1x32 blocks) with ue8m0 scales, decoded here from the
-    format definitions (spec §4), not with amct_ext.storage_formats."""
+    format definitions (spec §4), not with amct_ext.io.storage_formats."""
     scale = torch.pow(2.0, (s.view(torch.uint8).int() - 127).float())
     if w.dtype == torch.float8_e4m3fn:
         full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]

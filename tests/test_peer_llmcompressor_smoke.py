@@ -144,11 +144,11 @@ def test_committed_peer_results_used_our_windows(peer, wiki_test_raw):
     builds here: the same 64 x 256 evaluation and 16 x 256 calibration (seed 0) tokens."""
     import json
 
-    from amct_ext.calibration import load_calibration_windows
+    from amct_ext.pipeline.calibration import load_calibration_windows
 
     rec = json.loads(peer.DEFAULT_JSON.read_text())["protocol"]
     tok = peer.load_tokenizer(TINY)
-    from amct_ext.perplexity import load_eval_text, tokenize_windows
+    from amct_ext.pipeline.perplexity import load_eval_text, tokenize_windows
 
     # Only the first 64 windows are compared, so a prefix of the text several times their
     # length is tokenized (fast); byte-level BPE merges never reach that far back from the cut.

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from amct_ext.calibration import load_calibration_windows
+from amct_ext.pipeline.calibration import load_calibration_windows
 from amct_ext.errors import DataError
-from amct_ext.perplexity import (
+from amct_ext.pipeline.perplexity import (
     NllAccumulator,
     load_eval_text,
     perplexity,
@@ -137,7 +137,7 @@ def test_windows_errors_name_sizes():
 def test_windows_with_trained_hf_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    from amct_ext.tokenizer import train_bpe_tokenizer
+    from amct_ext.pipeline.tokenizer import train_bpe_tokenizer
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" the cat sat on the mat .\n" * 200)

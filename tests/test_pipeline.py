@@ -1,4 +1,4 @@
-"""Blockwise perplexity and blockwise PTQ (amct_ext.workflow) on the random tiny checkpoint."""
+"""Blockwise perplexity and blockwise PTQ (amct_ext.pipeline.workflow) on the random tiny checkpoint."""
 import json
 
 import pytest
@@ -6,10 +6,10 @@ import torch
 
 from amct_ext.base import EvalConfig, PtqConfig
 from amct_ext.errors import ConfigError
-from amct_ext.io_utils import safe_torch_load
-from amct_ext.perplexity import perplexity
-from amct_ext.schemes import load_scheme
-from amct_ext.workflow import (PARAMS_DIR, ParamsMismatchError, evaluate_blockwise, load_calib_windows,
+from amct_ext.io.io_utils import safe_torch_load
+from amct_ext.pipeline.perplexity import perplexity
+from amct_ext.quant.schemes import load_scheme
+from amct_ext.pipeline.workflow import (PARAMS_DIR, ParamsMismatchError, evaluate_blockwise, load_calib_windows,
                                load_eval_windows, run_blockwise_ptq)
 from models.deepseek_v4.loading import load_checkpoint_model
 

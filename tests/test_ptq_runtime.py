@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from amct_ext.base import PtqConfig
-from amct_ext.capture import CaptureStore, SpillCalls, StoreCalls, UnitCall, call_nbytes, capture_unit_io
-from amct_ext.io_utils import safe_torch_load
-from amct_ext.schemes import load_scheme
-from amct_ext.workflow import PARAMS_DIR, SCRATCH_DIR, PtqRuntime, load_calib_windows, run_blockwise_ptq
+from amct_ext.pipeline.capture import CaptureStore, SpillCalls, StoreCalls, UnitCall, call_nbytes, capture_unit_io
+from amct_ext.io.io_utils import safe_torch_load
+from amct_ext.quant.schemes import load_scheme
+from amct_ext.pipeline.workflow import PARAMS_DIR, SCRATCH_DIR, PtqRuntime, load_calib_windows, run_blockwise_ptq
 
 TARGETS = ["attn-linear", "moe"]
 PTQ = PtqConfig(epochs=1, lr=5e-3, n_samples=2, seq_len=48, batch_size=1, seed=0)
@@ -137,7 +137,7 @@ def test_sharded_ptq_solves_each_unit_where_it_lives(tiny_adapter, calib, refere
     """Three CPU "devices" cpu:0..2 (distinct torch.device values, so the dispatch hooks are
     real): layer 1 has an indexer, so stem cpu:0, attention cpu:1, indexer cpu:2 and the 8
     routed experts round-robin over all three (dispatch.py's rule)."""
-    import amct_ext.workflow as wf
+    import amct_ext.pipeline.workflow as wf
 
     ref_out, _ = reference
     where = {}
@@ -237,7 +237,7 @@ def test_recipe_run_reads_spilled_calls_lazily(tiny_adapter, calib, recipe_refer
     """With a capture budget the recipe gets the spilled calls as a lazily read sequence
     (algorithms.base.UnitData keeps it) and learns the same parameters."""
     from amct_ext.algorithms import base as algo_base
-    from amct_ext.capture import SpilledCalls
+    from amct_ext.pipeline.capture import SpilledCalls
 
     recipe, ref_out, ref = recipe_reference
     kept = []

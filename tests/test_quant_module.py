@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from amct_ext.errors import QuantConfigError
-from amct_ext.io_utils import safe_torch_load
-from amct_ext.quant_linear import QuantLinear
-from amct_ext.schemes import QuantScheme, load_scheme
+from amct_ext.io.io_utils import safe_torch_load
+from amct_ext.quant.quant_linear import QuantLinear
+from amct_ext.quant.schemes import QuantScheme, load_scheme
 from models.deepseek_v4.quant_module import (
     QuantV4Attention, QuantV4Compressor, QuantV4Expert, QuantV4Indexer, count_quant_modules,
     iter_block_ptq_units, quantize_block, set_activation_mode, set_quant_enabled,

@@ -4,11 +4,11 @@ import torch
 import torch.nn.functional as Fn
 from torch import nn
 
-from amct_ext import formats
+from amct_ext.quant import formats
 from amct_ext.errors import QuantConfigError
-from amct_ext.quant_linear import QuantGatedMLP, QuantizedMatmul, QuantLinear
-from amct_ext.quantizers import ActivationQuantizer, NotCalibratedError, WeightQuantizer
-from amct_ext.schemes import TensorSpec
+from amct_ext.quant.quant_linear import QuantGatedMLP, QuantizedMatmul, QuantLinear
+from amct_ext.quant.quantizers import ActivationQuantizer, NotCalibratedError, WeightQuantizer
+from amct_ext.quant.schemes import TensorSpec
 
 W8 = TensorSpec("int", 8, True, "channel")
 W4G = TensorSpec("int", 4, False, "group", group_size=32)

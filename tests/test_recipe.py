@@ -12,11 +12,11 @@ from amct_ext.algorithms import SolveContext, UnitData
 from amct_ext.algorithms.base import Algorithm
 from amct_ext.algorithms.recipe import (RecipeError, algorithm_class, load_recipe_file, parse_algo, register,
                                         resolve_recipe)
-from amct_ext.capture import UnitCall
+from amct_ext.pipeline.capture import UnitCall
 from amct_ext.errors import ConfigError
-from amct_ext.ptq_units import make_ptq_unit
-from amct_ext.quant_linear import QuantLinear
-from amct_ext.schemes import TensorSpec
+from amct_ext.pipeline.ptq_units import make_ptq_unit
+from amct_ext.quant.quant_linear import QuantLinear
+from amct_ext.quant.schemes import TensorSpec
 
 
 @register
@@ -148,7 +148,7 @@ def test_cli_refuses_bad_recipes_before_any_work(tmp_path, capsys):
 
 def test_every_builtin_scheme_has_a_default_recipe():
     from amct_ext.algorithms.recipe import DEFAULT_RECIPES, default_recipe
-    from amct_ext.schemes import builtin_schemes
+    from amct_ext.quant.schemes import builtin_schemes
 
     assert set(builtin_schemes()) <= set(DEFAULT_RECIPES)
     for name in builtin_schemes():
@@ -163,9 +163,9 @@ def test_recipe_run_resumes_bit_identically_with_quant_propagation(tiny_adapter,
     uninterrupted one file for file (the resumed layers' units are reloaded so that later
     layers see the same quantized inputs)."""
     from amct_ext.base import PtqConfig
-    from amct_ext.io_utils import safe_torch_load
-    from amct_ext.schemes import load_scheme
-    from amct_ext.workflow import PARAMS_DIR, load_calib_windows, run_blockwise_ptq
+    from amct_ext.io.io_utils import safe_torch_load
+    from amct_ext.quant.schemes import load_scheme
+    from amct_ext.pipeline.workflow import PARAMS_DIR, load_calib_windows, run_blockwise_ptq
 
     cfg = PtqConfig(n_samples=2, seq_len=32, batch_size=1, seed=0)
     calib = load_calib_windows(tiny_adapter, cfg)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from amct_ext.base import PtqConfig
-from amct_ext.schemes import load_scheme
-from amct_ext.workflow import (META_NAME, PARAMS_DIR, ParamsMismatchError, check_params_dir, load_calib_windows,
+from amct_ext.quant.schemes import load_scheme
+from amct_ext.pipeline.workflow import (META_NAME, PARAMS_DIR, ParamsMismatchError, check_params_dir, load_calib_windows,
                                params_meta, prepare_params_dir)
 from tests.conftest import WIKI_VALID
 
@@ -143,7 +143,7 @@ def test_single_file_checkpoint_identity_is_its_header(tmp_path):
     weight to hash it would cost a full checkpoint read)."""
     from safetensors.torch import save_file
 
-    from amct_ext.workflow import checkpoint_identity
+    from amct_ext.pipeline.workflow import checkpoint_identity
 
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     for d in (a, b, c):

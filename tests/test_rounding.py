@@ -5,15 +5,15 @@ import copy
 import pytest
 import torch
 
-from amct_ext import formats
+from amct_ext.quant import formats
 from amct_ext.algorithms import SolveContext, UnitData
 from amct_ext.algorithms.rounding import AutoRound
-from amct_ext.capture import UnitCall
+from amct_ext.pipeline.capture import UnitCall
 from amct_ext.errors import AmctError
-from amct_ext.ptq_units import make_ptq_unit
-from amct_ext.quant_linear import QuantLinear
-from amct_ext.quantizers import WeightQuantizer
-from amct_ext.schemes import TensorSpec
+from amct_ext.pipeline.ptq_units import make_ptq_unit
+from amct_ext.quant.quant_linear import QuantLinear
+from amct_ext.quant.quantizers import WeightQuantizer
+from amct_ext.quant.schemes import TensorSpec
 from models.deepseek_v4.modeling import Expert
 from models.deepseek_v4.quant_module import QuantV4Expert
 

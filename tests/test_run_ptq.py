@@ -120,7 +120,7 @@ def test_calib_dataset_errors_are_one_line(tmp_path, capsys, monkeypatch):
 def test_tiny_tokenizer_is_trained_on_calib_data(tmp_path, capsys, monkeypatch):
     """--model tiny with --calib-data: the generated checkpoint's tokenizer is trained on that text
     (issue 17: tokenizer training ignored --calib-data), cached under its own key."""
-    from amct_ext.tokenizer import train_bpe_tokenizer
+    from amct_ext.pipeline.tokenizer import train_bpe_tokenizer
     from models.deepseek_v4.tiny import TINY_CONFIG, tiny_cache_key
 
     text = tmp_path / "calib.txt"
@@ -142,8 +142,8 @@ def test_tiny_tokenizer_is_trained_on_calib_data(tmp_path, capsys, monkeypatch):
 
 def test_refuses_output_dir_of_another_scheme(tiny_ckpt, tmp_path, capsys):
     from amct_ext.base import PtqConfig, RunConfig
-    from amct_ext.schemes import load_scheme
-    from amct_ext.workflow import prepare_params_dir
+    from amct_ext.quant.schemes import load_scheme
+    from amct_ext.pipeline.workflow import prepare_params_dir
     from models.deepseek_v4.adapter import DeepseekV4Adapter
 
     out = tmp_path / "out"

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from amct_ext.errors import AmctError, QuantConfigError
-from amct_ext.schemes import (QuantScheme, TargetScheme, TensorSpec, builtin_schemes, load_scheme,
+from amct_ext.quant.schemes import (QuantScheme, TargetScheme, TensorSpec, builtin_schemes, load_scheme,
                               parse_targets)
 
 EXPECTED_BUILTINS = {"w8a8", "w4a16-g128", "w4a8", "fp8", "mxfp8", "mxfp4", "kv8", "kv8-fp8", "w3a16-g128", "w4a16", "w2a16-g64"}

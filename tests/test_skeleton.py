@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from amct_ext.empty import empty_weights, meta_tensors
+from amct_ext.runtime.empty import empty_weights, meta_tensors
 from models.deepseek_v4 import DeepseekV4Config
 from models.deepseek_v4.loading import build_skeleton, empty_block, materialize_derived_buffers
 from models.deepseek_v4.modeling import Block, layer_rope_frequencies

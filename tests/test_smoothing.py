@@ -9,10 +9,10 @@ import torch
 from amct_ext.algorithms import SolveContext, UnitData
 from amct_ext.algorithms.recipe import parse_algo
 from amct_ext.algorithms.smoothing import AWQ, SmoothQuant, awq_scales, commit_scales, smoothquant_scales
-from amct_ext.capture import capture_unit_io
+from amct_ext.pipeline.capture import capture_unit_io
 from amct_ext.errors import AmctError
-from amct_ext.schemes import QuantScheme, load_scheme
-from amct_ext.solver import unit_mse
+from amct_ext.quant.schemes import QuantScheme, load_scheme
+from amct_ext.pipeline.solver import unit_mse
 from models.deepseek_v4.quant_module import (
     QuantV4Expert, iter_block_ptq_units, quantize_block, set_quant_enabled,
 )
@@ -170,7 +170,7 @@ def test_smoothquant_cuts_outlier_channel_error(tiny_adapter, layer_data, scheme
     columns / 30: the same float function) ruin int8 activations (per-token dynamic, or static
     per-tensor ranges, which are re-observed on the smoothed unit); SmoothQuant migrates them
     into the weights and cuts the unit's output error by more than 3x."""
-    from amct_ext.workflow import finish_static
+    from amct_ext.pipeline.workflow import finish_static
 
     ids, xs = layer_data
     i = 0
@@ -275,7 +275,7 @@ def test_workflow_saves_what_was_solved(tiny_adapter, tmp_path):
     inputs; the attention's input is attn_norm's output with s folded in, equal to x / s up to
     fp32 rounding, hence the relative tolerance -- far below the gains)."""
     from amct_ext.base import PtqConfig
-    from amct_ext.workflow import PARAMS_DIR, load_unit_params, run_blockwise_ptq
+    from amct_ext.pipeline.workflow import PARAMS_DIR, load_unit_params, run_blockwise_ptq
 
     ids = torch.randint(2, 512, (2, 64), generator=torch.Generator().manual_seed(5))
     cfg = PtqConfig(n_samples=2, seq_len=64, batch_size=2)
@@ -325,7 +325,7 @@ def test_held_out_calls_veto_a_scale_that_does_not_generalise(tiny_adapter, laye
     """validate: a pair's scales are kept only when they also lower the loss of the held-out
     calls. Here the held-out call's target is the RTN output itself (RTN loss 0 there), so
     every scale is worse on it and is refused, although it wins on the training call."""
-    from amct_ext.capture import UnitCall
+    from amct_ext.pipeline.capture import UnitCall
 
     ids, xs = layer_data
     block = tiny_adapter.block(0)
@@ -375,7 +375,7 @@ def test_smoothquant_then_gptq_then_clip_reloads_exactly(tiny_adapter, layer_dat
     with torch.no_grad():
         assert torch.equal(block(xs[i], 0, ids), fresh(xs[i], 0, ids))
     # a fixed grid (what GPTQ leaves) in the unit: smoothing refuses to scale under it
-    from amct_ext import formats
+    from amct_ext.quant import formats
 
     other = quantize_block(tiny_adapter.block(i), W4, T)
     ounits, odatas = captured(other, i, ids, xs[i])

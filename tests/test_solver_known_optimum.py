@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from amct_ext import formats
-from amct_ext.capture import UnitCall
-from amct_ext.quant_linear import QuantLinear
-from amct_ext.schemes import TensorSpec
-from amct_ext.solver import solve_unit, unit_mse
+from amct_ext.quant import formats
+from amct_ext.pipeline.capture import UnitCall
+from amct_ext.quant.quant_linear import QuantLinear
+from amct_ext.quant.schemes import TensorSpec
+from amct_ext.pipeline.solver import solve_unit, unit_mse
 
 SPEC = TensorSpec.from_dict({"format": "int", "bits": 3, "granularity": "channel"})
 CPU = torch.device("cpu")

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from amct_ext import storage_formats as SF
+from amct_ext.io import storage_formats as SF
 from amct_ext.errors import CheckpointError
 
 

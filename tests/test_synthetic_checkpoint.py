@@ -28,7 +28,7 @@ def test_config_cut_to_n_layers_keeps_the_flash_layer_pattern(synthetic_tiny):
 
 
 def test_stored_dtypes_and_shapes(synthetic_tiny):
-    from amct_ext.checkpoint import CheckpointReader
+    from amct_ext.io.checkpoint import CheckpointReader
 
     with CheckpointReader(synthetic_tiny) as r:
         keys = set(r.keys())

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from amct_ext.errors import ConfigError, DataError
-from amct_ext.tokenizer import (
+from amct_ext.pipeline.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
     MIN_VOCAB_SIZE,
@@ -58,7 +58,7 @@ def test_deterministic_in_process_and_across_processes(trained, valid_txt, tmp_p
     other = tmp_path / "other"
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]);"
-        "from amct_ext.tokenizer import train_bpe_tokenizer;"
+        "from amct_ext.pipeline.tokenizer import train_bpe_tokenizer;"
         "train_bpe_tokenizer(sys.argv[2], int(sys.argv[3]), sys.argv[4])"
     )
     subprocess.run(
@@ -122,7 +122,7 @@ def test_errors(tmp_path, valid_txt):
     missing = tmp_path / "nope.txt"
     with pytest.raises(DataError, match="nope.txt"):
         train_bpe_tokenizer(missing, 512, tmp_path / "b")
-    # the test split under another name is refused by its content (amct_ext.leak_guard)
+    # the test split under another name is refused by its content (amct_ext.pipeline.leak_guard)
     from tests.conftest import WIKI_TEST_RAW
 
     renamed = tmp_path / "notes.txt"

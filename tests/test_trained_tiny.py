@@ -9,8 +9,8 @@ import torch
 from transformers import DeepseekV4ForCausalLM as HFDeepseekV4
 
 from amct_ext.base import EvalConfig, PtqConfig, RunConfig
-from amct_ext.schemes import load_scheme
-from amct_ext.workflow import evaluate_blockwise, load_calib_windows, load_eval_windows, run_blockwise_ptq
+from amct_ext.quant.schemes import load_scheme
+from amct_ext.pipeline.workflow import evaluate_blockwise, load_calib_windows, load_eval_windows, run_blockwise_ptq
 from models.deepseek_v4 import load_checkpoint_model
 from models.deepseek_v4.adapter import DeepseekV4Adapter
 from models.deepseek_v4.release_format import write_release_checkpoint

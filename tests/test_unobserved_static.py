@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from amct_ext.base import EvalConfig, PtqConfig
-from amct_ext.quantizers import ActivationQuantizer
-from amct_ext.schemes import load_scheme
-from amct_ext.workflow import evaluate_blockwise, run_blockwise_ptq
+from amct_ext.quant.quantizers import ActivationQuantizer
+from amct_ext.quant.schemes import load_scheme
+from amct_ext.pipeline.workflow import evaluate_blockwise, run_blockwise_ptq
 from models.deepseek_v4.loading import load_checkpoint_model
 from tests.conftest import WIKI_TEST_RAW
 

@@ -78,7 +78,7 @@ def export_from_args(args, model_path: Path | None = None, allow_distributed: bo
     import torch
 
     from amct_ext.export.exporter import ExportConfig, export_checkpoint, resolve_run
-    from amct_ext.schemes import load_scheme, parse_targets
+    from amct_ext.quant.schemes import load_scheme, parse_targets
 
     model_path = model_path or resolve_model_path(args)
     check_weights_present(model_path)
@@ -95,7 +95,7 @@ def export_from_args(args, model_path: Path | None = None, allow_distributed: bo
                        overwrite=args.overwrite, device=args.device,
                        dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name],
                        progress=not args.quiet)
-    from amct_ext import distributed
+    from amct_ext.pipeline import distributed
 
     dist = distributed.env_from() if allow_distributed else None
     if dist is None:

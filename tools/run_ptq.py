@@ -48,7 +48,7 @@ folder holding parameters of another run (any fingerprint field differs) is refu
 line naming the field and both values.
 
 Several processes: `torchrun --nproc-per-node N [--nnodes M --rdzv-...] tools/run_ptq.py ...`
-spreads the layers over the ranks (amct_ext/distributed.py): each rank solves a cost-balanced
+spreads the layers over the ranks (amct_ext/pipeline/distributed.py): each rank solves a cost-balanced
 layer range into the same OUTPUT, perplexity runs as a pipeline over the ranks, rank 0 writes
 the report. The parameters and PPLs are those of one process. If a rank dies the others stop
 with one `error:` line (torchrun on its node; a heartbeat watchdog across nodes,
@@ -243,17 +243,18 @@ def _default(args, name: str):
 
 
 def run(args, phases=None) -> int:
-    """The whole job. ``phases``: an ``amct_ext.phases.PhaseTimer`` given to the PTQ loop
+    """The whole job. ``phases``: an ``amct_ext.pipeline.phases.PhaseTimer`` given to the PTQ loop
     (benchmarks/bench_ptq.py reads its per-phase times and memory)."""
     import torch
 
-    from amct_ext import device as devmod, distributed
+    from amct_ext.runtime import device as devmod
+    from amct_ext.pipeline import distributed
     from amct_ext.base import EvalConfig, PtqConfig, RunConfig
-    from amct_ext.calibration import DEFAULT_CALIBRATION_PATH, refuse_test_split
+    from amct_ext.pipeline.calibration import DEFAULT_CALIBRATION_PATH, refuse_test_split
     from amct_ext.errors import DataError
-    from amct_ext.io_utils import atomic_write_json
-    from amct_ext.schemes import load_scheme, parse_targets
-    from amct_ext.workflow import (PARAMS_DIR, PtqRuntime, check_seq_len, layer_range, load_calib_windows,
+    from amct_ext.io.io_utils import atomic_write_json
+    from amct_ext.quant.schemes import load_scheme, parse_targets
+    from amct_ext.pipeline.workflow import (PARAMS_DIR, PtqRuntime, check_seq_len, layer_range, load_calib_windows,
                                    load_eval_windows, prepare_params_dir, recipe_meta, summary_table)
     from models.deepseek_v4.adapter import DeepseekV4Adapter
 
@@ -446,7 +447,7 @@ def main(argv=None) -> int:
     # transformers' config base class warns about rope_scaling on every load: not the user's concern
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\..*")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from amct_ext import distributed
+    from amct_ext.pipeline import distributed
 
     ok = False
     try:

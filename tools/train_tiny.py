@@ -5,7 +5,7 @@
                                [--device auto|cuda|cpu] [--vocab-size V] [--time-budget-s T]
 
 What it does
-- trains a byte-level BPE (``amct_ext.tokenizer.train_bpe_tokenizer``) on the validation split, writes
+- trains a byte-level BPE (``amct_ext.pipeline.tokenizer.train_bpe_tokenizer``) on the validation split, writes
   it into DIR and tokenizes the protocol text of the same file ONCE (rows joined with "\\n\\n", like the
   perplexity protocol, so the model sees the test split's formatting). The test split is never read:
   ``refuse_test_split`` rejects such a path.
@@ -56,13 +56,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from amct_ext.calibration import DEFAULT_CALIBRATION_PATH, refuse_test_split  # noqa: E402
-from amct_ext.device import resolve_device, synchronize  # noqa: E402
-from amct_ext.empty import empty_weights  # noqa: E402
+from amct_ext.pipeline.calibration import DEFAULT_CALIBRATION_PATH, refuse_test_split  # noqa: E402
+from amct_ext.runtime.device import resolve_device, synchronize  # noqa: E402
+from amct_ext.runtime.empty import empty_weights  # noqa: E402
 from amct_ext.errors import AmctError, ConfigError  # noqa: E402
-from amct_ext.io_utils import atomic_write_json  # noqa: E402
-from amct_ext.perplexity import ROW_SEPARATOR, read_wikitext_rows  # noqa: E402
-from amct_ext.tokenizer import TOKENIZER_FILE, tokenizer_vocab_size, train_bpe_tokenizer  # noqa: E402
+from amct_ext.io.io_utils import atomic_write_json  # noqa: E402
+from amct_ext.pipeline.perplexity import ROW_SEPARATOR, read_wikitext_rows  # noqa: E402
+from amct_ext.pipeline.tokenizer import TOKENIZER_FILE, tokenizer_vocab_size, train_bpe_tokenizer  # noqa: E402
 from models.deepseek_v4.modeling import DeepseekV4ForCausalLM, Gate  # noqa: E402
 from models.deepseek_v4.release_format import _is_fp32_island, official_config_dict, write_release_checkpoint  # noqa: E402
 from models.deepseek_v4.tiny import init_random_weights, random_mtp_tensors, tiny_config  # noqa: E402

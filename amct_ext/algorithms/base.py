@@ -48,8 +48,8 @@ from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
-from ..capture import SpilledCalls, UnitCall
-from ..ptq_units import PtqUnit
+from ..pipeline.capture import SpilledCalls, UnitCall
+from ..pipeline.ptq_units import PtqUnit
 
 #: unit kinds the V4 adapter yields (ptq_units.PtqUnit.kind)
 UNIT_KINDS = ("attn", "expert", "shared_expert")

@@ -34,10 +34,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .. import formats
-from ..quant_linear import QuantLinear
-from ..quantizers import ActivationQuantizer
-from ..solver import solve_unit, unit_mse
+from ..quant import formats
+from ..quant.quant_linear import QuantLinear
+from ..quant.quantizers import ActivationQuantizer
+from ..pipeline.solver import solve_unit, unit_mse
 from .base import Algorithm, SolveContext, UnitData
 from .gptq import _replay, _targets
 from .recipe import RecipeError, register

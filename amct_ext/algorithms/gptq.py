@@ -10,7 +10,7 @@ Per quantized leaf of a unit (a QuantLinear, or the grouped ``wo_a``):
   zero ("dead", diag 0) get diag 1 and keep their RTN value (no information either way).
 - Lazy blocks of ``block_size`` columns (rounded up to a multiple of the group size, so a
   group's scale is computed once all earlier columns' updates reached it).
-- Grid: the scheme's weight spec through amct_ext.formats, any format / granularity:
+- Grid: the scheme's weight spec through amct_ext.quant.formats, any format / granularity:
   integer groups (no act-order) take their scale when the loop reaches the group, from the
   error-compensated columns (as in the reference implementation); every other case (per
   channel, per tensor, 128x128 blocks, fp8, MX, and any grouped spec under act-order) uses the
@@ -55,10 +55,10 @@ from typing import Any, ClassVar, Sequence
 import torch
 from torch import nn
 
-from .. import formats
-from ..capture import UnitCall
-from ..quant_linear import QuantLinear
-from ..solver import _to
+from ..quant import formats
+from ..pipeline.capture import UnitCall
+from ..quant.quant_linear import QuantLinear
+from ..pipeline.solver import _to
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import RecipeError, register
 

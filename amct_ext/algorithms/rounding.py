@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..quant_linear import QuantLinear
-from ..quantizers import CLIP_MIN
-from ..solver import _sq_err, unit_mse, unit_seed
+from ..quant.quant_linear import QuantLinear
+from ..quant.quantizers import CLIP_MIN
+from ..pipeline.solver import _sq_err, unit_mse, unit_seed
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..solver import unit_mse
+from ..pipeline.solver import unit_mse
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
 

@@ -19,11 +19,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..capture import UnitCall
-from ..ptq_units import PtqUnit
-from ..quant_linear import QuantLinear
-from ..quantizers import ActivationQuantizer, WeightQuantizer
-from ..solver import UnitResult, unit_mse, unit_seed
+from ..pipeline.capture import UnitCall
+from ..pipeline.ptq_units import PtqUnit
+from ..quant.quant_linear import QuantLinear
+from ..quant.quantizers import ActivationQuantizer, WeightQuantizer
+from ..pipeline.solver import UnitResult, unit_mse, unit_seed
 from .base import SolveContext, UnitData
 from .recipe import Recipe
 

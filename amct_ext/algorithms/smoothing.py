@@ -37,11 +37,11 @@ from typing import Any, ClassVar, Sequence
 import torch
 from torch import nn
 
-from ..capture import UnitCall
+from ..pipeline.capture import UnitCall
 from ..errors import ConfigError
-from ..quant_linear import QuantLinear
-from ..quantizers import ActivationQuantizer
-from ..solver import _to, unit_mse
+from ..quant.quant_linear import QuantLinear
+from ..quant.quantizers import ActivationQuantizer
+from ..pipeline.solver import _to, unit_mse
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
 

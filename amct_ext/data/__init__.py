@@ -5,7 +5,7 @@
   text tiny tokenizers / the trained tiny model are trained on.
 - ``wikitext-2-raw/wiki.test.raw``: the *test* split of ``wikitext-2-raw-v1``, byte for byte
   (SHA-256 in :data:`EVAL_TEST_SHA256`). Default evaluation text; never calibration or training
-  (``amct_ext.leak_guard`` refuses text that shares long runs with it).
+  (``amct_ext.pipeline.leak_guard`` refuses text that shares long runs with it).
 
 Licence: WikiText is CC BY-SA 3.0 (Merity et al. 2016, Salesforce); see ``README.md`` here.
 
@@ -76,7 +76,7 @@ def dataset_calibration_file(name: str, cache_dir: str | os.PathLike, text_field
         first = str(e).splitlines()[0] if str(e) else ""
         raise DataError(f"--calib-dataset {name!r}: could not load it with datasets "
                         f"({type(e).__name__}: {first}); {hint}") from None
-    from ..io_utils import atomic_write
+    from ..io.io_utils import atomic_write
 
     out.parent.mkdir(parents=True, exist_ok=True)
     text = "\n\n".join(rows)

@@ -7,5 +7,5 @@
 - ``packing``: int32 / int4-row bit packing;
 - ``readback``: decoding exported weights and their declared activation quantization.
 
-Kept import-free: ``amct_ext.checkpoint`` imports ``readback`` and must not pull in the workflow.
+Kept import-free: ``amct_ext.io.checkpoint`` imports ``readback`` and must not pull in the workflow.
 """

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import QuantConfigError
-from ..schemes import LINEAR_TARGETS, QuantScheme, TensorSpec
+from ..quant.schemes import LINEAR_TARGETS, QuantScheme, TensorSpec
 from .packing import pack_int4_rows
 
 INDEX_NAME = "quant_model_weights.safetensors.index.json"

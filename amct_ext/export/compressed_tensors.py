@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import QuantConfigError
-from ..schemes import LINEAR_TARGETS, QuantScheme, TensorSpec
+from ..quant.schemes import LINEAR_TARGETS, QuantScheme, TensorSpec
 from .packing import pack_int32, pack_int32_dim0
 
 QUANT_METHOD = "compressed-tensors"

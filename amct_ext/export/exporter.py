@@ -27,15 +27,15 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import device as devmod
-from .. import formats
-from ..checkpoint import QUANT_STORAGE, CheckpointReader
+from ..runtime import device as devmod
+from ..quant import formats
+from ..io.checkpoint import QUANT_STORAGE, CheckpointReader
 from ..errors import CheckpointError, ConfigError, DataError, QuantConfigError
-from ..io_utils import atomic_write_json
-from ..quant_linear import QuantLinear
-from ..schemes import QuantScheme, load_scheme, parse_targets
-from ..storage_formats import decode_fp4, decode_fp8_block
-from ..workflow import META_NAME, PARAMS_DIR, load_unit_params
+from ..io.io_utils import atomic_write_json
+from ..quant.quant_linear import QuantLinear
+from ..quant.schemes import QuantScheme, load_scheme, parse_targets
+from ..io.storage_formats import decode_fp4, decode_fp8_block
+from ..pipeline.workflow import META_NAME, PARAMS_DIR, load_unit_params
 from . import ascend, compressed_tensors as ct
 from .writer import ShardedWriter
 
@@ -295,7 +295,7 @@ class _Exporter:
     def _build_mtp(self, j: int) -> torch.nn.Module | None:
         """The MTP block j as a decoder block (layer id n_layers + j), or None when the release
         lacks some of its block tensors or the config has no compress ratio for it."""
-        from amct_ext.empty import assert_materialized
+        from amct_ext.runtime.empty import assert_materialized
         from models.deepseek_v4.loading import empty_block, materialize_derived_buffers
 
         lid = int(self.config.n_layers) + j
@@ -479,7 +479,7 @@ def staging_dir(out_dir: Path, rank: int) -> Path:
 
 
 def export_checkpoint_distributed(cfg: ExportConfig, dist_env) -> ExportReport:
-    """The export over torchrun ranks (``amct_ext.distributed``), one cost-balanced range of
+    """The export over torchrun ranks (``amct_ext.pipeline.distributed``), one cost-balanced range of
     decoder layers per rank; one process when ``dist_env`` is None.
 
     Rank 0 opens the output folder first (refusal / --overwrite / resume happen once, before
@@ -491,7 +491,7 @@ def export_checkpoint_distributed(cfg: ExportConfig, dist_env) -> ExportReport:
     shards in its staging folder: a rerun resumes them."""
     from dataclasses import replace
 
-    from .. import distributed
+    from ..pipeline import distributed
 
     if dist_env is None:
         return export_checkpoint(cfg)

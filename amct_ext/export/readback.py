@@ -27,8 +27,8 @@ from typing import Callable, Mapping
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..schemes import QuantScheme, TargetScheme, TensorSpec
-from ..storage_formats import decode_fp4, e8m0_to_float32
+from ..quant.schemes import QuantScheme, TargetScheme, TensorSpec
+from ..io.storage_formats import decode_fp4, e8m0_to_float32
 from . import ascend
 from .packing import unpack_int4_rows, unpack_int32, unpack_int32_dim0
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import AmctError
-from ..io_utils import atomic_write, atomic_write_json
+from ..io.io_utils import atomic_write, atomic_write_json
 
 STATE_NAME = ".amct_export_state.json"
 

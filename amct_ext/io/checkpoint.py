@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from safetensors import safe_open
 
-from . import device_checks
-from .errors import CheckpointError
+from ..runtime import device_checks
+from ..errors import CheckpointError
 from .storage_formats import FP4_PACKED_DTYPES, decode_fp4, decode_fp8_block
 
 log = logging.getLogger(__name__)
@@ -310,7 +310,7 @@ class CheckpointReader:
 
         # Exported weights (amct_ext.export): ``M.weight`` / ``M.weight_packed`` with
         # ``M.weight_scale`` and friends form one logical ``M.weight``.
-        from .export.readback import group_parts
+        from ..export.readback import group_parts
 
         exported = group_parts(keys)
         parts_of = {k for parts in exported.values() for k in parts.values()}
@@ -407,7 +407,7 @@ class CheckpointReader:
     def _load_exported(self, key: str, parts: dict[str, str], want_shape: tuple[int, ...] | None,
                        device: str | torch.device | None) -> torch.Tensor:
         """An exported (compressed-tensors / Ascend) weight -> fp32 compute tensor."""
-        from .export.readback import decode
+        from ..export.readback import decode
 
         t = decode(self.get_raw, parts, want_shape, device, key)
         if want_shape is not None and tuple(t.shape) != tuple(want_shape):

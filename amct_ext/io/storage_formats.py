@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0

@@ -14,8 +14,8 @@ from typing import Iterable
 
 import torch
 
-from .data import CALIB_DEFAULT, EVAL_DEFAULT
-from .errors import DataError
+from ..data import CALIB_DEFAULT, EVAL_DEFAULT
+from ..errors import DataError
 from .leak_guard import refuse_eval_overlap
 from .perplexity import encode_text
 

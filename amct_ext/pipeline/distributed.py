@@ -54,11 +54,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import device as devmod
-from .base import BaseModel, EvalConfig, PtqConfig, batches
-from .errors import AmctError, ConfigError
+from ..runtime import device as devmod
+from ..base import BaseModel, EvalConfig, PtqConfig, batches
+from ..errors import AmctError, ConfigError
 from .perplexity import NllAccumulator
-from .schemes import QuantScheme, parse_targets
+from ..quant.schemes import QuantScheme, parse_targets
 from .solver import UnitResult
 
 BOUNDARY_MODES = ("recompute", "send")

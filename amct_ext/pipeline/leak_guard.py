@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .errors import DataError
+from ..errors import DataError
 
 WINDOW_WORDS = 64
 _MOD = (1 << 61) - 1

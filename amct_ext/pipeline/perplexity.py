@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .errors import DataError
+from ..errors import DataError
 
 ROW_SEPARATOR = "\n\n"
 WIKITEXT_HINT = (

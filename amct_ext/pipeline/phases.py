@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import device as devmod
+from ..runtime import device as devmod
 
 
 @dataclass

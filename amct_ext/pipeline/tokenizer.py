@@ -15,7 +15,7 @@ behaves like DeepSeek's:
 The output folder holds ``tokenizer.json`` and ``tokenizer_config.json`` and loads with
 ``transformers.AutoTokenizer.from_pretrained(out_dir)`` with no network access.
 
-Training text must never be the evaluation split (see ``amct_ext.calibration.refuse_test_split``).
+Training text must never be the evaluation split (see ``amct_ext.pipeline.calibration.refuse_test_split``).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import os
 from pathlib import Path
 
 from .calibration import refuse_test_split
-from .errors import ConfigError, DataError
-from .io_utils import atomic_write, atomic_write_json
+from ..errors import ConfigError, DataError
+from ..io.io_utils import atomic_write, atomic_write_json
 
 logger = logging.getLogger(__name__)
 

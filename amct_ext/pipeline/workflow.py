@@ -51,17 +51,17 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import device as devmod
-from .base import BaseModel, EvalConfig, PtqConfig, batches
+from ..runtime import device as devmod
+from ..base import BaseModel, EvalConfig, PtqConfig, batches
 from .calibration import load_calibration_windows
-from .data import EVAL_DEFAULT
+from ..data import EVAL_DEFAULT
 from .capture import CallSink, CaptureStore, call_nbytes, capture_unit_io
-from .errors import AmctError, ConfigError, DataError
-from .io_utils import atomic_save, atomic_write_json, safe_torch_load
+from ..errors import AmctError, ConfigError, DataError
+from ..io.io_utils import atomic_save, atomic_write_json, safe_torch_load
 from .perplexity import NllAccumulator, load_eval_text, tokenize_windows
 from .phases import NO_PHASES
-from .quantizers import ActivationQuantizer
-from .schemes import QuantScheme, parse_targets
+from ..quant.quantizers import ActivationQuantizer
+from ..quant.schemes import QuantScheme, parse_targets
 from .solver import UnitResult, timed_solve
 
 log = logging.getLogger(__name__)
@@ -584,7 +584,7 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     ``on_unit_done`` is called after each unit is saved (progress reporting; tests use it to
     interrupt).
 
-    For a layer range of a larger run (amct_ext.distributed): ``float_like`` is that run's
+    For a layer range of a larger run (amct_ext.pipeline.distributed): ``float_like`` is that run's
     range; predecessors inside it run as its quantized layers did (``float_layer_output``), so
     the hidden states are bit for bit those of the larger run. ``start = (k, stream)``: the
     float inputs of layer k are given (received from another rank); layers < k are not run.
@@ -656,7 +656,7 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
             with ph.phase("capture", layer=i):
                 adapter.set_quant_enabled(block, False)   # float math, bit for bit
                 if todo and stats_mode:
-                    from .algorithms.hessians import HessianCollector
+                    from ..algorithms.hessians import HessianCollector
 
                     collector = HessianCollector([u for u in units if u.name in todo])
                     collector.attach(block)
@@ -708,7 +708,7 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                     if on_unit_done is not None:
                         on_unit_done(r)
             else:
-                from .algorithms.runner import run_recipe_on_units
+                from ..algorithms.runner import run_recipe_on_units
 
                 todo_units = [u for u in units if u.name in todo]
                 solved: dict[str, UnitResult] = {}

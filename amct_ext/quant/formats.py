@@ -33,8 +33,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import device, device_checks, fused_quant
-from .errors import AmctError, QuantConfigError
+from ..runtime import device, device_checks, fused_quant
+from ..errors import AmctError, QuantConfigError
 from .schemes import MX_BLOCK_SIZE, TensorSpec
 
 FP8_E4M3_MAX = 448.0
@@ -557,7 +557,7 @@ def fake_quant(x: torch.Tensor, spec: TensorSpec | None, clip=None, round_offset
         _check_input(x)
         return _fq_int(x, spec, clip, round_offset)
     if _fused_int_token(x, spec, clip):
-        # the same numbers in one pass (amct_ext/fused_quant.py); non-finite inputs still refused
+        # the same numbers in one pass (amct_ext/runtime/fused_quant.py); non-finite inputs still refused
         out, n_bad = fused_quant.fake_quant_int_token(x, spec.bits)
         _refuse_non_finite(n_bad, "input", x)
         return out

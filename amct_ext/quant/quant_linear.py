@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import QuantConfigError
+from ..errors import QuantConfigError
 from .quantizers import ActivationQuantizer, WeightQuantizer
 from .schemes import TensorSpec
 

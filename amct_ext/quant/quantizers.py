@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from . import formats
-from .errors import AmctError, QuantConfigError
+from ..errors import AmctError, QuantConfigError
 from .schemes import TensorSpec
 
 #: Smallest clip factor used in the forward pass: keeps scales positive whatever the optimizer

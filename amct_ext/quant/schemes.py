@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from .errors import QuantConfigError
+from ..errors import QuantConfigError
 
 FORMATS = ("int", "fp8", "mxfp8", "mxfp4", "none")
 GRANULARITIES = ("tensor", "channel", "group", "token", "block")
@@ -329,7 +329,7 @@ class QuantScheme:
 
 # ---------------------------------------------------------------------------------- loading
 def builtin_schemes() -> list[str]:
-    """Names of the schemes shipped in amct_ext/schemes/*.json."""
+    """Names of the schemes shipped in amct_ext/quant/schemes/*.json."""
     return sorted(p.stem for p in SCHEME_DIR.glob("*.json"))
 
 

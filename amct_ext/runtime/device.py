@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from . import device_checks
-from .errors import AmctError
+from ..errors import AmctError
 
 BACKENDS = ("npu", "cuda", "cpu")
 
@@ -200,7 +200,7 @@ FP32_ISLANDS_ENV = "AMCT_FP32_ISLANDS"
 def fp32_out_gemm_supported(device: str | torch.device) -> bool:
     """Whether the fp32 islands may use bf16 GEMMs with fp32 output (``torch.mm(a, b,
     out_dtype=torch.float32)``) on ``device``: seen on CUDA with torch 2.11, absent on CPU
-    (amct_ext/exact_gemm.py; their accuracy is in benchmarks/RESULTS.md)."""
+    (amct_ext/runtime/exact_gemm.py; their accuracy is in benchmarks/RESULTS.md)."""
     return fast_paths_enabled(device) and os.environ.get(FP32_ISLANDS_ENV, "") != "strict"
 
 

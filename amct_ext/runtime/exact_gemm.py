@@ -16,7 +16,7 @@ than IEEE arithmetic. At V4-Flash shapes the result is 4.4e-6 from float64, agai
 for a true fp32 GEMM (casebook N1). Whole bf16 layers are nevertheless no further from the fp32
 layer with this path than without it (benchmarks/RESULTS.md §4.1).
 
-Used only where ``amct_ext.device.fp32_out_gemm_supported`` allows it: CUDA, fast paths on, and
+Used only where ``amct_ext.runtime.device.fp32_out_gemm_supported`` allows it: CUDA, fast paths on, and
 not ``AMCT_FP32_ISLANDS=strict``. Elsewhere the plain fp32 GEMM runs.
 """
 from __future__ import annotations

@@ -34,13 +34,13 @@ import torch
 from torch import nn
 
 from amct_ext.base import BaseModel, RunConfig
-from amct_ext.capture import Catcher, run_until_caught
-from amct_ext.checkpoint import CheckpointReader
-from amct_ext.dispatch import build_layer_device_map, dispatch_layer, resolve_device_for, undispatch_layer
-from amct_ext.empty import assert_materialized
+from amct_ext.pipeline.capture import Catcher, run_until_caught
+from amct_ext.io.checkpoint import CheckpointReader
+from amct_ext.runtime.dispatch import build_layer_device_map, dispatch_layer, resolve_device_for, undispatch_layer
+from amct_ext.runtime.empty import assert_materialized
 from amct_ext.errors import CheckpointError, ConfigError
-from amct_ext.ptq_units import PtqUnit
-from amct_ext.schemes import parse_targets
+from amct_ext.pipeline.ptq_units import PtqUnit
+from amct_ext.quant.schemes import parse_targets
 
 from . import quant_module
 from amct_ext.export.readback import exported_quant
@@ -97,7 +97,7 @@ class _DropPartialLoadWarnings(logging.Filter):
 
 @contextlib.contextmanager
 def _quiet_partial_loads() -> Iterator[None]:
-    logger = logging.getLogger("amct_ext.checkpoint")
+    logger = logging.getLogger("amct_ext.io.checkpoint")
     f = _DropPartialLoadWarnings()
     logger.addFilter(f)
     try:

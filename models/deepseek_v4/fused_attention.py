@@ -27,8 +27,8 @@ import functools
 
 import torch
 
-from amct_ext.device import device_guard
-from amct_ext.triton_support import triton, tl  # noqa: F401  (None without Triton)
+from amct_ext.runtime.device import device_guard
+from amct_ext.runtime.triton_support import triton, tl  # noqa: F401  (None without Triton)
 
 
 @functools.lru_cache(maxsize=1)

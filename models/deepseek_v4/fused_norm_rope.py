@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from amct_ext.device import device_guard
-from amct_ext.triton_support import triton, tl  # noqa: F401  (None without Triton)
+from amct_ext.runtime.device import device_guard
+from amct_ext.runtime.triton_support import triton, tl  # noqa: F401  (None without Triton)
 
 
 if triton is not None:

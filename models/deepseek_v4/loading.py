@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from amct_ext.checkpoint import CheckpointReader
-from amct_ext.empty import assert_materialized, empty_weights, paused_gc
+from amct_ext.io.checkpoint import CheckpointReader
+from amct_ext.runtime.empty import assert_materialized, empty_weights, paused_gc
 from amct_ext.errors import CheckpointError, ConfigError
 from amct_ext.export.readback import PART_SUFFIXES, exported_quant
 

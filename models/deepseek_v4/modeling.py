@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amct_ext.device import fast_paths_enabled, fp32_out_gemm_supported, fused_kernels_enabled, has_python_hooks
-from amct_ext.exact_gemm import SplitWeightCache, linear_fp32, matmul_fp32
+from amct_ext.runtime.device import fast_paths_enabled, fp32_out_gemm_supported, fused_kernels_enabled, has_python_hooks
+from amct_ext.runtime.exact_gemm import SplitWeightCache, linear_fp32, matmul_fp32
 
 from .configuration import DeepseekV4Config
 from .fused_attention import fused_index_score, fused_sparse_attention

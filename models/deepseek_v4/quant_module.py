@@ -36,10 +36,10 @@ import torch
 from torch import nn
 
 from amct_ext.errors import QuantConfigError
-from amct_ext.ptq_units import PtqUnit, iter_indexed_units, make_ptq_unit
-from amct_ext.quant_linear import QuantGatedMLP, QuantizedMatmul, QuantLinear, load_replaced_weight
-from amct_ext.quantizers import ActivationQuantizer, WeightQuantizer
-from amct_ext.schemes import QuantScheme, TensorSpec, parse_targets
+from amct_ext.pipeline.ptq_units import PtqUnit, iter_indexed_units, make_ptq_unit
+from amct_ext.quant.quant_linear import QuantGatedMLP, QuantizedMatmul, QuantLinear, load_replaced_weight
+from amct_ext.quant.quantizers import ActivationQuantizer, WeightQuantizer
+from amct_ext.quant.schemes import QuantScheme, TensorSpec, parse_targets
 
 from .modeling import Attention, Block, Compressor, Expert, Indexer, Matmul, MoE, _grouped_mm_supported
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from amct_ext.checkpoint_writer import save_sharded
-from amct_ext.io_utils import atomic_write_json
-from amct_ext.storage_formats import encode_fp4, encode_fp8_block
+from amct_ext.io.checkpoint_writer import save_sharded
+from amct_ext.io.io_utils import atomic_write_json
+from amct_ext.io.storage_formats import encode_fp4, encode_fp8_block
 
 from .configuration import DeepseekV4Config
 

@@ -10,7 +10,7 @@ What a folder written by ``write_synthetic_checkpoint`` holds (what the release 
 - attention / indexer / shared-expert linears as FP8 e4m3 with ue8m0 128x128 block scales,
   routed experts as packed FP4 e2m1 with e8m0 per-32 scales, everything else as
   ``release_format.release_tensors`` stores it (fp32 islands fp32, other floats bf16);
-- a tokenizer (byte-level BPE from ``amct_ext.tokenizer``, or copied from another folder).
+- a tokenizer (byte-level BPE from ``amct_ext.pipeline.tokenizer``, or copied from another folder).
 
 Why on the device: a V4-Flash layer is ~13 GB of bf16 weights; drawing and FP4/FP8-encoding
 it on a host CPU takes minutes, on an accelerator seconds. Each layer is drawn, encoded, moved
@@ -33,11 +33,11 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save_file
 
-from amct_ext import device as devmod
-from amct_ext.checkpoint_writer import INDEX_NAME, shard_file_name
+from amct_ext.runtime import device as devmod
+from amct_ext.io.checkpoint_writer import INDEX_NAME, shard_file_name
 from amct_ext.errors import ConfigError
-from amct_ext.io_utils import atomic_write, atomic_write_json
-from amct_ext.storage_formats import encode_fp4, encode_fp8_block
+from amct_ext.io.io_utils import atomic_write, atomic_write_json
+from amct_ext.io.storage_formats import encode_fp4, encode_fp8_block
 
 from .configuration import DeepseekV4Config
 from .loading import build_skeleton
@@ -192,7 +192,7 @@ def expected_release_layout(config: DeepseekV4Config, layer_id: int) -> dict[str
 # ----------------------------------------------------------------------------- writer
 def _tokenizer(out_dir: Path, config: DeepseekV4Config, tokenizer_from: str | os.PathLike | None,
                text_path: str | os.PathLike | None, tokenizer_vocab: int) -> None:
-    from amct_ext.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, tokenizer_vocab_size, train_bpe_tokenizer
+    from amct_ext.pipeline.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, tokenizer_vocab_size, train_bpe_tokenizer
 
     if tokenizer_from is not None:
         src = Path(tokenizer_from)
@@ -201,7 +201,7 @@ def _tokenizer(out_dir: Path, config: DeepseekV4Config, tokenizer_from: str | os
                 raise ConfigError(f"--tokenizer-from {src}: {name} not found")
             shutil.copyfile(src / name, out_dir / name)
     else:
-        from amct_ext.calibration import DEFAULT_CALIBRATION_PATH
+        from amct_ext.pipeline.calibration import DEFAULT_CALIBRATION_PATH
 
         train_bpe_tokenizer(text_path or DEFAULT_CALIBRATION_PATH, min(tokenizer_vocab, config.vocab_size), out_dir)
     n = tokenizer_vocab_size(out_dir)

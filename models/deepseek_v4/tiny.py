@@ -158,7 +158,7 @@ def tiny_cache_key(text_path=None, fmt: str = "bf16", seed: int = 0, **overrides
 
 
 def default_text_path():
-    from amct_ext.calibration import DEFAULT_CALIBRATION_PATH
+    from amct_ext.pipeline.calibration import DEFAULT_CALIBRATION_PATH
 
     return DEFAULT_CALIBRATION_PATH
 
@@ -167,7 +167,7 @@ def make_tiny_checkpoint(out_dir, fmt: str = "bf16", seed: int = 0, text_path=No
     """Random tiny checkpoint (config.json, shards + index, mtp.0.*, tokenizer) in ``out_dir``."""
     from pathlib import Path
 
-    from amct_ext.tokenizer import tokenizer_vocab_size, train_bpe_tokenizer
+    from amct_ext.pipeline.tokenizer import tokenizer_vocab_size, train_bpe_tokenizer
 
     from .release_format import write_release_checkpoint
 
