@@ -96,15 +96,39 @@ def test_fixed_grid_round_trip_and_export():
     assert torch.equal(q.quantized_weight(), q.weight.detach())
     assert not torch.equal(q.weight.detach(), formats.fake_quant(w, spec))     # GPTQ moved it
     params = q.export_ptq_params()
-    assert set(params) == {"weight", "weight_quantizer.scale", "weight_quantizer.zero_point"}
+    # the on-grid weight is saved as its one-byte codes (exact), not as the float weight
+    assert set(params) == {"weight_codes", "weight_quantizer.scale", "weight_quantizer.zero_point"}
+    assert params["weight_codes"].dtype == torch.uint8 and params["weight_codes"].shape == w.shape
     fresh = QuantLinear(torch.nn.Parameter(w.clone()), None, spec)     # rebuilt from the float weight
     fresh.load_ptq_params(params)
+    assert torch.equal(fresh.weight.detach(), q.weight.detach())
     assert torch.equal(fresh.quantized_weight(), q.weight.detach())
     dq = formats.dequantize({"q": q.export()["qweight"], "scale": q.export()["scale"],
                              "zero_point": q.export()["zero_point"]}, spec)
     assert torch.equal(dq, q.weight.detach())
     with pytest.raises(Exception, match="does not match"):
         fresh.load_ptq_params({"weight": torch.zeros(3, 3)})
+    with pytest.raises(Exception, match="weight_codes .* do not match"):
+        fresh.load_ptq_params({**params, "weight_codes": params["weight_codes"][:3]})
+    bare = QuantLinear(torch.nn.Parameter(w.clone()), None, spec)
+    with pytest.raises(Exception, match="without fixed int / fp8 weight scales"):
+        bare.load_ptq_params({"weight_codes": params["weight_codes"]})
+
+
+def test_replaced_weight_off_the_grid_is_saved_as_float():
+    """A replaced weight that its codes would not give back exactly (moved after the grid was
+    fixed) is saved as the float weight, bf16 included: saving never changes the weight."""
+    from amct_ext.quant.quant_linear import replaced_weight_params
+
+    x, w = _correlated(n=256, c=64, r=16, seed=4)
+    spec = TensorSpec("int", 4, True, "channel")
+    q = QuantLinear(torch.nn.Parameter(w.clone().bfloat16()), None, spec)
+    GPTQ().apply(make_ptq_unit("attn", "u", 0, q), UnitData([UnitCall((x.bfloat16(),), {}, None)]), SolveContext())
+    assert set(replaced_weight_params(q.weight, q.weight_quantizer)) == {"weight_codes"}
+    with torch.no_grad():
+        q.weight[0, 0] += 0.001 * q.weight[0].abs().max() + 1e-3
+    saved = replaced_weight_params(q.weight, q.weight_quantizer)
+    assert set(saved) == {"weight"} and torch.equal(saved["weight"], q.weight.detach())
 
 
 def test_wo_a_hessian_per_group():

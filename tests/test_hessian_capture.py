@@ -143,7 +143,7 @@ def test_gptq_on_statistics_equals_gptq_on_stored_calls():
         assert pa.keys() == pb.keys(), a.name
         for k in pa:
             assert torch.equal(pa[k], pb[k]), (a.name, k)
-        replaced += sum(k.endswith(".weight") for k in pa)
+        replaced += sum(k.endswith((".weight", ".weight_codes")) for k in pa)
     assert replaced > 20
     # the exact Hessian losses: GPTQ never above RTN per unit, and below it on the whole layer
     assert all(r.loss_after <= r.loss_before for r in rs if r.loss_before is not None)
@@ -200,6 +200,60 @@ def test_workflow_stores_no_calls_for_a_statistics_recipe(tiny_adapter, tmp_path
             assert torch.equal(pa[name][k], pb[name][k]), (name, k)
     assert len(res.units) == len(ref.units)
     assert all(u.n_calls == 0 for u in res.units)
+
+
+def test_hessian_passes_plan_from_the_end_of_the_forward_order():
+    """The experts' Hessian bytes are counted exactly (w1 / w3 share one); passes fit the budget,
+    are filled from the end of the forward order (attention, upstream of the MoE, comes last)
+    and keep every unit once, in order."""
+    from amct_ext.algorithms.hessians import estimated_hessian_bytes, plan_hessian_passes
+
+    block, units, x, ids = _layer(torch.float32)
+    col, _ = _collect(block, units, x, ids, grouped=True)
+    for u in units:
+        if u.kind in ("expert", "shared_expert"):
+            got = sum(4 * ls.H.numel() for ls in {id(v): v for v in col.stats(u.name).values()}.values())
+            assert estimated_hessian_bytes(u) == got, u.name
+    col.free()
+    one = estimated_hessian_bytes(units[1])
+    budget = 3 * one
+    passes = plan_hessian_passes(units, budget)
+    assert [u.name for p in passes[::-1] for u in p] == [u.name for u in units]
+    assert passes[-1][0].kind == "attn" and len(passes) > 2
+    assert all(sum(estimated_hessian_bytes(u) for u in p) <= budget for p in passes if len(p) > 1)
+    assert plan_hessian_passes(units, None) == [units]
+
+
+def test_workflow_in_several_hessian_passes_equals_one_pass(tiny_adapter, tmp_path, monkeypatch):
+    """A Hessian budget that splits the layer into passes gives bit-identical parameters: each
+    pass sees the float function upstream of its units (attention last, experts parallel)."""
+    import amct_ext.algorithms.hessians as hs
+    from amct_ext.algorithms.hessians import estimated_hessian_bytes
+
+    planned = []
+    real_plan = hs.plan_hessian_passes
+    monkeypatch.setattr(hs, "plan_hessian_passes", lambda u, b: planned.append(real_plan(u, b)) or planned[-1])
+
+    calib = load_calib_windows(tiny_adapter, PTQ)
+    recipe = parse_algo("gptq:sequential=false")
+    one = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "one",
+                            layers=range(1, 2), calib_windows=calib, recipe=recipe, guard=False,
+                            runtime=PtqRuntime(hessian_memory_bytes=1 << 40))
+    block = tiny_adapter.block(1, device="cpu")
+    tiny_adapter.quantize_block(block, load_scheme("w8a8"), TARGETS)
+    expert = next(u for u in tiny_adapter.iter_ptq_units(block, 1, TARGETS) if u.kind == "expert")
+    many = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "many",
+                             layers=range(1, 2), calib_windows=calib, recipe=recipe, guard=False,
+                             runtime=PtqRuntime(hessian_memory_bytes=2 * estimated_hessian_bytes(expert)))
+    pa = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "one" / PARAMS_DIR).glob("*.pt"))}
+    pb = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "many" / PARAMS_DIR).glob("*.pt"))}
+    assert pa.keys() == pb.keys() and len(pa) > 3
+    for name in pa:
+        assert pa[name].keys() == pb[name].keys()
+        for k in pa[name]:
+            assert torch.equal(pa[name][k], pb[name][k]), (name, k)
+    assert [u.loss_after for u in one.units] == [u.loss_after for u in many.units]
+    assert [len(p) for p in planned] == [1, len(planned[1])] and len(planned[1]) >= 3
 
 
 def test_an_in_place_weight_edit_never_reaches_a_later_build(tiny_adapter):

@@ -203,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--capture-memory-gb", type=float, default=None,
                     help="host memory for one layer's captured unit inputs / outputs; the rest spills to "
                          "OUTPUT/.scratch (removed as units finish). Default: V4 8, tiny unlimited; 0 = spill all")
+    ap.add_argument("--hessian-memory-gb", type=float, default=None,
+                    help="device memory for one capture pass's Hessians (recipes that replay no calls: rtn, "
+                         "gptq:sequential=false); a layer needing more is captured in several passes "
+                         "(default: 35%% of the accelerator's memory, no limit on cpu)")
     ap.add_argument("--start-layer", type=int, default=None, help="first layer to quantize")
     ap.add_argument("--end-layer", type=int, default=None, help="layers [start, end) are quantized (end exclusive)")
     ap.add_argument("--algo", default=None,
@@ -316,7 +320,9 @@ def run(args, phases=None) -> int:
     eval_cfg.check()
     capture_gb = _default(args, "capture_memory_gb")
     runtime = PtqRuntime(capture_memory_bytes=None if capture_gb is None else int(capture_gb * 2 ** 30),
-                         sharded=args.sharded_ptq)
+                         sharded=args.sharded_ptq,
+                         hessian_memory_bytes=None if args.hessian_memory_gb is None
+                         else int(args.hessian_memory_gb * 2 ** 30))
     runtime.check()
     if eval_ppl and not eval_path.is_file():
         raise DataError(f"evaluation text not found: {eval_path} (pass --eval-data wiki.test.raw)")
@@ -405,6 +411,7 @@ def run(args, phases=None) -> int:
             "evaluations": evals,
             "unobserved_static_quantizers": unobserved,
             "ptq_runtime": {"capture_memory_gb": capture_gb, "sharded": args.sharded_ptq,
+                            "hessian_memory_gb": args.hessian_memory_gb,
                             "batch_size": ptq_cfg.batch_size, "memory": ptq_memory},
             "wall_s": time.perf_counter() - t_start,
             "peak_memory_bytes": max(peaks) if peaks else devmod.peak_memory_bytes(adapter.device),

@@ -36,7 +36,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["LeafStat", "HessianCollector", "quant_leaves", "weight_error", "fake_quant_weight"]
+__all__ = ["LeafStat", "HessianCollector", "quant_leaves", "weight_error", "fake_quant_weight",
+           "estimated_hessian_bytes", "plan_hessian_passes"]
 
 
 @dataclass
@@ -90,6 +91,50 @@ def observe_leaf(leaf: nn.Module, fn: Callable[[torch.Tensor], None]) -> Callabl
         return lambda: obs.remove(fn)
     h = leaf.register_forward_pre_hook(lambda _m, args: fn(args[0]))
     return h.remove
+
+
+def estimated_hessian_bytes(unit: Any) -> int:
+    """Bytes of the fp32 Hessians a :class:`HessianCollector` makes for ``unit``: one [B, C, C]
+    per distinct leaf input. Leaves of one unit with the same input width and grouping are
+    counted once, as the collector shares them when they read one tensor (w1 / w3 of an
+    expert, wq_a / wkv of an attention); an estimate for planning passes, exact for experts."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for _, leaf in quant_leaves(unit.module):
+        key = (int(leaf.weight.shape[-1]), _groups(leaf))
+        if key not in seen:
+            seen.add(key)
+            total += max(key[1], 1) * key[0] * key[0] * 4
+    return total
+
+
+def plan_hessian_passes(units: Sequence[Any], budget_bytes: int | None) -> list[list[Any]]:
+    """Split one layer's units (in forward order) into capture passes whose Hessians fit in
+    ``budget_bytes`` (None: one pass). A V4-Pro layer's routed experts alone need 94 GB of
+    fp32 Hessians (w1 / w3: [384, 7168, 7168], w2: [384, 3072, 3072]), more than fits beside
+    the layer on one device; each pass runs the layer's float forward once more and collects
+    only its units' statistics, which are solved and freed before the next pass.
+
+    The passes are filled from the END of the forward order, so the units solved (and their
+    weights replaced) in earlier passes are downstream of, or parallel to, every unit of a later
+    pass: the experts of a MoE are parallel, attention comes before them and goes in the last
+    pass. Every pass therefore still sees the float function upstream of its units, as one
+    pass would. A unit larger than the budget gets a pass of its own."""
+    units = list(units)
+    if budget_bytes is None or not units:
+        return [units] if units else []
+    passes: list[list[Any]] = []
+    current: list[Any] = []
+    used = 0
+    for u in reversed(units):
+        b = estimated_hessian_bytes(u)
+        if current and used + b > budget_bytes:
+            passes.append(current)
+            current, used = [], 0
+        current.insert(0, u)
+        used += b
+    passes.append(current)
+    return passes
 
 
 class _UnitStats:
@@ -162,6 +207,7 @@ class HessianCollector:
 
     def _row_observer(self, moe: nn.Module, index: dict[int, Any]):
         cache: dict[str, Any] = {"counts": None, "list": None}
+        slot = {e: k for k, e in enumerate(sorted(index))}
         # expert leaves: w1 and w3 read the sorted rows, w2 the SwiGLU output rows
         readers = {"w1": ("w1", "w3"), "w2": ("w2",)}
 
@@ -174,10 +220,11 @@ class HessianCollector:
             key = (id(moe), projection)
             stack = self._stacks.get(key)
             if stack is None:
-                stack = self._stacks[key] = torch.zeros(len(n_per), C, C, dtype=torch.float32, device=rows.device)
+                # one slot per expert collected here (a pass may hold only some of the experts)
+                stack = self._stacks[key] = torch.zeros(len(index), C, C, dtype=torch.float32, device=rows.device)
                 for e, u in index.items():
                     ust = self._stats[u.name]
-                    st = LeafStat(H=stack[e:e + 1], n=0, leaves=list(readers[projection]))
+                    st = LeafStat(H=stack[slot[e]:slot[e] + 1], n=0, leaves=list(readers[projection]))
                     for leaf in readers[projection]:
                         ust.by_leaf[leaf] = st
             x = rows.detach().float()
@@ -185,7 +232,7 @@ class HessianCollector:
             for e, n in enumerate(n_per):
                 if n and e in index:
                     seg = x[start:start + n]
-                    stack[e].addmm_(seg.t(), seg)
+                    stack[slot[e]].addmm_(seg.t(), seg)
                     self._stats[index[e].name].by_leaf[readers[projection][0]].n += n
                 start += n
         return observe

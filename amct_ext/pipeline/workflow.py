@@ -506,10 +506,28 @@ class PtqRuntime:
     #: accumulated during the capture instead of stored calls; False stores calls anyway
     statistics: bool = True
     make_sink: Callable[[Any], CallSink | None] | None = None
+    #: device-memory budget of one capture pass's Hessians (statistics path); a layer whose
+    #: units need more is captured in several passes (``hessians.plan_hessian_passes``).
+    #: None = ``HESSIAN_MEMORY_FRACTION`` of the accelerator's memory, no limit on cpu.
+    hessian_memory_bytes: int | None = None
 
     def check(self) -> None:
         if self.capture_memory_bytes is not None and self.capture_memory_bytes < 0:
             raise ConfigError(f"capture memory budget must be >= 0 bytes, got {self.capture_memory_bytes}")
+        if self.hessian_memory_bytes is not None and self.hessian_memory_bytes <= 0:
+            raise ConfigError(f"Hessian memory budget must be > 0 bytes, got {self.hessian_memory_bytes}")
+
+    def hessian_budget(self, device: torch.device) -> int | None:
+        if self.hessian_memory_bytes is not None:
+            return self.hessian_memory_bytes
+        total = devmod.total_memory_bytes(device)
+        return None if total is None else int(HESSIAN_MEMORY_FRACTION * total)
+
+
+#: the default share of an accelerator's memory for one pass's Hessians: a V4-Flash layer's
+#: 21 GB fit one pass on a 64 GB Ascend 910B beside its 13 GB of weights; a V4-Pro layer
+#: (51 GB of weights, 94 GB of expert Hessians) takes 3 passes on a 141 GB H200
+HESSIAN_MEMORY_FRACTION = 0.35
 
 
 def _unit_stats_path(params_dir: Path, unit) -> Path:
@@ -653,19 +671,16 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                 made = runtime.make_sink(u) if runtime.make_sink is not None else None
                 sinks[u.name] = made if made is not None else store.sink(u.file_stem)
         try:
+            passes: list[list] = []
             with ph.phase("capture", layer=i):
                 adapter.set_quant_enabled(block, False)   # float math, bit for bit
                 if todo and stats_mode:
-                    from ..algorithms.hessians import HessianCollector
+                    from ..algorithms.hessians import plan_hessian_passes
 
-                    collector = HessianCollector([u for u in units if u.name in todo])
-                    collector.attach(block)
-                    try:
-                        next_hidden = adapter.do_block_forward(block, calib.hidden, calib.state)
-                    finally:
-                        collector.detach()
+                    # more than one pass only when the layer's Hessians exceed the budget
+                    passes = plan_hessian_passes([u for u in units if u.name in todo], runtime.hessian_budget(dev))
+                    collector, hessians, next_hidden = _collect_hessians(adapter, block, calib, passes[0])
                     calls = {}
-                    hessians = {u.name: collector.stats(u.name) for u in units if u.name in todo}
                     observe_static(adapter, block, calib, i)
                 elif todo:
                     calls, next_hidden = capture_unit_io(
@@ -677,7 +692,7 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
             if hessians is not None:
                 ph.note(hessian_bytes=_tensor_bytes({id(ls.H): ls.H for st in hessians.values()
                                                      for ls in st.values() if ls.H is not None}.values()),
-                        host_count_reads=collector.host_reads)
+                        host_count_reads=collector.host_reads, hessian_passes=len(passes))
             mem.capture_memory_peak_bytes = max(mem.capture_memory_peak_bytes,
                                                 store.peak_in_memory if store.memory_bytes is not None
                                                 else sum(s.nbytes for s in sinks.values()))
@@ -712,12 +727,30 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
 
                 todo_units = [u for u in units if u.name in todo]
                 solved: dict[str, UnitResult] = {}
+                done: dict[str, UnitResult] = {}
+                if stats_mode and todo_units:
+                    # pass by pass: each pass's Hessians are solved and freed before the next
+                    # pass collects its own (passes[0]'s were collected by the capture above)
+                    for k, pass_units in enumerate(passes):
+                        if k > 0:
+                            with ph.phase("capture", layer=i):
+                                adapter.set_quant_enabled(block, False)
+                                collector, hessians, _ = _collect_hessians(adapter, block, calib, pass_units)
+                                adapter.set_quant_enabled(block, True)
+                        with ph.phase("solve:recipe", layer=i, device=str(dev)):
+                            rs = run_recipe_on_units(pass_units, {}, recipe, device=dev, seed=cfg.seed,
+                                                     dtype=adapter.run.dtype, holdout=holdout, guard=guard,
+                                                     hessians=hessians)
+                        done.update({u.name: r for u, r in zip(pass_units, rs)})
+                        hessians = None
+                        collector.free()
+                        collector = None
+                        devmod.empty_cache(dev)
                 # one recipe run per device holding units (a sharded layer): the grouped
                 # algorithms stack a group's experts, which must share a device
                 by_dev: dict[torch.device, list] = {}
-                for u in todo_units:
+                for u in (todo_units if not stats_mode else ()):
                     by_dev.setdefault(adapter.unit_device(block, u) if sharded else dev, []).append(u)
-                done: dict[str, UnitResult] = {}
                 for udev, group in by_dev.items():
                     with ph.phase("solve:recipe", layer=i, device=str(udev)):
                         rs = run_recipe_on_units(group, calls, recipe, device=udev, seed=cfg.seed,
@@ -752,6 +785,20 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     result.memory = mem
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _collect_hessians(adapter: BaseModel, block: nn.Module, calib: Stream, units: Sequence):
+    """One float forward of ``block`` over ``calib`` with a HessianCollector on ``units``:
+    (collector, {unit name: its statistics}, the layer's output)."""
+    from ..algorithms.hessians import HessianCollector
+
+    collector = HessianCollector(units)
+    collector.attach(block)
+    try:
+        out = adapter.do_block_forward(block, calib.hidden, calib.state)
+    finally:
+        collector.detach()
+    return collector, {u.name: collector.stats(u.name) for u in units}, out
 
 
 def float_layer_output(adapter: BaseModel, block: nn.Module, calib: Stream, like_quantized: bool,

@@ -275,6 +275,16 @@ def memory_allocated(device: str | torch.device | None = None) -> int:
         return peak_memory_bytes(dev)
 
 
+def total_memory_bytes(device: str | torch.device | None = None) -> int | None:
+    """The accelerator's total memory in bytes (what a memory budget is a fraction of); None on
+    cpu, where the host's memory is shared with everything else and no budget is implied."""
+    dev = _as_device(device)
+    if dev.type in ("npu", "cuda"):
+        index = dev.index if dev.index is not None else _accel_module(dev.type).current_device()
+        return int(_accel_module(dev.type).get_device_properties(index).total_memory)
+    return None
+
+
 # ----------------------------------------------------------------------------- timing
 def elapsed_ms(fn: Callable[[], Any], device: str | torch.device | None = None,
                repeats: int = 10, warmup: int = 2) -> list[float]:

@@ -37,7 +37,8 @@ from torch import nn
 
 from amct_ext.errors import QuantConfigError
 from amct_ext.pipeline.ptq_units import PtqUnit, iter_indexed_units, make_ptq_unit
-from amct_ext.quant.quant_linear import QuantGatedMLP, QuantizedMatmul, QuantLinear, load_replaced_weight
+from amct_ext.quant.quant_linear import (QuantGatedMLP, QuantizedMatmul, QuantLinear, load_replaced_weight,
+                                         load_weight_codes, replaced_weight_params)
 from amct_ext.quant.quantizers import ActivationQuantizer, WeightQuantizer
 from amct_ext.quant.schemes import QuantScheme, TensorSpec, parse_targets
 
@@ -106,7 +107,7 @@ class WoAQuant(nn.Module):
         out = {f"weight_quantizer.{k}": v for k, v in self.weight_quantizer.ptq_params().items()}
         out.update({f"input_quantizer.{k}": v for k, v in self.input_quantizer.ptq_params().items()})
         if getattr(self, "weight_replaced", False):   # set by algorithms that rewrite wo_a
-            out["weight"] = self.weight.detach().clone()
+            out.update(replaced_weight_params(self.weight, self.weight_quantizer))
         return out
 
     def load_ptq_params(self, params: Mapping[str, torch.Tensor]) -> None:
@@ -114,9 +115,13 @@ class WoAQuant(nn.Module):
         if "weight" in params:
             load_replaced_weight(self.weight, params.pop("weight"), "WoAQuant")
             self.weight_replaced = True
+        codes = params.pop("weight_codes", None)
         split = _split_params(params, ("weight_quantizer", "input_quantizer"), "WoAQuant")
         self.weight_quantizer.load_ptq_params(split["weight_quantizer"], self.weight)
         self.input_quantizer.load_ptq_params(split["input_quantizer"])
+        if codes is not None:   # decoded on the fixed grid just loaded
+            load_weight_codes(self.weight, self.weight_quantizer, codes, "WoAQuant")
+            self.weight_replaced = True
 
     @torch.no_grad()
     def export(self) -> dict[str, torch.Tensor]:
@@ -219,7 +224,8 @@ class PtqUnitMixin:
                 out[f"{name}.{key}"] = value.detach().cpu()
         named = dict(self.named_parameters())
         for name in self.replaced_names():
-            out[name] = named[name].detach().cpu().clone()
+            if f"{name}_codes" not in out:   # a leaf that saved its codes holds the same values
+                out[name] = named[name].detach().cpu().clone()
         for key, value in self.extra_ptq_params().items():
             out[key] = value.detach().cpu().clone()
         return out
