@@ -256,6 +256,35 @@ def test_workflow_in_several_hessian_passes_equals_one_pass(tiny_adapter, tmp_pa
     assert [len(p) for p in planned] == [1, len(planned[1])] and len(planned[1]) >= 3
 
 
+def test_rtn_skips_hessians_that_would_need_extra_passes(tiny_adapter, tmp_path, monkeypatch):
+    """RTN reads no statistic: under a budget that would split the layer, it runs the one float
+    forward without Hessians (losses not measured) and saves what it saves with them."""
+    import amct_ext.algorithms.hessians as hs
+
+    calib = load_calib_windows(tiny_adapter, PTQ)
+    recipe = parse_algo("rtn")
+    assert not recipe.needs_statistics() and parse_algo("rtn,gptq:sequential=false").needs_statistics()
+    full = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "full",
+                             layers=range(1, 2), calib_windows=calib, recipe=recipe)
+    made = []
+    monkeypatch.setattr(hs, "HessianCollector", lambda *a, **k: made.append(1) or (_ for _ in ()).throw(
+        AssertionError("no Hessians for RTN under a splitting budget")))
+    tight = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "tight",
+                              layers=range(1, 2), calib_windows=calib, recipe=recipe,
+                              runtime=PtqRuntime(hessian_memory_bytes=1))
+    assert not made
+    assert all(u.loss_before is not None for u in full.units)
+    assert all(u.loss_before is None and u.loss_after is None for u in tight.units)
+    pa = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "full" / PARAMS_DIR).glob("*.pt"))}
+    pb = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "tight" / PARAMS_DIR).glob("*.pt"))}
+    assert pa.keys() == pb.keys() and len(pa) > 3
+    for name in pa:
+        assert pa[name].keys() == pb[name].keys()
+        assert all(torch.equal(pa[name][k], pb[name][k]) for k in pa[name]), name
+    assert PtqRuntime(hessian_memory_bytes=123).hessian_budget(torch.device("cpu")) == 123
+    assert PtqRuntime().hessian_budget(torch.device("cpu")) is None      # no budget on the host
+
+
 def test_an_in_place_weight_edit_never_reaches_a_later_build(tiny_adapter):
     """GPTQ writes weights in place; a host-built layer's plain (fp32 island) tensors used to share
     memory with the open shard, so the next build of the layer saw the quantized weights

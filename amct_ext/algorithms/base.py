@@ -130,6 +130,12 @@ class Algorithm(abc.ABC):
         """True when the algorithm reads the captured calls (the workflow captures them)."""
         return True
 
+    def needs_statistics(self) -> bool:
+        """True when the algorithm reads the capture's Hessians (``UnitData.hessians``) on the
+        statistics path. False (RTN) means they only serve the loss report, which the workflow
+        then skips where collecting them would cost extra forward passes (a V4-Pro layer)."""
+        return True
+
     def check(self) -> None:
         """Validate the fields; raise ``recipe.RecipeError`` naming the field."""
 

@@ -138,6 +138,9 @@ class Recipe:
     def needs_calls(self) -> bool:
         return any(a.needs_calls() for a in self.algorithms)
 
+    def needs_statistics(self) -> bool:
+        return any(a.needs_statistics() for a in self.algorithms)
+
     def __str__(self) -> str:
         return ",".join(self.names) or "(empty)"
 

@@ -21,6 +21,9 @@ class RTN(Algorithm):
     def needs_calls(self) -> bool:
         return False
 
+    def needs_statistics(self) -> bool:
+        return False   # nothing to solve: the Hessians would only measure the RTN loss
+
     def apply(self, unit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
         if not len(data):
             return {"loss": None}

@@ -518,16 +518,22 @@ class PtqRuntime:
             raise ConfigError(f"Hessian memory budget must be > 0 bytes, got {self.hessian_memory_bytes}")
 
     def hessian_budget(self, device: torch.device) -> int | None:
+        """The budget for the layer just built on ``device`` (call it after the build)."""
         if self.hessian_memory_bytes is not None:
             return self.hessian_memory_bytes
         total = devmod.total_memory_bytes(device)
-        return None if total is None else int(HESSIAN_MEMORY_FRACTION * total)
+        if total is None:
+            return None
+        return int(HESSIAN_MEMORY_FRACTION * max(total - devmod.memory_allocated(device), 0))
 
 
-#: the default share of an accelerator's memory for one pass's Hessians: a V4-Flash layer's
-#: 21 GB fit one pass on a 64 GB Ascend 910B beside its 13 GB of weights; a V4-Pro layer
-#: (51 GB of weights, 94 GB of expert Hessians) takes 3 passes on a 141 GB H200
-HESSIAN_MEMORY_FRACTION = 0.35
+#: the default share of the device memory left free by the built layer for one pass's
+#: Hessians; the rest is for the forward's transients and the solver's workspace (GPTQ's
+#: Cholesky factors of a 16-expert chunk). On an H200 (140 GiB) a V4-Flash layer (13 GB of
+#: weights, 21 GB of Hessians) takes one pass; a V4-Pro layer (53 GB built, 94 GB of expert
+#: Hessians) three; 35 % of the whole memory left GPTQ out of memory on the V4-Pro layer
+#: (casebook/real-size-ptq.md).
+HESSIAN_MEMORY_FRACTION = 0.4
 
 
 def _unit_stats_path(params_dir: Path, unit) -> Path:
@@ -678,8 +684,15 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                     from ..algorithms.hessians import plan_hessian_passes
 
                     # more than one pass only when the layer's Hessians exceed the budget
-                    passes = plan_hessian_passes([u for u in units if u.name in todo], runtime.hessian_budget(dev))
-                    collector, hessians, next_hidden = _collect_hessians(adapter, block, calib, passes[0])
+                    todo_units = [u for u in units if u.name in todo]
+                    passes = plan_hessian_passes(todo_units, runtime.hessian_budget(dev))
+                    if len(passes) > 1 and not recipe.needs_statistics():
+                        # RTN: the Hessians would only measure its loss; not worth extra passes
+                        passes = [todo_units]
+                        hessians = {u.name: {} for u in todo_units}
+                        next_hidden = adapter.do_block_forward(block, calib.hidden, calib.state)
+                    else:
+                        collector, hessians, next_hidden = _collect_hessians(adapter, block, calib, passes[0])
                     calls = {}
                     observe_static(adapter, block, calib, i)
                 elif todo:
@@ -689,7 +702,7 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                     result.unobserved_static += observe_static(adapter, block, calib, i)
                 else:  # the whole layer was done by an earlier run: only its float output is needed
                     calls, next_hidden = {}, adapter.do_block_forward(block, calib.hidden, calib.state)
-            if hessians is not None:
+            if collector is not None:
                 ph.note(hessian_bytes=_tensor_bytes({id(ls.H): ls.H for st in hessians.values()
                                                      for ls in st.values() if ls.H is not None}.values()),
                         host_count_reads=collector.host_reads, hessian_passes=len(passes))
@@ -743,8 +756,9 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                                                      hessians=hessians)
                         done.update({u.name: r for u, r in zip(pass_units, rs)})
                         hessians = None
-                        collector.free()
-                        collector = None
+                        if collector is not None:
+                            collector.free()
+                            collector = None
                         devmod.empty_cache(dev)
                 # one recipe run per device holding units (a sharded layer): the grouped
                 # algorithms stack a group's experts, which must share a device
