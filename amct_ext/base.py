@@ -210,8 +210,13 @@ class BaseModel(abc.ABC):
     @torch.no_grad()
     def do_block_forward(self, block: nn.Module, inputs: Sequence[torch.Tensor],
                          sample_state: Sequence[dict[str, Any]] | None = None,
-                         progress: bool | str = False, graphed: bool = False) -> list[torch.Tensor]:
+                         progress: bool | str = False, graphed: bool = False,
+                         keep_outputs: bool = True) -> list[torch.Tensor]:
         """Run ``block`` over every sample; returns the outputs in input order.
+
+        ``keep_outputs=False``: the outputs are dropped as they come (an empty list is
+        returned), for a forward run only for what hooks see (a later Hessian capture pass,
+        whose output would be a second host copy of the layer's: 15 GB for V4-Pro at 128 x 2048).
 
         ``graphed``: replay the layer from a captured CUDA graph after its first call per input
         shape (``device.GraphedForward``: same kernels, no per-kernel launch cost). Only for a
@@ -240,7 +245,9 @@ class BaseModel(abc.ABC):
             # (device_checks, casebook S14)
             with device_checks.deferred_checks():
                 y = call(x.to(dev), **kw)
-            outs.append(y.to("cpu") if self.run.offload_hidden else y)
+            if keep_outputs:
+                outs.append(y.to("cpu") if self.run.offload_hidden else y)
+            del y
         return outs
 
     def unit_device(self, block: nn.Module, unit: PtqUnit) -> torch.device:

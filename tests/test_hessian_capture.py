@@ -242,6 +242,16 @@ def test_workflow_in_several_hessian_passes_equals_one_pass(tiny_adapter, tmp_pa
     block = tiny_adapter.block(1, device="cpu")
     tiny_adapter.quantize_block(block, load_scheme("w8a8"), TARGETS)
     expert = next(u for u in tiny_adapter.iter_ptq_units(block, 1, TARGETS) if u.kind == "expert")
+    kept = []
+    real_forward = tiny_adapter.do_block_forward
+
+    def forward(*a, **k):
+        kept.append(k.get("keep_outputs", True))
+        out = real_forward(*a, **k)
+        assert kept[-1] or out == []
+        return out
+
+    monkeypatch.setattr(tiny_adapter, "do_block_forward", forward)
     many = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "many",
                              layers=range(1, 2), calib_windows=calib, recipe=recipe, guard=False,
                              runtime=PtqRuntime(hessian_memory_bytes=2 * estimated_hessian_bytes(expert)))
@@ -254,6 +264,8 @@ def test_workflow_in_several_hessian_passes_equals_one_pass(tiny_adapter, tmp_pa
             assert torch.equal(pa[name][k], pb[name][k]), (name, k)
     assert [u.loss_after for u in one.units] == [u.loss_after for u in many.units]
     assert [len(p) for p in planned] == [1, len(planned[1])] and len(planned[1]) >= 3
+    # later passes drop their output (it is pass 0's again): no second host copy of the layer's
+    assert kept.count(False) == len(planned[1]) - 1
 
 
 def test_rtn_skips_hessians_that_would_need_extra_passes(tiny_adapter, tmp_path, monkeypatch):

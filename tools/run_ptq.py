@@ -471,6 +471,7 @@ def main(argv=None) -> int:
         if distributed.env_from() is None or not distributed.is_comm_failure(e):
             raise
         rank = os.environ.get("RANK", "?")
+        distributed.mark_stop_reported()   # before the line: torchrun's SIGTERM may follow at once
         print(f"error: rank {rank}: another rank stopped or is unreachable ({type(e).__name__}: "
               f"{str(e).splitlines()[0] if str(e) else ''}); rerun the same command to resume, finished units "
               "are kept", file=sys.stderr)

@@ -452,11 +452,23 @@ def die_hook(dist_env: DistEnv | None) -> Callable[[UnitResult], None] | None:
     return hook
 
 
+_STOP_REPORTED = False
+
+
+def mark_stop_reported() -> None:
+    """This rank has printed why it stops (a lost peer): a SIGTERM from torchrun while it shuts
+    down then exits without a second line (casebook/distributed.md)."""
+    global _STOP_REPORTED
+    _STOP_REPORTED = True
+
+
 def install_stop_handler(dist_env: DistEnv) -> None:
     """torchrun ends the surviving workers with SIGTERM when one fails: say so in one line
     (instead of a traceback from wherever the signal landed) and exit at once. Finished units
     are on disk (atomic writes), so a rerun of the same command resumes."""
     def on_term(signum, _frame):
+        if _STOP_REPORTED:
+            os._exit(128 + signum)
         print(f"error: rank {dist_env.rank}/{dist_env.world_size}: stopped by torchrun (signal {signum}) because "
               "another rank failed (see torchrun's failure summary); rerun the same command to resume, "
               "finished units are kept", file=sys.stderr, flush=True)

@@ -748,7 +748,9 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                         if k > 0:
                             with ph.phase("capture", layer=i):
                                 adapter.set_quant_enabled(block, False)
-                                collector, hessians, _ = _collect_hessians(adapter, block, calib, pass_units)
+                                # the output is pass 0's again: not kept (a host copy of the layer's)
+                                collector, hessians, _ = _collect_hessians(adapter, block, calib, pass_units,
+                                                                           keep_output=False)
                                 adapter.set_quant_enabled(block, True)
                         with ph.phase("solve:recipe", layer=i, device=str(dev)):
                             rs = run_recipe_on_units(pass_units, {}, recipe, device=dev, seed=cfg.seed,
@@ -801,15 +803,16 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     return result
 
 
-def _collect_hessians(adapter: BaseModel, block: nn.Module, calib: Stream, units: Sequence):
+def _collect_hessians(adapter: BaseModel, block: nn.Module, calib: Stream, units: Sequence,
+                      keep_output: bool = True):
     """One float forward of ``block`` over ``calib`` with a HessianCollector on ``units``:
-    (collector, {unit name: its statistics}, the layer's output)."""
+    (collector, {unit name: its statistics}, the layer's output, or [] without ``keep_output``)."""
     from ..algorithms.hessians import HessianCollector
 
     collector = HessianCollector(units)
     collector.attach(block)
     try:
-        out = adapter.do_block_forward(block, calib.hidden, calib.state)
+        out = adapter.do_block_forward(block, calib.hidden, calib.state, keep_outputs=keep_output)
     finally:
         collector.detach()
     return collector, {u.name: collector.stats(u.name) for u in units}, out
