@@ -250,7 +250,7 @@ DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
     # measured (tiny-trained, 64 x 256 test windows, 16 x 256 calibration, 2026-12-01):
     "w8a8": ("rtn", "float"),                 # RTN 274.25 < clip 274.38 < clip,gptq 274.45 < gptq 274.58
     "w4a16-g128": ("clip,gptq", "float"),     # 275.24 (+0.45 %); quant 275.35; clip 275.31
-    "w3a16-g128": ("clip,gptq", "quant"),     # 281.66 (+2.79 %); float 282.64; clip 281.70
+    "w3a16-g128": ("autoround", "float"),     # 279.13 (+1.87 %); clip,gptq@quant 281.66; clip 281.70
     "w4a16": ("clip", "float"),               # 275.20; clip,gptq@quant 275.62; gptq 276.65
     "w4a8": ("clip,gptq", "quant"),           # 274.09 (+0.03 %); clip 275.53; RTN 278.10; gptq 279.58
     "w2a16-g64": ("clip", "float"),           # 326.12; clip,gptq@quant 333.26; RTN 453.28; gptq 457.34
