@@ -309,3 +309,28 @@ def test_an_in_place_weight_edit_never_reaches_a_later_build(tiny_adapter):
         w.zero_()
     b2 = tiny_adapter.block(1, device="cpu")
     assert torch.equal(b2.attn.compressor.wkv.weight, before)
+
+
+@pytest.mark.parametrize("like, budget_gib, expert_gib, n_passes", [
+    ("v4-pro", 34.4, 87.0, 3),      # RESULTS §0.5: the H200 run's budget, 3 passes, attention last
+    ("v4-flash", 50.0, 20.0, 1),    # a V4-Flash layer on the H200: one pass (21.3 GiB with attention)
+])
+def test_real_size_hessian_plan(like, budget_gib, expert_gib, n_passes):
+    """The pass plan of a real-size layer (built on the meta device: shapes only): the experts'
+    Hessian bytes and the number of passes quoted in RESULTS §0.5 / casebook i15b-5."""
+    import json
+
+    from amct_ext.algorithms.hessians import estimated_hessian_bytes, plan_hessian_passes
+    from models.deepseek_v4.configuration import DeepseekV4Config
+    from models.deepseek_v4.loading import empty_block
+    from models.deepseek_v4.quant_module import iter_block_ptq_units, quantize_block
+    from models.deepseek_v4.synthetic import base_config_dict
+
+    cfg = DeepseekV4Config(**json.loads(json.dumps(base_config_dict(like))))
+    block = quantize_block(empty_block(cfg, 0), load_scheme("w8a8"), TARGETS)
+    units = list(iter_block_ptq_units(block, 0, TARGETS))
+    experts = sum(estimated_hessian_bytes(u) for u in units if u.kind == "expert")
+    assert experts == pytest.approx(expert_gib * 2 ** 30, rel=0.01)
+    passes = plan_hessian_passes(units, int(budget_gib * 2 ** 30))
+    assert len(passes) == n_passes and passes[-1][0].kind == "attn"
+    assert sum(len(p) for p in passes) == len(units) == cfg.n_routed_experts + 2
