@@ -334,3 +334,46 @@ def test_real_size_hessian_plan(like, budget_gib, expert_gib, n_passes):
     passes = plan_hessian_passes(units, int(budget_gib * 2 ** 30))
     assert len(passes) == n_passes and passes[-1][0].kind == "attn"
     assert sum(len(p) for p in passes) == len(units) == cfg.n_routed_experts + 2
+
+
+def test_an_interrupted_multi_pass_layer_resumes_at_its_next_pass(tiny_adapter, tmp_path, monkeypatch):
+    """Each pass's units are written when the pass is solved: a run stopped while the second
+    pass collects keeps the first pass's units, and the rerun solves only the rest, to the
+    uninterrupted run's bits."""
+    import amct_ext.pipeline.workflow as wf
+    from amct_ext.algorithms.hessians import estimated_hessian_bytes
+
+    calib = load_calib_windows(tiny_adapter, PTQ)
+    recipe = parse_algo("gptq:sequential=false")
+    block = tiny_adapter.block(1, device="cpu")
+    tiny_adapter.quantize_block(block, load_scheme("w8a8"), TARGETS)
+    expert = next(u for u in tiny_adapter.iter_ptq_units(block, 1, TARGETS) if u.kind == "expert")
+    runtime = PtqRuntime(hessian_memory_bytes=2 * estimated_hessian_bytes(expert))
+    kw = dict(layers=range(1, 2), calib_windows=calib, recipe=recipe, guard=False, runtime=runtime)
+    ref = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "ref", **kw)
+
+    class Stop(Exception):
+        pass
+
+    real_collect = wf._collect_hessians
+    first_pass = []
+
+    def stop_at_the_second_pass(adapter, block, calib, units, keep_output=True):
+        if first_pass:
+            raise Stop
+        first_pass.extend(u.name for u in units)
+        return real_collect(adapter, block, calib, units, keep_output)
+
+    monkeypatch.setattr(wf, "_collect_hessians", stop_at_the_second_pass)
+    with pytest.raises(Stop):
+        run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "cut", **kw)
+    monkeypatch.setattr(wf, "_collect_hessians", real_collect)
+    kept = sorted(p.name for p in (tmp_path / "cut" / PARAMS_DIR).glob("*.pt"))
+    assert len(kept) == len(first_pass) >= 1
+    again = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "cut", **kw)
+    assert sum(u.resumed for u in again.units) == len(first_pass) and len(again.units) == len(ref.units)
+    pa = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "ref" / PARAMS_DIR).glob("*.pt"))}
+    pb = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "cut" / PARAMS_DIR).glob("*.pt"))}
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert all(torch.equal(pa[name][k], pb[name][k]) for k in pa[name]), name

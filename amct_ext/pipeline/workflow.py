@@ -757,6 +757,13 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                                                      dtype=adapter.run.dtype, holdout=holdout, guard=guard,
                                                      hessians=hessians)
                         done.update({u.name: r for u, r in zip(pass_units, rs)})
+                        # written pass by pass: an interrupted layer resumes at its next pass
+                        for unit in pass_units:
+                            with ph.phase("write", layer=i):
+                                _save_unit(pdir, unit, done[unit.name])
+                            solved[unit.name] = done[unit.name]
+                            if on_unit_done is not None:
+                                on_unit_done(done[unit.name])
                         hessians = None
                         if collector is not None:
                             collector.free()
@@ -774,7 +781,7 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                                                  hessians=hessians)
                     done.update({u.name: r for u, r in zip(group, rs)})
                 if todo_units:
-                    for unit, r in zip(todo_units, [done[u.name] for u in todo_units]):
+                    for unit, r in [(u, done[u.name]) for u in todo_units if u.name not in solved]:
                         with ph.phase("write", layer=i):
                             _save_unit(pdir, unit, r)
                         solved[unit.name] = r
