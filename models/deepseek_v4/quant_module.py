@@ -249,15 +249,8 @@ class PtqUnitMixin:
 
 
 def _load_replaced(unit: nn.Module, key: str, param: torch.Tensor, value: torch.Tensor) -> None:
-    """Write a saved replacement into the unit's parameter ``key`` (same shape and dtype)."""
-    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape) or value.dtype != param.dtype:
-        got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise QuantConfigError(f"PTQ parameter {key!r}: expected a tensor of shape {tuple(param.shape)} and dtype "
-                               f"{param.dtype}, got {got}")
-    if not bool(torch.isfinite(value).all()):
-        raise QuantConfigError(f"PTQ parameter {key!r} contains NaN or Inf")
-    with torch.no_grad():
-        param.copy_(value.to(param.device))
+    """Write a saved replacement into the unit's parameter ``key`` (same shape and dtype, finite)."""
+    load_replaced_weight(param, value, f"PTQ parameter {key!r}")
     unit.mark_replaced(key)
     invalidate_quant_caches(unit)
 
