@@ -96,9 +96,10 @@ def test_fixed_grid_round_trip_and_export():
     assert torch.equal(q.quantized_weight(), q.weight.detach())
     assert not torch.equal(q.weight.detach(), formats.fake_quant(w, spec))     # GPTQ moved it
     params = q.export_ptq_params()
-    # the on-grid weight is saved as its one-byte codes (exact), not as the float weight
+    # the on-grid weight is saved as its codes (exact), not as the float weight: 4-bit codes
+    # packed eight to an int32 word along each row
     assert set(params) == {"weight_codes", "weight_quantizer.scale", "weight_quantizer.zero_point"}
-    assert params["weight_codes"].dtype == torch.uint8 and params["weight_codes"].shape == w.shape
+    assert params["weight_codes"].dtype == torch.int32 and params["weight_codes"].shape == (32, 64 * 4 // 32)
     fresh = QuantLinear(torch.nn.Parameter(w.clone()), None, spec)     # rebuilt from the float weight
     fresh.load_ptq_params(params)
     assert torch.equal(fresh.weight.detach(), q.weight.detach())
@@ -113,6 +114,27 @@ def test_fixed_grid_round_trip_and_export():
     bare = QuantLinear(torch.nn.Parameter(w.clone()), None, spec)
     with pytest.raises(Exception, match="without fixed int / fp8 weight scales"):
         bare.load_ptq_params({"weight_codes": params["weight_codes"]})
+
+
+@pytest.mark.parametrize("bits, symmetric, granularity", [
+    (2, False, "group"), (3, False, "group"), (3, True, "channel"), (4, True, "group"), (8, True, "channel"),
+    (8, False, "channel")])
+def test_saved_codes_reload_exactly_at_their_size(bits, symmetric, granularity):
+    """GPTQ's codes in the PTQ file: bits <= 4 packed in int32 words (bits / 8 bytes per weight),
+    8 bits one byte; decoding them gives the replaced bf16 weight back bit for bit."""
+    x, w = _correlated(n=256, c=96, r=24, seed=bits)
+    spec = TensorSpec("int", bits, symmetric, granularity, 32 if granularity == "group" else None)
+    q = QuantLinear(torch.nn.Parameter(w.clone().bfloat16()), None, spec)
+    GPTQ().apply(make_ptq_unit("attn", "u", 0, q), UnitData([UnitCall((x.bfloat16(),), {}, None)]), SolveContext())
+    params = q.export_ptq_params()
+    codes = params["weight_codes"]
+    if bits <= 4:
+        assert codes.dtype == torch.int32 and codes.numel() * 4 == 24 * 96 * bits // 8
+    else:
+        assert codes.dtype == (torch.int8 if symmetric else torch.uint8) and codes.shape == w.shape
+    fresh = QuantLinear(torch.nn.Parameter(w.clone().bfloat16()), None, spec)
+    fresh.load_ptq_params(params)
+    assert torch.equal(fresh.weight.detach(), q.weight.detach())
 
 
 def test_replaced_weight_off_the_grid_is_saved_as_float():

@@ -84,7 +84,7 @@ def test_library_decompresses_to_our_fake_quant(float_layer, name):
         # and the library's packing / dtype conventions, as a second opinion on the layout
         if "weight_packed" in local and local["weight_packed"].dtype == torch.int32:
             from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-            from amct_ext.export.packing import unpack_int32
+            from amct_ext.quant.packing import unpack_int32
 
             bits = leaf.weight_quantizer.spec.bits
             codes = unpack_int32(local["weight_packed"], bits, leaf.weight.shape[1])

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from amct_ext.export.packing import (pack_int4_rows, pack_int32, pack_int32_dim0, unpack_int4_rows, unpack_int32,
+from amct_ext.quant.packing import (pack_int4_rows, pack_int32, pack_int32_dim0, unpack_int4_rows, unpack_int32,
                                      unpack_int32_dim0)
 
 

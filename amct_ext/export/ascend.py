@@ -26,7 +26,7 @@ import torch
 
 from ..errors import QuantConfigError
 from ..quant.schemes import LINEAR_TARGETS, QuantScheme, TensorSpec
-from .packing import pack_int4_rows
+from ..quant.packing import pack_int4_rows
 
 INDEX_NAME = "quant_model_weights.safetensors.index.json"
 SHARD_STEM = "quant_model_weights"

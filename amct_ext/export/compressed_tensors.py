@@ -34,7 +34,7 @@ import torch
 
 from ..errors import QuantConfigError
 from ..quant.schemes import LINEAR_TARGETS, QuantScheme, TensorSpec
-from .packing import pack_int32, pack_int32_dim0
+from ..quant.packing import pack_int32, pack_int32_dim0
 
 QUANT_METHOD = "compressed-tensors"
 #: config_groups keys: our linear target names, so the read-back knows which target a group is.

@@ -30,7 +30,7 @@ from ..errors import CheckpointError, ConfigError
 from ..quant.schemes import QuantScheme, TargetScheme, TensorSpec
 from ..io.storage_formats import decode_fp4, e8m0_to_float32
 from . import ascend
-from .packing import unpack_int4_rows, unpack_int32, unpack_int32_dim0
+from ..quant.packing import unpack_int4_rows, unpack_int32, unpack_int32_dim0
 
 #: suffixes of the tensors that make up one exported weight (besides ``.weight`` itself)
 PART_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_offset",

@@ -6,6 +6,7 @@ copied or cast: QuantLinear holds the very Parameter objects of the nn.Linear it
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from . import formats
 from ..errors import QuantConfigError
+from .packing import pack_int32, unpack_int32
 from .quantizers import ActivationQuantizer, WeightQuantizer
 from .schemes import TensorSpec
 
@@ -32,11 +34,30 @@ def load_replaced_weight(weight: torch.Tensor, value: torch.Tensor, who: str) ->
 
 
 # A replaced weight that lies on its quantizer's fixed grid (GPTQ writes dequantized grid values)
-# is saved as its one-byte codes, ``weight_codes``, not as the float weight: half the bytes of
-# bf16 (a V4-Flash layer's GPTQ parameters were 12.3 GB as bf16 and filled a 64 GB disk after a
-# few layers). The codes are kept only where decoding them gives the weight back bit for bit, so
-# loading is exact; anything else (smoothing folds scales into weights) is saved as ``weight``.
+# is saved as its codes, ``weight_codes``, not as the float weight (a V4-Flash layer's GPTQ
+# parameters were 12.3 GB as bf16 and filled a 64 GB disk after a few layers): one byte per
+# weight (int8 / uint8 / fp8), or, for integer grids of <= 4 bits, ``bits`` bits per weight packed
+# into int32 words along each row (``packing.pack_int32``, compressed-tensors' stream). The codes
+# are kept only where decoding them gives the weight back bit for bit, so loading is exact;
+# anything else (smoothing folds scales into weights) is saved as ``weight``.
 _CODE_FORMATS = ("int", "fp8")
+_PACKED_MAX_BITS = 4
+
+
+def _packs(spec) -> bool:
+    return spec.format == "int" and spec.bits <= _PACKED_MAX_BITS
+
+
+def _pack_codes(q: torch.Tensor, spec) -> torch.Tensor:
+    """Integer codes [R, C] -> int32 words [R, ceil(C * bits / 32)] (asymmetric codes shifted to
+    the signed range the packer takes)."""
+    signed = q.to(torch.int16) - (0 if spec.symmetric else 1 << (spec.bits - 1))
+    return pack_int32(signed, spec.bits)
+
+
+def _unpack_codes(words: torch.Tensor, spec, cols: int) -> torch.Tensor:
+    codes = unpack_int32(words, spec.bits, cols).to(torch.int16)
+    return codes.to(torch.int8) if spec.symmetric else (codes + (1 << (spec.bits - 1))).to(torch.uint8)
 
 
 def _decode_codes(codes: torch.Tensor, quantizer: WeightQuantizer, dtype: torch.dtype) -> torch.Tensor:
@@ -55,7 +76,7 @@ def replaced_weight_params(weight: torch.Tensor, quantizer: WeightQuantizer) -> 
         codes = formats.quantize_with_qparams(weight.detach(), spec, quantizer.fixed_scale,
                                               quantizer.fixed_zero_point)["q"]
         if torch.equal(_decode_codes(codes, quantizer, weight.dtype), weight.detach()):
-            return {"weight_codes": codes}
+            return {"weight_codes": _pack_codes(codes, spec) if _packs(spec) else codes}
     return {"weight": weight.detach().clone()}
 
 
@@ -65,11 +86,23 @@ def load_weight_codes(weight: torch.Tensor, quantizer: WeightQuantizer, codes: t
     if not quantizer.has_fixed_qparams or quantizer.spec is None or quantizer.spec.format not in _CODE_FORMATS:
         raise QuantConfigError(f"{who}: weight_codes given without fixed int / fp8 weight scales "
                                "(weight_quantizer.scale) to decode them")
-    if not isinstance(codes, torch.Tensor) or tuple(codes.shape) != tuple(weight.shape) or codes.dtype.itemsize != 1:
+    spec = quantizer.spec
+    rows, cols = weight.shape
+    if _packs(spec):
+        want, dtype = (rows, math.ceil(cols * spec.bits / 32)), torch.int32
+        what = f"{spec.bits}-bit codes packed in int32 words"
+    else:
+        want, dtype = (rows, cols), None
+        what = "one byte per element"
+    if not isinstance(codes, torch.Tensor) or tuple(codes.shape) != want or (
+            codes.dtype != dtype if dtype is not None else codes.dtype.itemsize != 1):
         got = (tuple(codes.shape), codes.dtype) if isinstance(codes, torch.Tensor) else type(codes).__name__
         raise QuantConfigError(f"{who}: weight_codes {got} do not match the weight shape {tuple(weight.shape)} "
-                               "(one byte per element expected)")
-    load_replaced_weight(weight, _decode_codes(codes.to(weight.device), quantizer, weight.dtype), who)
+                               f"({what}: shape {want} expected)")
+    codes = codes.to(weight.device)
+    if _packs(spec):
+        codes = _unpack_codes(codes, spec, cols)
+    load_replaced_weight(weight, _decode_codes(codes, quantizer, weight.dtype), who)
 
 
 class QuantLinear(nn.Module):

@@ -1,4 +1,5 @@
-"""Bit packing of sub-byte integer codes, in the two layouts the export formats use.
+"""Bit packing of sub-byte integer codes, in the two layouts the export formats use (the
+compressed-tensors stream also stores GPTQ's low-bit codes in a run's ptq_params).
 
 - compressed-tensors ``pack-quantized``: codes of ``b`` bits, made unsigned by adding
   ``2^(b-1)``, laid end to end along the last dim as one little-endian bit stream, cut into
