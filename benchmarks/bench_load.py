@@ -226,48 +226,41 @@ def main(argv=None) -> int:
         # 4. load_block onto the device
         holder: dict = {}
 
-        def load_dev():
+        def free_block():
             holder.pop("block", None)
             gc.collect()
             D.empty_cache(dev)
+
+        def load_dev(**kw):
+            free_block()
             with CheckpointReader(folder) as r:
-                holder["block"], _ = load_block(r, config, args.layer, dtype=torch.bfloat16, device=dev)
+                holder["block"], _ = load_block(r, config, args.layer, dtype=torch.bfloat16, device=dev, **kw)
+
+        def timed_loads(**kw) -> list[float]:
+            """``args.repeats`` device-timed loads, each after the previous block is freed."""
+            times = []
+            for _ in range(args.repeats):
+                free_block()
+                with D.Timer(dev) as t:
+                    with CheckpointReader(folder) as r:
+                        holder["block"], _ = load_block(r, config, args.layer, dtype=torch.bfloat16, device=dev,
+                                                        **kw)
+                times.append(t.ms)
+            return times
 
         for _ in range(args.warmup):
             load_dev()
-        times = []
-        for _ in range(args.repeats):
-            holder.pop("block", None)
-            gc.collect()
-            D.empty_cache(dev)
-            with D.Timer(dev) as t:
-                with CheckpointReader(folder) as r:
-                    holder["block"], _ = load_block(r, config, args.layer, dtype=torch.bfloat16, device=dev)
-            times.append(t.ms)
-        ld = C.stats(times)
+        ld = C.stats(timed_loads())
         decoded_bytes = C.tensor_bytes(holder["block"])
-        holder.pop("block", None)
-        gc.collect()
-        D.empty_cache(dev)
+        free_block()
         mem = C.peak_extra(load_dev, dev)
-        holder.pop("block", None)
-        gc.collect()
-        D.empty_cache(dev)
+        free_block()
         ld.update(mem)
         ld["decoded_bytes"] = decoded_bytes
         results["load_block_device"] = ld
 
         # 4b. the NaN / Inf check on load: load without it, and the check alone
-        t_off = []
-        for _ in range(args.repeats):
-            holder.pop("block", None)
-            gc.collect()
-            D.empty_cache(dev)
-            with D.Timer(dev) as t:
-                with CheckpointReader(folder) as r:
-                    holder["block"], _ = load_block(r, config, args.layer, dtype=torch.bfloat16, device=dev,
-                                                    check_finite=False)
-            t_off.append(t.ms)
+        t_off = timed_loads(check_finite=False)
         decoded = {prefix + k: v for k, v in holder["block"].state_dict().items()}
         with CheckpointReader(folder) as r:
             r.check_finite(decoded)  # warm-up
@@ -277,9 +270,7 @@ def main(argv=None) -> int:
                     r.check_finite(decoded)
                 t_chk.append(t.ms)
         del decoded
-        holder.pop("block", None)
-        gc.collect()
-        D.empty_cache(dev)
+        free_block()
         off, chk = C.stats(t_off), C.stats(t_chk)
         results["finite_check"] = {
             "load_without_check": off, "check_alone": chk,

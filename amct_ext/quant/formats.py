@@ -663,15 +663,22 @@ def _codes_with_qparams(xv, sv, zv, spec):
     return _ste(y, cast_e4m3(y).float() if spec.format in ("fp8", "mxfp8") else round_e2m1(y))
 
 
-def fake_quant_with_qparams(x: torch.Tensor, spec: TensorSpec, scale: torch.Tensor,
-                            zero_point: torch.Tensor | None = None) -> torch.Tensor:
-    """Fake-quantize ``x`` on the grid of the given public-shape ``scale`` (+ ``zero_point``)."""
+def _qparam_views(x: torch.Tensor, spec: TensorSpec, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                  what: str):
+    """Checked block views of ``x`` and of its given scale / zero point (fp32, on x's device)."""
     _check_input(x)
     lay = _qp_layout(x.shape, spec, "input")
-    _check_qparams(lay, scale, zero_point, spec, "fake_quant_with_qparams")
+    _check_qparams(lay, scale, zero_point, spec, what)
     xv = lay.view(x.float())
     sv = lay.to_view(scale.float().to(x.device))
     zv = None if zero_point is None else lay.to_view(zero_point.float().to(x.device))
+    return lay, xv, sv, zv
+
+
+def fake_quant_with_qparams(x: torch.Tensor, spec: TensorSpec, scale: torch.Tensor,
+                            zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """Fake-quantize ``x`` on the grid of the given public-shape ``scale`` (+ ``zero_point``)."""
+    lay, xv, sv, zv = _qparam_views(x, spec, scale, zero_point, "fake_quant_with_qparams")
     q = _codes_with_qparams(xv, sv, zv, spec)
     out = _int_decode(q, sv, zv) if spec.format == "int" else q * sv
     return lay.restore(out).to(x.dtype)
@@ -681,12 +688,7 @@ def quantize_with_qparams(x: torch.Tensor, spec: TensorSpec, scale: torch.Tensor
                           zero_point: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Deployable tensors (the keys of :func:`quantize`) on the grid of the given scales;
     ``dequantize`` of the result equals :func:`fake_quant_with_qparams` (in fp32)."""
-    _check_input(x)
-    lay = _qp_layout(x.shape, spec, "input")
-    _check_qparams(lay, scale, zero_point, spec, "quantize_with_qparams")
-    xv = lay.view(x.float())
-    sv = lay.to_view(scale.float().to(x.device))
-    zv = None if zero_point is None else lay.to_view(zero_point.float().to(x.device))
+    lay, xv, sv, zv = _qparam_views(x, spec, scale, zero_point, "quantize_with_qparams")
     q = lay.restore(_codes_with_qparams(xv, sv, zv, spec)).detach()
     if spec.format == "int":
         out = {"q": q.to(torch.int8 if spec.symmetric else torch.uint8), "scale": scale.float().detach()}
