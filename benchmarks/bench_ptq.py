@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import sys
 import tempfile
@@ -180,6 +181,15 @@ def project(measured: dict[int, dict], config_measured, like: str, once_s: float
 def main(argv=None) -> int:
     a = parse_args(argv)
     import run_ptq  # tools/run_ptq.py: the job itself
+
+    # the recipe runner's per-kind progress (INFO): a run stopped at its time limit still shows
+    # where the solve's time went
+    runner_log = logging.getLogger("amct_ext.algorithms.runner")
+    if not runner_log.handlers:
+        h = logging.StreamHandler(sys.stdout)
+        h.setFormatter(logging.Formatter("[solve] %(message)s"))
+        runner_log.addHandler(h)
+    runner_log.setLevel(logging.INFO)
 
     dev = D.resolve_device(a.device)
     results: dict = {"env": C.environment(dev), "args": {k: v for k, v in vars(a).items()}, "notes": []}

@@ -221,3 +221,20 @@ def test_sharded_rtn_eval_matches_staging(adapter, windows, eval_cfg):
     finally:
         adapter.run.shard_devices = None
     assert sharded.ppl == staged.ppl
+
+
+def test_a_phase_cut_short_is_marked():
+    """A phase left by an exception (a time limit's SIGINT) is recorded with ``ended_by``: its
+    seconds are where it stopped, not its cost (casebook i15-5). A finished one carries no mark."""
+    from amct_ext.pipeline.phases import PhaseTimer
+
+    seen = []
+    with PhaseTimer([torch.device("cpu")], on_record=seen.append) as timer:
+        with timer.phase("capture", layer=2, device="cpu"):
+            pass
+        with pytest.raises(KeyboardInterrupt):
+            with timer.phase("solve:recipe", layer=2):
+                raise KeyboardInterrupt
+    assert [r.name for r in seen] == ["capture", "solve:recipe"]
+    assert seen[0].tags == {"device": "cpu"}
+    assert seen[1].tags == {"ended_by": "KeyboardInterrupt"}

@@ -128,3 +128,110 @@ def test_cached_weight_follows_the_offset():
         lin.weight_quantizer.init_round_offset(lin.weight)
         lin.weight_quantizer.round_offset.fill_(0.5)
         assert not torch.equal(lin.quantized_weight(), w0)
+
+
+# ----------------------------------------------------------------------------- batched experts
+def _expert_set(n=7, wspec=TensorSpec("int", 3, False, "group", 16), aspec=None, seed=5):
+    """``n`` float64 experts with 1-3 calls of 5-26 rows each (routing weights included),
+    expert 1 with a per-channel up limit (smoothed), expert 4 with no call at all."""
+    g = torch.Generator().manual_seed(seed)
+    mods, datas = [], []
+    for i in range(n):
+        e = Expert(32, 48, 2.0, torch.float64)
+        with torch.no_grad():
+            for p in e.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
+        q = QuantV4Expert(e, wspec, aspec)
+        if i == 1:
+            q.scale_up_limit(torch.rand(48, generator=g, dtype=torch.float64).float() + 0.5)
+        calls = []
+        for c in range(0 if i == 4 else 1 + i % 3):
+            x = torch.randn(5 + 7 * ((i + c) % 4), 32, generator=g, dtype=torch.float64)
+            w = torch.rand(x.shape[0], 1, generator=g, dtype=torch.float64).float()
+            with torch.no_grad():
+                calls.append(UnitCall((x, w), {}, Expert.forward(e, x, w)))   # the float target
+        mods.append(q)
+        datas.append(UnitData(calls))
+    return mods, datas
+
+
+def test_grouped_forward_is_each_experts_forward():
+    """The batched forward (zero-padded rows, per-channel up limit on one expert, per-token
+    int8 inputs) gives every expert its own forward's numbers."""
+    mods, datas = _expert_set(4, TensorSpec("int", 4, True, "channel"), TensorSpec("int", 8, True, "token"))
+    for m in mods:
+        for lin in (m.w1, m.w2, m.w3):
+            lin.input_quantizer.mode = "quant"
+    assert QuantV4Expert.grouped_forward_blocker(mods) is None
+    calls = [d.calls[0] for d in datas]
+    T = max(c.args[0].shape[0] for c in calls)
+    x = torch.zeros(4, T, 32, dtype=torch.float64)
+    w = torch.zeros(4, T, 1)
+    for e, c in enumerate(calls):
+        x[e, :c.args[0].shape[0]], w[e, :c.args[0].shape[0]] = c.args
+    with torch.no_grad():
+        wq = {n: torch.stack([getattr(m, n).quantized_weight() for m in mods]) for n in ("w1", "w3", "w2")}
+        out = QuantV4Expert.grouped_forward(mods, x, w, wq)
+        for e, (m, c) in enumerate(zip(mods, calls)):
+            r = c.args[0].shape[0]
+            torch.testing.assert_close(out[e, :r], m(*c.args), rtol=1e-12, atol=1e-12)
+            assert not bool(out[e, r:].any())     # padding rows stay zero
+    # a static input scale is one per expert: the batched forward must refuse it
+    static = _expert_set(2, TensorSpec("int", 4, True, "channel"), TensorSpec("int", 8, True, "tensor", dynamic=False))[0]
+    for m in static:
+        m.w1.input_quantizer.mode = "quant"
+    assert "not per row" in QuantV4Expert.grouped_forward_blocker(static)
+
+
+@pytest.mark.parametrize("wspec,lr,learn_clip", [(TensorSpec("int", 3, False, "group", 16), 1.0, True),
+                                                  (TensorSpec("int", 4, True, "channel"), 0.6, False)],
+                         ids=["int3-g16-asym-clip", "int4-channel-sym"])
+def test_batched_experts_equal_one_by_one(wspec, lr, learn_clip):
+    """AutoRound on 7 experts in chunks of 3 (stacked, one batched step for all) lands on the
+    same offsets, clips, losses and best steps as one expert at a time, in float64. The step
+    size and evaluations make the experts' best steps differ, so a best state tracked for the
+    chunk rather than per expert would fail this."""
+    mods, datas = _expert_set(wspec=wspec)
+    one_by_one = copy.deepcopy(mods)
+    algo = AutoRound(iters=24, lr=lr, eval_every=2, learn_clip=learn_clip, expert_chunk=3)
+    units = [make_ptq_unit("expert", f"layers.0.ffn.experts.{i}", 0, m) for i, m in enumerate(mods)]
+    batched = algo.apply_group(units, datas, SolveContext())
+    single = AutoRound(iters=24, lr=lr, eval_every=2, learn_clip=learn_clip, expert_chunk=1)
+    loop = [single.apply(make_ptq_unit("expert", f"layers.0.ffn.experts.{i}", 0, m), d, SolveContext())
+            for i, (m, d) in enumerate(zip(one_by_one, datas))]
+    assert batched[4] == loop[4] == {"skipped": "no calls"}
+    assert len({r["best_step"] for r in loop if "best_step" in r}) > 1, "the experts' best steps should differ"
+    for i, (b, r) in enumerate(zip(batched, loop)):
+        if i == 4:
+            continue
+        assert b["batched_experts"] == 3      # chunks [0, 1, 2] and [3, 5, 6]
+        for k in ("best_step", "n_offsets", "n_nonzero_offsets"):
+            assert b[k] == r[k], (i, k)
+        assert b["loss_before"] == pytest.approx(r["loss_before"], rel=1e-12)
+        assert b["loss_after"] == pytest.approx(r["loss_after"], rel=1e-12)
+        assert b["loss_after"] <= b["loss_before"]    # best step 0 keeps the start (RTN)
+    for m, r in zip(mods, one_by_one):
+        for n in ("w1", "w2", "w3"):
+            a, o = getattr(m, n).weight_quantizer, getattr(r, n).weight_quantizer
+            assert (a.round_offset is None) == (o.round_offset is None)
+            if a.round_offset is not None:
+                assert torch.equal(a.round_offset, o.round_offset), n
+            assert (a.clip is None) == (o.clip is None) and (a.clip is None or torch.equal(a.clip, o.clip)), n
+        x = torch.randn(9, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            assert torch.equal(m(x), r(x))    # the caches follow the written state
+
+
+def test_batched_experts_fall_back_where_they_cannot_be_stacked():
+    """A per-tensor weight scale is one per expert: stacked it would become one for the chunk.
+    AutoRound then solves the experts one by one (no ``batched_experts`` in the result) with
+    the same numbers as the per-expert path."""
+    spec = TensorSpec("int", 4, True, "tensor")
+    mods, datas = _expert_set(3, spec)
+    ref = copy.deepcopy(mods)
+    units = [make_ptq_unit("expert", f"e{i}", 0, m) for i, m in enumerate(mods)]
+    res = AutoRound(iters=6).apply_group(units, datas, SolveContext())
+    assert all("batched_experts" not in r for r in res)
+    for m, r, d in zip(mods, ref, datas):
+        AutoRound(iters=6).apply(make_ptq_unit("expert", "e", 0, r), d, SolveContext())
+        assert torch.equal(m.w2.weight_quantizer.round_offset, r.w2.weight_quantizer.round_offset)

@@ -18,6 +18,15 @@ never has a higher loss than the state it started from.
 
 Only integer grids have a rounding offset (fp8 / MX weights are skipped). Saved per leaf as
 ``{leaf}.weight_quantizer.round_offset`` (float32, the weight's shape) and ``.clip``.
+
+The routed experts of a layer are solved together (``group_kinds``), ``expert_chunk`` at a time:
+their weights, offsets and clips stacked [E, out, in], every step one bmm-batched forward of
+every expert on its own call (``t mod n_e``; rows padded with zeros, which add no error), the
+loss the sum of the experts' own MSEs (so each expert's gradient is its own), the best state
+tracked per expert. The same algorithm as one expert at a time -- a test holds the two to the
+same offsets -- without 256 x ``iters`` small launch-bound steps (RESULTS §0.7). Where the
+batched forward could not reproduce an expert (a per-tensor weight grid, a static or
+per-tensor input quantizer, the model's ``grouped_forward_blocker``) the experts go one by one.
 """
 from __future__ import annotations
 
@@ -28,9 +37,10 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..quant import formats
 from ..quant.quant_linear import QuantLinear
 from ..quant.quantizers import CLIP_MIN
-from ..pipeline.solver import _sq_err, unit_mse, unit_seed
+from ..pipeline.solver import _output_tensor, _sq_err, unit_mse, unit_seed
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
 
@@ -51,6 +61,12 @@ def _invalidate(module: nn.Module) -> None:
             m.invalidate_cache()
 
 
+def _ste_clamp(p: torch.Tensor, lo, hi) -> torch.Tensor:
+    """``p`` clamped to [lo, hi] in the forward, identity gradient (the quantizers' effective_*)."""
+    clamped = torch.clamp(p, lo, hi)
+    return p + (clamped - p).detach()
+
+
 @torch.no_grad()
 def signsgd_step(params: list[torch.Tensor], lr: float) -> None:
     """p -= lr * sign(grad) for every parameter with a gradient."""
@@ -67,11 +83,15 @@ class AutoRound(Algorithm):
     ``lr``: 0 means 1 / iters (the paper's default). ``eval_every``: 0 means iters // 4."""
 
     name: ClassVar[str] = "autoround"
+    group_kinds: ClassVar[tuple[str, ...]] = ("expert",)
     iters: int = 200
     lr: float = 0.0
     learn_clip: bool = True
     clip_min: float = 0.5
     eval_every: int = 0
+    # routed experts per batched solve: 16 Flash experts hold ~2.7 GB of fp32 offsets, the
+    # same again in gradients and in the best state, plus the fake-quant intermediates
+    expert_chunk: int = 16
 
     def check(self) -> None:
         if self.iters < 0:
@@ -82,6 +102,8 @@ class AutoRound(Algorithm):
             raise ConfigError(f"clip_min={self.clip_min}: must lie in [{CLIP_MIN}, 1]")
         if self.eval_every < 0:
             raise ConfigError(f"eval_every={self.eval_every}: must be >= 0")
+        if self.expert_chunk < 1:
+            raise ConfigError(f"expert_chunk={self.expert_chunk}: must be >= 1 (1 = one expert at a time)")
 
     def apply(self, unit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
         module = unit.module
@@ -153,3 +175,201 @@ class AutoRound(Algorithm):
                 p.requires_grad_(True)
             _invalidate(module)
             module.train(was_training)
+
+    # ------------------------------------------------------------------ routed experts, batched
+    def _group_blocker(self, units, datas) -> str | None:
+        """Why the experts cannot be solved batched (None: they can)."""
+        if self.expert_chunk < 2 or len(units) < 2:
+            return "one expert per solve"
+        m0 = units[0].module
+        blocker = getattr(type(m0), "grouped_forward_blocker", None)
+        if blocker is None:
+            return f"{type(m0).__name__} has no grouped_forward"
+        why = blocker([u.module for u in units])
+        if why:
+            return why
+        for name in type(m0).GROUPED_PROJECTIONS:
+            lins = [getattr(u.module, name) for u in units]
+            spec = lins[0].weight_quantizer.spec
+            for lin in lins:
+                wq = lin.weight_quantizer
+                if not (getattr(lin, "enabled", True) and wq.roundable):
+                    return f"{name} is not an enabled integer weight grid in every expert"
+                if wq.spec != spec:
+                    return f"{name}'s weight specs differ between experts"
+                if wq.learnable != lins[0].weight_quantizer.learnable:
+                    return f"{name}'s clip is learnable in some experts only"
+                if lin.weight.shape != lins[0].weight.shape:
+                    return f"{name}'s weight shapes differ between experts"
+            if spec.granularity == "tensor":
+                return "a per-tensor weight scale is not per expert once stacked"
+        for d in datas:
+            for c in d.calls:
+                if c.kwargs.keys() - {"weights"} or len(c.args) > 2 or not isinstance(c.args[0], torch.Tensor):
+                    return "an expert call is not (x, routing weights)"
+        return None
+
+    def apply_group(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
+        why = self._group_blocker(units, datas)
+        ready = [i for i, (u, d) in enumerate(zip(units, datas)) if len(d) and _weight_leaves(u.module)]
+        if why is not None or len(ready) < 2:
+            return [self.apply(u, d, ctx) for u, d in zip(units, datas)]
+        out: list[dict[str, Any] | None] = [None] * len(units)
+        for i, (u, d) in enumerate(zip(units, datas)):
+            if i not in ready:
+                out[i] = self.apply(u, d, ctx)          # the per-expert skip message
+        for c0 in range(0, len(ready), self.expert_chunk):
+            idx = ready[c0:c0 + self.expert_chunk]
+            for i, r in zip(idx, self._solve_chunk([units[i] for i in idx], [datas[i] for i in idx], ctx)):
+                out[i] = r
+        return out
+
+    def _solve_chunk(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
+        """AutoRound on ``len(units)`` experts at once (see the module doc)."""
+        dev = ctx.device
+        members = [u.module for u in units]
+        cls = type(members[0])
+        names = cls.GROUPED_PROJECTIONS
+        E = len(members)
+        lins = {n: [getattr(m, n) for m in members] for n in names}
+        specs = {n: lins[n][0].weight_quantizer.spec for n in names}
+        # the members' own parameters first (as apply makes them): they receive the result
+        own_v = {n: [l.weight_quantizer.init_round_offset(l.weight) for l in lins[n]] for n in names}
+        own_c = {n: [l.weight_quantizer.init_clip(l.weight) for l in lins[n]] if self.learn_clip else [None] * E
+                 for n in names}
+        with torch.no_grad():
+            W = {n: torch.stack([l.weight.detach().to(dev) for l in lins[n]]) for n in names}   # [E, out, in]
+            V = {n: torch.stack([v.detach().to(dev) for v in own_v[n]]).clone() for n in names}
+            C = {n: torch.stack([c.detach().to(dev) for c in own_c[n]]).clone() for n in names
+                 if own_c[n][0] is not None}
+            # per expert and projection, as apply: the range scale may stay below clip_min
+            # where an earlier algorithm put it
+            lo = {n: torch.clamp(c.reshape(E, -1).amin(1), max=self.clip_min).reshape(E, *[1] * (c.dim() - 1))
+                  for n, c in C.items()}
+        params = list(V.values()) + list(C.values())
+        for p in params:
+            p.requires_grad_(True)
+        rows = _StackedCalls(datas, dev)
+
+        def weights_q() -> dict[str, torch.Tensor]:
+            wq = {}
+            for n in names:
+                clip = _ste_clamp(C[n], CLIP_MIN, 1.0) if n in C else None
+                wq[n] = formats.fake_quant(W[n], specs[n], clip, _ste_clamp(V[n], -0.5, 0.5))
+            return wq
+
+        def slot_error(k: torch.Tensor, wq) -> tuple[torch.Tensor, torch.Tensor]:
+            """Per expert (squared error fp32, elements) of its call ``k[e]`` (lengths 0 past its last)."""
+            x, y, w, mask, n_rows = rows.slot(k)
+            out = cls.grouped_forward(members, x, w, wq)
+            diff = (out.float() - y.float()) * mask
+            return diff.square().sum(dim=(1, 2)), n_rows * out.shape[-1]
+
+        @torch.no_grad()
+        def full_mse() -> torch.Tensor:
+            wq = weights_q()
+            total = torch.zeros(E, dtype=torch.float64, device=dev)
+            count = torch.zeros(E, dtype=torch.float64, device=dev)
+            for k in range(rows.max_calls):
+                se, n = slot_error(torch.full((E,), k, dtype=torch.long, device=dev), wq)
+                total += se.double()
+                count += n.double()
+            return total / count.clamp(min=1)
+
+        try:
+            loss_before = full_mse()
+            best_loss = loss_before.clone()
+            best_step = torch.zeros(E, dtype=torch.long, device=dev)
+            best = [p.detach().clone() for p in params]
+            lr0 = self.lr or (1.0 / max(self.iters, 1))
+            every = self.eval_every or max(self.iters // 4, 1)
+            for t in range(self.iters):
+                for p in params:
+                    p.grad = None
+                k = torch.remainder(torch.full((E,), t, dtype=torch.long, device=dev), rows.n_calls)
+                se, n = slot_error(k, weights_q())
+                (se / n.clamp(min=1)).sum().backward()   # each expert's gradient is its own MSE's
+                signsgd_step(params, lr0 * (1.0 - t / self.iters))
+                with torch.no_grad():
+                    for v in V.values():
+                        v.clamp_(-0.5, 0.5)
+                    for n_, c in C.items():
+                        torch.maximum(c.clamp_(max=1.0), lo[n_], out=c)
+                if (t + 1) % every == 0 or t + 1 == self.iters:
+                    loss = full_mse()
+                    better = loss < best_loss                  # strict: ties keep the earlier state
+                    best_loss = torch.where(better, loss, best_loss)
+                    best_step = torch.where(better, torch.full_like(best_step, t + 1), best_step)
+                    with torch.no_grad():
+                        for b, p in zip(best, params):
+                            b.copy_(torch.where(better.reshape(E, *[1] * (p.dim() - 1)), p.detach(), b))
+            before, after, steps = loss_before.tolist(), best_loss.tolist(), best_step.tolist()
+            results = []
+            with torch.no_grad():
+                bests = dict(zip([("v", n) for n in V] + [("c", n) for n in C], best))
+                for e in range(E):
+                    changed, n_off = 0, 0
+                    for n in names:
+                        v = own_v[n][e]
+                        v.copy_(bests[("v", n)][e].to(v.device))
+                        if n in C:
+                            own_c[n][e].copy_(bests[("c", n)][e].to(own_c[n][e].device))
+                        n_off += v.numel()
+                        nz = int((v != 0).sum())
+                        changed += nz
+                        if nz == 0:       # an all-zero offset is RTN: nothing to save
+                            lins[n][e].weight_quantizer.round_offset = None
+                    results.append({"loss_before": before[e], "loss_after": after[e], "best_step": steps[e],
+                                    "n_offsets": n_off, "n_nonzero_offsets": changed, "batched_experts": E})
+            return results
+        finally:
+            for p in params:
+                p.grad = None
+            for m in members:
+                _invalidate(m)
+
+
+class _StackedCalls:
+    """The calls of E experts on the device as padded batches: ``slot(k)`` gives every expert
+    e its call ``k[e]`` (x [E, T, D], target [E, T, D], routing weights [E, T, 1], a row mask
+    [E, T, 1] and the rows per expert), T the longest call of all. An expert past its last
+    call gets an all-padding slot (0 rows). Indices stay on the device: no host sync a step."""
+
+    def __init__(self, datas, dev: torch.device):
+        xs, ys, ws, starts, lens = [], [], [], [], []
+        at = 0
+        for d in datas:
+            st, ln = [], []
+            for c in d.calls:
+                x = c.args[0]
+                x = x.reshape(-1, x.shape[-1])
+                w = c.args[1] if len(c.args) > 1 else c.kwargs.get("weights")
+                # no routing weight: a weight of exactly 1 (h * 1.0 == h bit for bit)
+                w = torch.ones(x.shape[0], 1) if w is None else w.reshape(-1, 1)
+                xs.append(x.to(dev))
+                ys.append(_output_tensor(c.output).reshape(x.shape[0], -1).to(dev))
+                ws.append(w.to(device=dev, dtype=torch.float32))
+                st.append(at)
+                ln.append(x.shape[0])
+                at += x.shape[0]
+            starts.append(st)
+            lens.append(ln)
+        k_max = max(len(s) for s in starts)
+        self.max_calls = k_max
+        self.n_calls = torch.tensor([len(s) for s in starts], dtype=torch.long, device=dev)
+        pad = lambda rows: [r + [0] * (k_max - len(r)) for r in rows]   # noqa: E731
+        self.starts = torch.tensor(pad(starts), dtype=torch.long, device=dev)     # [E, K]
+        self.lens = torch.tensor(pad(lens), dtype=torch.long, device=dev)         # [E, K] (0: no call)
+        self.t_max = max(max(ln) for ln in lens)
+        self.x, self.y, self.w = torch.cat(xs), torch.cat(ys), torch.cat(ws)
+        self.arange = torch.arange(self.t_max, device=dev)
+
+    def slot(self, k: torch.Tensor):
+        kk = k.clamp(max=self.max_calls - 1).unsqueeze(1)
+        start = self.starts.gather(1, kk).squeeze(1)
+        n_rows = torch.where(k < self.n_calls, self.lens.gather(1, kk).squeeze(1), 0)     # [E]
+        valid = self.arange.unsqueeze(0) < n_rows.unsqueeze(1)                            # [E, T]
+        idx = torch.where(valid, start.unsqueeze(1) + self.arange.unsqueeze(0), 0)
+        mask = valid.unsqueeze(-1)
+        x = torch.where(mask, self.x[idx], 0)
+        return x, self.y[idx], torch.where(mask, self.w[idx], 0.0), mask, n_rows

@@ -12,6 +12,7 @@ back: weights, norms, clip factors, fixed scales).
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -28,6 +29,9 @@ from .base import SolveContext, UnitData
 from .recipe import Recipe
 
 _WQ_STATE = ("clip", "fixed_scale", "fixed_zero_point")
+
+log = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 30.0   # a kind solved unit by unit reports its progress this often (INFO)
 
 
 @dataclass
@@ -117,15 +121,31 @@ def _apply_algorithm(algo, units, datas, ctxs, stats, seconds) -> None:
         tg = time.perf_counter()
         # one context for the group: the seed of its first unit (the group is solved jointly)
         results = algo.apply_group(members, [datas[u.name] for u in members], ctxs[members[0].name])
-        share = (time.perf_counter() - tg) / max(len(members), 1)
+        took = time.perf_counter() - tg
+        share = took / max(len(members), 1)
         for u, r in zip(members, results):
             stats[u.name][algo.name] = r
             seconds[u.name] += share
-    for u in units:
-        if u.kind not in algo.group_kinds:
-            tu = time.perf_counter()
-            stats[u.name][algo.name] = algo.apply(u, datas[u.name], ctxs[u.name])
-            seconds[u.name] += time.perf_counter() - tu
+        log.info("%s: %d %s unit(s) solved jointly in %.2f s", algo.name, len(members), kind, took)
+    # unit by unit: a per-kind running total, logged as each kind completes and every
+    # PROGRESS_EVERY_S meanwhile (a layer's 256 experts one by one can take minutes; an
+    # interrupted run still tells where its time went)
+    singles = [u for u in units if u.kind not in algo.group_kinds]
+    total = {k: sum(1 for u in singles if u.kind == k) for k in dict.fromkeys(u.kind for u in singles)}
+    spent: dict[str, list] = {}           # kind -> [units done, seconds]
+    last_report = time.perf_counter()
+    for u in singles:
+        tu = time.perf_counter()
+        stats[u.name][algo.name] = algo.apply(u, datas[u.name], ctxs[u.name])
+        took = time.perf_counter() - tu
+        seconds[u.name] += took
+        done = spent.setdefault(u.kind, [0, 0.0])
+        done[0] += 1
+        done[1] += took
+        now = time.perf_counter()
+        if done[0] == total[u.kind] or now - last_report >= PROGRESS_EVERY_S:
+            log.info("%s: %d / %d %s unit(s) solved in %.2f s", algo.name, done[0], total[u.kind], u.kind, done[1])
+            last_report = now
 
 
 def _run_on_hessians(units, hessians, recipe, *, device, seed, dtype, holdout, on_algorithm):

@@ -121,17 +121,24 @@ class PhaseTimer:
         self._host_peak = devmod.memory_allocated("cpu")
         self._anon_peak = rss_anon_bytes()
         t0 = time.perf_counter()
+        ended_by = None
         try:
             yield
+        except BaseException as e:
+            # a phase cut short (a time limit's SIGINT, an error) is still recorded, but marked:
+            # its seconds are where it stopped, not what it costs (casebook i15-5)
+            ended_by = type(e).__name__
+            raise
         finally:
             for d in self.devices:
                 devmod.synchronize(d)
             seconds = time.perf_counter() - t0
             host = max(self._host_peak, devmod.memory_allocated("cpu"))
             anon = max(self._anon_peak, rss_anon_bytes())
+            rec_tags = dict(tags) if ended_by is None else {**tags, "ended_by": ended_by}
             self.records.append(PhaseRecord(name, layer, seconds,
                                             {str(d): devmod.peak_memory_bytes(d) for d in self.devices},
-                                            host, anon, dict(tags)))
+                                            host, anon, rec_tags))
             if self.on_record is not None:
                 self.on_record(self.records[-1])
 

@@ -16,5 +16,5 @@ for algo in ${ALGOS:-rtn gptq:sequential=false gptq clip smoothquant,gptq awq au
   timeout -s INT "${LIMIT:-150}" python3 benchmarks/bench_ptq.py --device cuda --model-path "$SYN" --start-layer 2 \
       --end-layer 3 --algo "$algo" --calib-samples "${CALIB:-16}" --seq-len "${SEQ:-2048}" --workdir /tmp/w_algo \
       --json "$OUT/algo_$tag.json" -- --scheme "$SCHEME" > "$OUT/algo_$tag.log" 2>&1
-  echo "$algo rc=$?"; grep -E "unit seconds|solve:|capture:" "$OUT/algo_$tag.log" | tail -6
+  echo "$algo rc=$?"; grep -E "unit seconds|solve:|capture:|\[solve\]" "$OUT/algo_$tag.log" | tail -12
 done

@@ -463,6 +463,69 @@ class QuantV4Expert(PtqUnitMixin, QuantGatedMLP):
             h = h * weights
         return self.w2(h.to(x.dtype))
 
+    # -- the routed experts of a layer at once (AutoRound's batched solve) ---------------------
+    #: the projections grouped_forward takes stacked, in the order it applies them
+    GROUPED_PROJECTIONS = ("w1", "w3", "w2")
+
+    @staticmethod
+    def grouped_forward_blocker(members: list["QuantV4Expert"]) -> str | None:
+        """Why :meth:`grouped_forward` would NOT compute each member's own forward, or None.
+
+        It reproduces the members row for row only when every input quantizer treats a row on
+        its own (off, identity, dynamic per-token / per-group: a padding row of zeros stays
+        zero and changes no other row's scale) and all members share their specs, clamp and
+        layout (no bias)."""
+        first = members[0]
+        for m in members:
+            if type(m) is not type(first):
+                return f"mixed expert classes ({type(first).__name__}, {type(m).__name__})"
+            if m.swiglu_limit != first.swiglu_limit:
+                return f"swiglu_limit differs ({first.swiglu_limit} vs {m.swiglu_limit})"
+            for name in QuantV4Expert.GROUPED_PROJECTIONS:
+                lin, ref = getattr(m, name), getattr(first, name)
+                if lin.bias is not None:
+                    return f"{name} has a bias"
+                q, q0 = lin.input_quantizer, ref.input_quantizer
+                row_local = (q.mode == "off" or q.is_identity
+                             or (q.spec.dynamic and q.spec.granularity in ("token", "group")))
+                if not row_local:
+                    return f"{name}'s input quantizer ({q.spec.granularity}, dynamic={q.spec.dynamic}) is not per row"
+                if (q.mode, q.spec) != (q0.mode, q0.spec):
+                    return f"{name}'s input quantizers differ between experts"
+        return None
+
+    @staticmethod
+    def grouped_forward(members: list["QuantV4Expert"], x: torch.Tensor, weights: torch.Tensor | None,
+                        w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Every member's forward at once, on given (fake-quant) weights.
+
+        x [E, T, D] (member e's rows; zero rows pad), weights [E, T, 1] fp32 or None,
+        w {"w1": [E, I, D], "w3": [E, I, D], "w2": [E, D, I]} -> [E, T, D]. The math of
+        :meth:`forward` (clamp-then-silu, the per-channel up limit, the routing weight before
+        w2), batched with bmm; valid only where :meth:`grouped_forward_blocker` is None."""
+        m0 = members[0]
+
+        def quant_in(name: str, a: torch.Tensor) -> torch.Tensor:   # the members' shared row-wise quantizer
+            return getattr(m0, name).input_quantizer(a.reshape(-1, a.shape[-1])).reshape(a.shape)
+
+        gate = torch.bmm(quant_in("w1", x), w["w1"].transpose(1, 2)).float()        # [E, T, I]
+        up = torch.bmm(quant_in("w3", x), w["w3"].transpose(1, 2)).float()
+        limit = m0.swiglu_limit
+        if any(m.up_limit is not None for m in members):
+            # members without a per-channel limit clamp at the scalar one: the same numbers
+            lim = torch.stack([m.up_limit.to(up.device) if m.up_limit is not None else
+                               torch.full((up.shape[-1],), float(limit), dtype=torch.float32, device=up.device)
+                               for m in members]).unsqueeze(1)                          # [E, 1, I]
+            up = torch.minimum(torch.maximum(up, -lim), lim)
+            gate = gate.clamp(max=limit)
+        elif limit > 0:
+            up = up.clamp(-limit, limit)
+            gate = gate.clamp(max=limit)
+        h = torch.nn.functional.silu(gate) * up
+        if weights is not None:
+            h = h * weights
+        return torch.bmm(quant_in("w2", h.to(x.dtype)), w["w2"].transpose(1, 2))   # [E, T, D]
+
     @torch.no_grad()
     def scale_up_limit(self, s: torch.Tensor) -> None:
         """w3's rows were divided by ``s``: divide the up clamp limit per channel alike."""
