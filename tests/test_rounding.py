@@ -64,7 +64,7 @@ def _problem(bits=3, n_calls=4, seed=0):
 def test_autoround_beats_rtn_and_offsets_stay_in_range():
     q, calls = _problem()
     unit = make_ptq_unit("expert", "layers.0.ffn.experts.0", 0, q)
-    st = AutoRound(iters=120).apply(unit, UnitData(calls), SolveContext())
+    st = AutoRound(iters=120, fold_grid=False).apply(unit, UnitData(calls), SolveContext())
     assert st["loss_after"] < 0.8 * st["loss_before"], st
     for lin in (q.w1, q.w2, q.w3):
         v = lin.weight_quantizer.round_offset
@@ -102,7 +102,7 @@ def test_offsets_clamped_even_with_a_huge_step():
 def test_reload_reproduces_and_bad_offsets_refused():
     q, calls = _problem(n_calls=2, seed=2)
     unit = make_ptq_unit("expert", "e", 0, q)
-    AutoRound(iters=40).apply(unit, UnitData(calls), SolveContext())
+    AutoRound(iters=40, fold_grid=False).apply(unit, UnitData(calls), SolveContext())
     saved = q.export_ptq_params()
     assert "w1.weight_quantizer.round_offset" in saved and "w1.weight_quantizer.clip" in saved
     fresh_float, _ = _problem(n_calls=2, seed=2)
@@ -193,10 +193,10 @@ def test_batched_experts_equal_one_by_one(wspec, lr, learn_clip):
     chunk rather than per expert would fail this."""
     mods, datas = _expert_set(wspec=wspec)
     one_by_one = copy.deepcopy(mods)
-    algo = AutoRound(iters=24, lr=lr, eval_every=2, learn_clip=learn_clip, expert_chunk=3)
+    algo = AutoRound(iters=24, lr=lr, eval_every=2, learn_clip=learn_clip, expert_chunk=3, fold_grid=False)
     units = [make_ptq_unit("expert", f"layers.0.ffn.experts.{i}", 0, m) for i, m in enumerate(mods)]
     batched = algo.apply_group(units, datas, SolveContext())
-    single = AutoRound(iters=24, lr=lr, eval_every=2, learn_clip=learn_clip, expert_chunk=1)
+    single = AutoRound(iters=24, lr=lr, eval_every=2, learn_clip=learn_clip, expert_chunk=1, fold_grid=False)
     loop = [single.apply(make_ptq_unit("expert", f"layers.0.ffn.experts.{i}", 0, m), d, SolveContext())
             for i, (m, d) in enumerate(zip(one_by_one, datas))]
     assert batched[4] == loop[4] == {"skipped": "no calls"}
@@ -230,8 +230,72 @@ def test_batched_experts_fall_back_where_they_cannot_be_stacked():
     mods, datas = _expert_set(3, spec)
     ref = copy.deepcopy(mods)
     units = [make_ptq_unit("expert", f"e{i}", 0, m) for i, m in enumerate(mods)]
-    res = AutoRound(iters=6).apply_group(units, datas, SolveContext())
+    res = AutoRound(iters=6, fold_grid=False).apply_group(units, datas, SolveContext())
     assert all("batched_experts" not in r for r in res)
     for m, r, d in zip(mods, ref, datas):
-        AutoRound(iters=6).apply(make_ptq_unit("expert", "e", 0, r), d, SolveContext())
+        AutoRound(iters=6, fold_grid=False).apply(make_ptq_unit("expert", "e", 0, r), d, SolveContext())
         assert torch.equal(m.w2.weight_quantizer.round_offset, r.w2.weight_quantizer.round_offset)
+
+
+def _saved_bytes(module) -> int:
+    return sum(v.numel() * v.element_size() for v in module.export_ptq_params().values())
+
+
+@pytest.mark.parametrize("bits,sym,gran,group", [(3, True, "channel", None), (4, False, "group", 16), (8, True, "channel", None)],
+                         ids=["int3-channel", "int4-g16-asym", "int8-channel"])
+def test_fold_to_fixed_grid_is_the_same_function_in_codes(bits, sym, gran, group):
+    """Folded (the default), a learned expert computes exactly what its offsets computed; it is
+    saved as codes + scales (no float32 offset: several times fewer bytes) and reloads into a
+    fresh float expert bit for bit. Batched experts fold alike."""
+    spec = TensorSpec("int", bits, sym, gran, group)
+    q, calls = _problem(n_calls=3, seed=3)
+    q_off = copy.deepcopy(q)
+    for m in (q, q_off):
+        for lin in (m.w1, m.w2, m.w3):
+            lin.weight_quantizer = WeightQuantizer(spec)
+    st = AutoRound(iters=30).apply(make_ptq_unit("expert", "e", 0, q), UnitData(calls), SolveContext())
+    st_off = AutoRound(iters=30, fold_grid=False).apply(make_ptq_unit("expert", "e", 0, q_off), UnitData(calls), SolveContext())
+    assert st["folded_leaves"] == 3 and st_off["folded_leaves"] == 0
+    assert st["loss_after"] == st_off["loss_after"] < st["loss_before"]
+    x = torch.cat([c.args[0] for c in calls])
+    with torch.no_grad():
+        assert torch.equal(q(x), q_off(x))
+    saved, saved_off = q.export_ptq_params(), q_off.export_ptq_params()
+    assert not any(k.endswith("round_offset") for k in saved)
+    assert {"w1.weight_codes", "w1.weight_quantizer.scale"} <= saved.keys()
+    assert "w1.weight_quantizer.round_offset" in saved_off
+    assert _saved_bytes(q) * 3 < _saved_bytes(q_off)
+    fresh, _ = _problem(n_calls=3, seed=3)
+    for lin in (fresh.w1, fresh.w2, fresh.w3):
+        lin.weight_quantizer = WeightQuantizer(spec)
+    fresh.load_ptq_params(saved)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), q(x))
+    # the batched experts fold too, each to the state its own offsets gave
+    mods, datas = _expert_set(3, spec)
+    ref = copy.deepcopy(mods)
+    units = [make_ptq_unit("expert", f"e{i}", 0, m) for i, m in enumerate(mods)]
+    res = AutoRound(iters=16).apply_group(units, datas, SolveContext())
+    assert sum(st["folded_leaves"] for st in res) > 0
+    for m, r, d, st in zip(mods, ref, datas, res):
+        AutoRound(iters=16, fold_grid=False).apply(make_ptq_unit("expert", "e", 0, r), d, SolveContext())
+        moved = sum(getattr(r, n).weight_quantizer.round_offset is not None for n in ("w1", "w2", "w3"))
+        assert st["folded_leaves"] == moved and st["batched_experts"] == 3
+        with torch.no_grad():
+            assert torch.equal(m(x.double()), r(x.double()))
+
+
+def test_fold_refused_where_the_folded_weight_would_differ(monkeypatch):
+    """The fold is checked: where re-quantizing the folded weight would not give the same
+    fake-quant weight, the leaf keeps its offset (and its function)."""
+    from amct_ext.algorithms import rounding
+
+    q, calls = _problem(n_calls=2, seed=4)
+    AutoRound(iters=10, fold_grid=False).apply(make_ptq_unit("expert", "e", 0, q), UnitData(calls), SolveContext())
+    before = q.w1.quantized_weight().clone()
+    real = formats.fake_quant_with_qparams
+    monkeypatch.setattr(rounding.formats, "fake_quant_with_qparams", lambda w, *a: real(w, *a) * 1.0001)
+    assert rounding.fold_to_fixed_grid(q.w1) is False
+    assert q.w1.weight_quantizer.round_offset is not None and q.w1.weight_quantizer.fixed_scale is None
+    assert not getattr(q.w1, "weight_replaced", False)
+    assert torch.equal(q.w1.quantized_weight(), before)

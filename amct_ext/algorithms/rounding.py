@@ -16,7 +16,15 @@ rounding step. The full-data MSE is measured at the start (the state before: RTN
 earlier algorithm left) and every ``eval_every`` steps; the best state is kept, so the result
 never has a higher loss than the state it started from.
 
-Only integer grids have a rounding offset (fp8 / MX weights are skipped). Saved per leaf as
+Only integer grids have a rounding offset (fp8 / MX weights are skipped).
+
+What is kept (``fold_grid``, default on): the offset only chooses codes, so a leaf whose offset
+moved is folded into the state GPTQ leaves -- the weight replaced by its fake-quant value, the
+grid (scale, zero point) fixed -- wherever that reproduces the same fake-quant weight bit for
+bit (``fold_to_fixed_grid``). Its files are then the codes (``{leaf}.weight_codes``: one byte, or
+<= 4-bit codes packed in int32) and the scales, instead of a float32 offset per weight (a
+V4-Flash layer's 256 experts: ~26 GB of offsets, held on the device until the layer is written).
+Unfolded (``fold_grid=false``, or a leaf the check refuses) the state is saved as
 ``{leaf}.weight_quantizer.round_offset`` (float32, the weight's shape) and ``.clip``.
 
 The routed experts of a layer are solved together (``group_kinds``), ``expert_chunk`` at a time:
@@ -55,6 +63,37 @@ def _weight_leaves(module: nn.Module):
     return out
 
 
+@torch.no_grad()
+def fold_to_fixed_grid(leaf: nn.Module) -> bool:
+    """Replace ``leaf``'s weight by its fake-quant value under the learned offset and clip, and
+    fix the grid those gave (``WeightQuantizer.set_fixed_qparams``; the offset and clip are
+    dropped). Only where the folded leaf computes the same fake-quant weight bit for bit (a
+    dequantized value must round back to its own code in the weight's dtype); returns whether
+    it folded."""
+    wq = leaf.weight_quantizer
+    if wq.round_offset is None or not wq.roundable:
+        return False
+    w = leaf.weight
+    target = wq(w)
+    d = formats.quantize(w.detach(), wq.spec, wq.effective_clip(), wq.effective_round_offset())
+    folded = formats.dequantize(d, wq.spec).to(w.dtype)
+    zp = d.get("zero_point")
+    again = formats.fake_quant_with_qparams(folded, wq.spec, d["scale"], None if zp is None else zp.float())
+    if not (torch.equal(folded, target) and torch.equal(again, target)):
+        return False
+    w.copy_(folded)
+    wq.set_fixed_qparams(w, d["scale"], None if zp is None else zp.float())
+    leaf.weight_replaced = True
+    if isinstance(leaf, QuantLinear):
+        leaf.invalidate_cache()
+    return True
+
+
+def _fold_leaves(leaves) -> int:
+    """fold_to_fixed_grid on every leaf; returns how many folded."""
+    return sum(fold_to_fixed_grid(leaf) for leaf in leaves)
+
+
 def _invalidate(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, QuantLinear):
@@ -89,9 +128,10 @@ class AutoRound(Algorithm):
     learn_clip: bool = True
     clip_min: float = 0.5
     eval_every: int = 0
-    # routed experts per batched solve: 16 Flash experts hold ~2.7 GB of fp32 offsets, the
+    # routed experts per batched solve: 16 Flash experts hold ~1.6 GB of fp32 offsets, the
     # same again in gradients and in the best state, plus the fake-quant intermediates
     expert_chunk: int = 16
+    fold_grid: bool = True
 
     def check(self) -> None:
         if self.iters < 0:
@@ -165,8 +205,10 @@ class AutoRound(Algorithm):
             for _, _, wq in leaves:   # an all-zero offset is RTN: nothing to save
                 if wq.round_offset is not None and not bool(wq.round_offset.any()):
                     wq.round_offset = None
+            folded = _fold_leaves([leaf for leaf, _, _ in leaves]) if self.fold_grid else 0
             return {"loss_before": loss_before, "loss_after": best_loss, "best_step": best_step,
-                    "n_offsets": sum(v.numel() for v in offsets), "n_nonzero_offsets": changed}
+                    "n_offsets": sum(v.numel() for v in offsets), "n_nonzero_offsets": changed,
+                    "folded_leaves": folded}
         finally:
             for p in params:
                 p.requires_grad_(False)
@@ -319,8 +361,11 @@ class AutoRound(Algorithm):
                         changed += nz
                         if nz == 0:       # an all-zero offset is RTN: nothing to save
                             lins[n][e].weight_quantizer.round_offset = None
+                    # folded expert by expert: the chunk's offsets are freed before the next chunk
+                    folded = _fold_leaves([lins[n][e] for n in names]) if self.fold_grid else 0
                     results.append({"loss_before": before[e], "loss_after": after[e], "best_step": steps[e],
-                                    "n_offsets": n_off, "n_nonzero_offsets": changed, "batched_experts": E})
+                                    "n_offsets": n_off, "n_nonzero_offsets": changed, "batched_experts": E,
+                                    "folded_leaves": folded})
             return results
         finally:
             for p in params:
