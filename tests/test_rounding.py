@@ -131,9 +131,10 @@ def test_cached_weight_follows_the_offset():
 
 
 # ----------------------------------------------------------------------------- batched experts
-def _expert_set(n=7, wspec=TensorSpec("int", 3, False, "group", 16), aspec=None, seed=5):
+def _expert_set(n=7, wspec=TensorSpec("int", 3, False, "group", 16), aspec=None, seed=5, preclip=False):
     """``n`` float64 experts with 1-3 calls of 5-26 rows each (routing weights included),
-    expert 1 with a per-channel up limit (smoothed), expert 4 with no call at all."""
+    expert 1 with a per-channel up limit (smoothed), expert 4 with no call at all. ``preclip``:
+    clip factors left by an earlier algorithm on every w1 and on expert 2's w2 only."""
     g = torch.Generator().manual_seed(seed)
     mods, datas = [], []
     for i in range(n):
@@ -144,6 +145,10 @@ def _expert_set(n=7, wspec=TensorSpec("int", 3, False, "group", 16), aspec=None,
         q = QuantV4Expert(e, wspec, aspec)
         if i == 1:
             q.scale_up_limit(torch.rand(48, generator=g, dtype=torch.float64).float() + 0.5)
+        for lin in ((q.w1, q.w2) if i == 2 else (q.w1,)) if preclip else ():
+            c = lin.weight_quantizer.init_clip(lin.weight)
+            with torch.no_grad():
+                c.copy_(0.6 + 0.4 * torch.rand(c.shape, generator=g))
         calls = []
         for c in range(0 if i == 4 else 1 + i % 3):
             x = torch.randn(5 + 7 * ((i + c) % 4), 32, generator=g, dtype=torch.float64)
@@ -174,7 +179,8 @@ def test_grouped_forward_is_each_experts_forward():
         out = QuantV4Expert.grouped_forward(mods, x, w, wq)
         for e, (m, c) in enumerate(zip(mods, calls)):
             r = c.args[0].shape[0]
-            torch.testing.assert_close(out[e, :r], m(*c.args), rtol=1e-12, atol=1e-12)
+            # fp32 SwiGLU inside (see test_batched_experts_equal_one_by_one): ulps, not more
+            torch.testing.assert_close(out[e, :r], m(*c.args), rtol=1e-6, atol=1e-6)
             assert not bool(out[e, r:].any())     # padding rows stay zero
     # a static input scale is one per expert: the batched forward must refuse it
     static = _expert_set(2, TensorSpec("int", 4, True, "channel"), TensorSpec("int", 8, True, "tensor", dynamic=False))[0]
@@ -184,14 +190,15 @@ def test_grouped_forward_is_each_experts_forward():
 
 
 @pytest.mark.parametrize("wspec,lr,learn_clip", [(TensorSpec("int", 3, False, "group", 16), 1.0, True),
-                                                  (TensorSpec("int", 4, True, "channel"), 0.6, False)],
+                                                  (TensorSpec("int", 4, True, "channel"), 1.5, False)],
                          ids=["int3-g16-asym-clip", "int4-channel-sym"])
 def test_batched_experts_equal_one_by_one(wspec, lr, learn_clip):
     """AutoRound on 7 experts in chunks of 3 (stacked, one batched step for all) lands on the
-    same offsets, clips, losses and best steps as one expert at a time, in float64. The step
-    size and evaluations make the experts' best steps differ, so a best state tracked for the
-    chunk rather than per expert would fail this."""
-    mods, datas = _expert_set(wspec=wspec)
+    same offsets, clips and best steps as one expert at a time (float64 weights and calls), and
+    the same losses to fp32 precision. The step size and evaluations make the experts' best
+    steps differ, so a best state tracked for the chunk rather than per expert would fail this;
+    so would dropping the routing weights, or ignoring a clip an earlier algorithm left."""
+    mods, datas = _expert_set(wspec=wspec, preclip=not learn_clip)   # a clip kept fixed must still count
     one_by_one = copy.deepcopy(mods)
     algo = AutoRound(iters=24, lr=lr, eval_every=2, learn_clip=learn_clip, expert_chunk=3, fold_grid=False)
     units = [make_ptq_unit("expert", f"layers.0.ffn.experts.{i}", 0, m) for i, m in enumerate(mods)]
@@ -207,8 +214,11 @@ def test_batched_experts_equal_one_by_one(wspec, lr, learn_clip):
         assert b["batched_experts"] == 3      # chunks [0, 1, 2] and [3, 5, 6]
         for k in ("best_step", "n_offsets", "n_nonzero_offsets"):
             assert b[k] == r[k], (i, k)
-        assert b["loss_before"] == pytest.approx(r["loss_before"], rel=1e-12)
-        assert b["loss_after"] == pytest.approx(r["loss_after"], rel=1e-12)
+        # the Expert's SwiGLU runs in fp32 (V4's own math) and torch's CPU silu rounds an element
+        # by an ulp differently in its vectorised body and its tail: padded rows move elements
+        # between the two, so the losses agree to fp32 precision, the offsets exactly
+        assert b["loss_before"] == pytest.approx(r["loss_before"], rel=1e-6)
+        assert b["loss_after"] == pytest.approx(r["loss_after"], rel=1e-6)
         assert b["loss_after"] <= b["loss_before"]    # best step 0 keeps the start (RTN)
     for m, r in zip(mods, one_by_one):
         for n in ("w1", "w2", "w3"):

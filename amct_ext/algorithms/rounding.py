@@ -284,6 +284,15 @@ class AutoRound(Algorithm):
             V = {n: torch.stack([v.detach().to(dev) for v in own_v[n]]).clone() for n in names}
             C = {n: torch.stack([c.detach().to(dev) for c in own_c[n]]).clone() for n in names
                  if own_c[n][0] is not None}
+            # not learned: a clip an earlier algorithm left still shapes the grid, as in apply
+            # (a member without one: factors of 1, the same numbers)
+            fixed_c = {}
+            for n in names:
+                if n not in C and any(l.weight_quantizer.clip is not None for l in lins[n]):
+                    fixed_c[n] = torch.stack([
+                        (l.weight_quantizer.effective_clip() if l.weight_quantizer.clip is not None else
+                         torch.ones(l.weight_quantizer.scale_shape(l.weight))).detach().to(dev, torch.float32)
+                        for l in lins[n]])
             # per expert and projection, as apply: the range scale may stay below clip_min
             # where an earlier algorithm put it
             lo = {n: torch.clamp(c.reshape(E, -1).amin(1), max=self.clip_min).reshape(E, *[1] * (c.dim() - 1))
@@ -296,7 +305,7 @@ class AutoRound(Algorithm):
         def weights_q() -> dict[str, torch.Tensor]:
             wq = {}
             for n in names:
-                clip = _ste_clamp(C[n], CLIP_MIN, 1.0) if n in C else None
+                clip = _ste_clamp(C[n], CLIP_MIN, 1.0) if n in C else fixed_c.get(n)
                 wq[n] = formats.fake_quant(W[n], specs[n], clip, _ste_clamp(V[n], -0.5, 0.5))
             return wq
 
