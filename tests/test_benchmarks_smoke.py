@@ -103,3 +103,25 @@ def test_hf_caller_autocast_only_for_bf16(bench):
     finally:
         C.HFCaller.autocast = saved
     assert seen == [False, True]
+
+
+def test_bench_autoround_experts_smoke(tmp_path, capsys):
+    """The batched-vs-one-by-one AutoRound benchmark runs and its two modes agree."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    bench = importlib.import_module("bench_autoround_experts")
+    out = tmp_path / "ar.json"
+    rc = bench.main(["--experts", "5", "--dim", "64", "--inter", "32", "--rows", "8", "--calls", "2", "--iters", "8",
+                     "--chunk", "3", "--group", "32", "--repeats", "1", "--warmup", "0", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    for field in ("one_by_one", "batched", "floor", "speed-up of the medians", "agreement"):
+        assert field in text, field
+    res = json.loads(out.read_text())
+    assert set(res["modes"]) == {"one_by_one", "batched"}
+    assert res["modes"]["batched"]["chunk"] == 3 and res["floor"]["update_traffic_s"] > 0
+    # fp32: bmm and mm may round apart and flip a SignSGD step here and there (the exact
+    # agreement is tests/test_rounding.py's, in float64)
+    assert res["agreement"]["offsets_equal_fraction"] > 0.99
+    assert res["agreement"]["loss_gain_median"] > 0.2      # offsets really learned (not all RTN)
+    assert res["agreement"]["loss_after_rel_diff_max"] < 1e-3
