@@ -33,6 +33,22 @@ from amct_ext.pipeline.workflow import Stream, embed_stream, float_layer_output,
 from models.deepseek_v4.adapter import DeepseekV4Adapter  # noqa: E402
 
 
+def timed_sends(stream, repeats: int, env):
+    """Rank 0 sends ``stream`` to rank 1 ``repeats`` times, between barriers; (seconds of each
+    send, what rank 1 received last)."""
+    times, got = [], None
+    for _ in range(repeats):
+        dist.barrier(env)
+        t0 = time.perf_counter()
+        if env.rank == 0:
+            dist.send_stream(stream, 1, env)
+        else:
+            got = dist.recv_stream(0, env)
+        dist.barrier(env)
+        times.append(time.perf_counter() - t0)
+    return times, got
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", required=True)
@@ -66,29 +82,11 @@ def main() -> int:
             rec.append(time.perf_counter() - t0)
         nbytes = s.nbytes
         dist.barrier(env)
-        sent = []
-        for _ in range(args.repeats):
-            dist.barrier(env)
-            t0 = time.perf_counter()
-            if env.rank == 0:
-                dist.send_stream(s, 1, env)
-            else:
-                got = dist.recv_stream(0, env)
-            dist.barrier(env)
-            sent.append(time.perf_counter() - t0)
+        sent, got = timed_sends(s, args.repeats, env)
         if env.rank == 1:
             assert all(torch.equal(a, b) for a, b in zip(s.hidden, got.hidden))   # the very bits
         big = Stream([torch.randn(args.mb * 2 ** 20 // 4)], [{}])
-        bw = []
-        for _ in range(args.repeats):
-            dist.barrier(env)
-            t0 = time.perf_counter()
-            if env.rank == 0:
-                dist.send_stream(big, 1, env)
-            else:
-                dist.recv_stream(0, env)
-            dist.barrier(env)
-            bw.append(big.nbytes / (time.perf_counter() - t0))
+        bw = [big.nbytes / t for t in timed_sends(big, args.repeats, env)[0]]
     if env.rank == 0:
         print(json.dumps({
             "device": str(env.device), "backend": devmod.dist_backend(env.device.type),

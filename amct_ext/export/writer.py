@@ -190,27 +190,27 @@ class ShardStream:
         self.f.flush()
         self.f.close()
         tmp = self.path + ".grow"
-        blob += b" " * (-len(blob) % 8)
-        with open(self.path, "rb") as src, open(tmp, "wb") as dst:
-            dst.write(len(blob).to_bytes(8, "little"))
-            dst.write(blob)
-            src.seek(8 + self.reserve)
-            shutil.copyfileobj(src, dst, 64 << 20)
-            dst.flush()
-            os.fsync(dst.fileno())
+        self._copy_behind_header(blob, tmp, fsync=True)
         os.replace(tmp, self.path)
 
     def _finish_header_to(self, path: str) -> str:
         """The streamed part as a standalone file (fallback path only)."""
         header = dict(self.entries)
-        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        self._copy_behind_header(json.dumps(header, separators=(",", ":")).encode("utf-8"), path, fsync=False)
+        return path
+
+    def _copy_behind_header(self, blob: bytes, path: str, fsync: bool) -> None:
+        """Write ``path``: the safetensors header ``blob`` (padded to 8 bytes) and then the data
+        region streamed so far (behind the reserved header of ``self.path``)."""
         blob += b" " * (-len(blob) % 8)
         with open(self.path, "rb") as src, open(path, "wb") as dst:
             dst.write(len(blob).to_bytes(8, "little"))
             dst.write(blob)
             src.seek(8 + self.reserve)
             shutil.copyfileobj(src, dst, 64 << 20)
-        return path
+            if fsync:
+                dst.flush()
+                os.fsync(dst.fileno())
 
     def abort(self) -> None:
         try:

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .capture import UnitCall
+from .capture import UnitCall, _detach
 
 
 @dataclass
@@ -51,15 +51,8 @@ class UnitResult:
 
 
 def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        return tuple(_to(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [_to(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj
+    """A captured call's (nested) tensors on ``device`` (capture's walker: they are detached already)."""
+    return _detach(obj, device)
 
 
 def _output_tensor(out: Any) -> torch.Tensor:
