@@ -134,6 +134,88 @@ def batches(windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
     return [windows[i:i + batch_size] for i in range(0, windows.shape[0], batch_size)]
 
 
+# ------------------------------------------------------------------------------------ model binding
+class ModelBinding(abc.ABC):
+    """What the framework needs to know about a model family WITHOUT a running adapter: the
+    export (which works from a checkpoint folder and a finished run) and the torchrun cost
+    model. A model package subclasses it and registers one instance per ``config.json``
+    ``model_type`` (:func:`register_model_binding`); ``amct_ext/`` never imports ``models``."""
+
+    #: the ``model_type`` of the config.json files this binding reads
+    model_type: str = ""
+
+    @abc.abstractmethod
+    def check_config(self, model_path: str | os.PathLike) -> None:
+        """Refuse a config.json the model cannot be built from (one line naming the field)."""
+
+    @abc.abstractmethod
+    def load_config(self, model_path: str | os.PathLike) -> Any:
+        """The model's config object (``n_layers``, ``compress_ratios``... as the binding needs)."""
+
+    @abc.abstractmethod
+    def build_layer(self, reader: Any, config: Any, layer_idx: int, dtype: torch.dtype,
+                    device: torch.device) -> nn.Module:
+        """Decoder layer ``layer_idx`` with its weights read by ``reader`` (a CheckpointReader)."""
+
+    @abc.abstractmethod
+    def empty_layer(self, config: Any, layer_id: int, dtype: torch.dtype | None = None) -> nn.Module:
+        """A layer skeleton on the meta device (``layer_id`` past the decoder layers: an extra
+        block such as an MTP layer)."""
+
+    @abc.abstractmethod
+    def materialize_derived_buffers(self, block: nn.Module, device: torch.device) -> None:
+        """Fill the buffers a layer computes rather than loads (rope tables) after loading."""
+
+    @abc.abstractmethod
+    def quantize_block(self, block: nn.Module, scheme: Any, targets: Sequence[str]) -> nn.Module:
+        """Wrap the layer for ``scheme`` / ``targets`` (as the adapter's ``quantize_block``)."""
+
+    @abc.abstractmethod
+    def iter_ptq_units(self, block: nn.Module, layer_idx: int, targets: Sequence[str]) -> Iterator[PtqUnit]:
+        """The PTQ units of a quantized layer (as the adapter's ``iter_ptq_units``)."""
+
+    @abc.abstractmethod
+    def quantized_weights(self, block: nn.Module) -> dict[str, nn.Module]:
+        """checkpoint weight name (relative to the block) -> the quantized leaf that holds it,
+        for every leaf whose weight is quantized (what the export encodes)."""
+
+    def layer_cost(self, config: Any, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int) -> Any:
+        """Seconds of one layer under the stated rates (``distributed.LayerCost``), for the
+        torchrun layer split; the default counts every layer alike."""
+        from .pipeline.distributed import LayerCost
+
+        return LayerCost(float_s=1.0, solve_s=1.0 if targets else 0.0)
+
+
+_BINDINGS: dict[str, ModelBinding] = {}
+
+
+def register_model_binding(binding: ModelBinding) -> ModelBinding:
+    """Make ``binding`` the one for config.json files of its ``model_type``."""
+    if not binding.model_type:
+        raise TypeError(f"{type(binding).__name__}.model_type is empty")
+    _BINDINGS[binding.model_type] = binding
+    return binding
+
+
+def model_binding(model_path: str | os.PathLike) -> ModelBinding:
+    """The registered binding for the checkpoint at ``model_path`` (by its config.json
+    ``model_type``); ConfigError naming the file when there is none."""
+    import json
+
+    cfg_path = Path(model_path) / "config.json"
+    try:
+        model_type = json.loads(cfg_path.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{cfg_path}: cannot read the model_type ({type(e).__name__})") from None
+    binding = _BINDINGS.get(model_type)
+    if binding is None:
+        known = ", ".join(sorted(_BINDINGS)) or "none imported"
+        raise ConfigError(f"{cfg_path}: no model binding for model_type {model_type!r} (known: {known}); "
+                          "import its model package first")
+    return binding
+
+
 # ------------------------------------------------------------------------------------ adapter
 class BaseModel(abc.ABC):
     """Adapter skeleton. Subclasses implement the hooks marked abstract below."""
@@ -249,6 +331,13 @@ class BaseModel(abc.ABC):
                 outs.append(y.to("cpu") if self.run.offload_hidden else y)
             del y
         return outs
+
+    def layer_cost(self, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int) -> Any:
+        """The cost of layer ``layer_idx`` (``distributed.LayerCost``) for the torchrun layer
+        split. Default: every layer alike; a model adapter states its own cost model."""
+        from .pipeline.distributed import LayerCost
+
+        return LayerCost(float_s=1.0, solve_s=1.0 if targets else 0.0)
 
     def unit_device(self, block: nn.Module, unit: PtqUnit) -> torch.device:
         """The device holding ``unit`` of ``block`` (where its solve runs when the layer is

@@ -20,7 +20,7 @@ page-cache read of RESULTS §5; ``--per-node`` ranks per node). A node's time is
 bytes its ranks build / that bandwidth; the "IO-bound" columns take the max of both.
 
 t_q per layer is ``--solve-ref-s`` (the solving of one V4-Flash ratio-4 layer at 128 x 2048)
-scaled by the layer's solve cost in ``distributed.v4_layer_cost`` against that reference
+scaled by the layer's solve cost in ``models.deepseek_v4.cost.v4_layer_cost`` against that reference
 layer; t_f is the same model's load + forward (rates from RESULTS §4.0 and §5).
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from amct_ext.pipeline import distributed as dist  # noqa: E402
+from models.deepseek_v4.cost import CostRates, v4_layer_cost  # noqa: E402
 
 TOKENS = 128 * 2048              # default calibration: 128 windows x 2048 tokens
 TARGETS = ["attn-linear", "moe"]
@@ -65,7 +66,7 @@ def model_configs():
 def layer_times(config, ref_cost: dist.LayerCost, solve_ref_s: float) -> list[dist.LayerCost]:
     out = []
     for i in range(int(config.n_layers)):
-        c = dist.v4_layer_cost(config, i, TARGETS, TOKENS, EPOCHS)
+        c = v4_layer_cost(config, i, TARGETS, TOKENS, EPOCHS)
         out.append(dist.LayerCost(float_s=c.float_s, solve_s=solve_ref_s * c.solve_s / ref_cost.solve_s))
     return out
 
@@ -83,9 +84,9 @@ def send_makespan(costs, ranges, boundary_bytes: float, link: float) -> float:
 
 def layer_disk_bytes(config, i: int) -> float:
     """Bytes of layer i in the release layout (the cost model's load term times its rate)."""
-    c = dist.v4_layer_cost(config, i, [], TOKENS, 0)
-    forward_only = dist.v4_layer_cost(config, i, [], TOKENS, 0, dist.CostRates(load_bytes_per_s=float("inf")))
-    return (c.float_s - forward_only.float_s) * dist.CostRates().load_bytes_per_s
+    c = v4_layer_cost(config, i, [], TOKENS, 0)
+    forward_only = v4_layer_cost(config, i, [], TOKENS, 0, CostRates(load_bytes_per_s=float("inf")))
+    return (c.float_s - forward_only.float_s) * CostRates().load_bytes_per_s
 
 
 def io_bound(ranges, layer_bytes, builds_per_layer: int, per_node: int, node_bw: float, prefix: bool) -> float:
@@ -106,7 +107,7 @@ def io_bound(ranges, layer_bytes, builds_per_layer: int, per_node: int, node_bw:
 
 def model(solve_ref_s: float, devices: list[int], per_node: int = 8, node_bw: float = 6e9) -> dict:
     cfgs = model_configs()
-    ref = dist.v4_layer_cost(cfgs["V4-Flash"], 2, TARGETS, TOKENS, EPOCHS)   # Flash layer 2: ratio 4
+    ref = v4_layer_cost(cfgs["V4-Flash"], 2, TARGETS, TOKENS, EPOCHS)   # Flash layer 2: ratio 4
     rows = []
     for name, cfg in cfgs.items():
         costs = layer_times(cfg, ref, solve_ref_s)
@@ -134,7 +135,7 @@ def model(solve_ref_s: float, devices: list[int], per_node: int = 8, node_bw: fl
             row["send_io_s"], row["send_io_speedup"] = s_io, t1 / s_io
             rows.append(row)
     return {"inputs": {"solve_ref_s": solve_ref_s, "tokens": TOKENS, "epochs": EPOCHS, "targets": TARGETS,
-                       "rates": dist.CostRates().__dict__, "links_bytes_per_s": LINKS,
+                       "rates": CostRates().__dict__, "links_bytes_per_s": LINKS,
                        "ref_layer": "V4-Flash layer 2 (ratio 4, hash)",
                        "ref_float_s": ref.float_s, "per_node": per_node, "node_read_bytes_per_s": node_bw},
             "rows": rows}

@@ -10,7 +10,8 @@ from amct_ext.quant import formats
 from amct_ext.pipeline.capture import UnitCall
 from amct_ext.quant.quant_linear import QuantLinear
 from amct_ext.quant.schemes import TensorSpec
-from amct_ext.pipeline.solver import solve_unit, unit_mse
+from amct_ext.algorithms.learned_clip import solve_unit
+from amct_ext.pipeline.replay import unit_mse
 
 SPEC = TensorSpec.from_dict({"format": "int", "bits": 3, "granularity": "channel"})
 CPU = torch.device("cpu")
@@ -97,3 +98,24 @@ def test_solver_keeps_rtn_when_rtn_is_exact():
     before, after, best_epoch, _ = solve_unit(unit, calls, epochs=5, lr=5e-2, device=CPU, seed=0, name="u")
     assert before == 0.0 and after == 0.0 and best_epoch == 0
     assert torch.equal(unit.lin.weight_quantizer.clip.detach(), torch.ones(4))
+
+
+def test_learned_clip_algorithm_is_the_solver_through_the_recipe():
+    """``learned_clip`` (the pre-recipe solver as an algorithm of the recipe) run by the recipe
+    runner gives the very clips and losses of ``solve_unit`` on the same unit (its epochs and lr
+    reach the solver; the runner's RTN loss and kept loss are the solver's)."""
+    from amct_ext.algorithms.recipe import parse_algo
+    from amct_ext.algorithms.runner import run_recipe_on_units
+    from amct_ext.pipeline.ptq_units import make_ptq_unit
+
+    w, x, calls = problem()
+    direct = OneLinear(w)
+    before, after, best_epoch, _ = solve_unit(direct, calls, epochs=7, lr=2e-2, device=CPU, seed=3, name="u")
+    assert best_epoch > 0
+    unit = make_ptq_unit("attn", "u", 0, OneLinear(w))
+    # the runner seeds each unit from the run seed and its name, as the old per-unit loop did
+    r, = run_recipe_on_units([unit], {"u": calls}, parse_algo("learned_clip:epochs=7:lr=2e-2"), device=CPU,
+                             seed=3, holdout=0.25)
+    assert torch.equal(unit.module.lin.weight_quantizer.clip.detach(), direct.lin.weight_quantizer.clip.detach())
+    assert (r.loss_before, r.loss_after) == (before, after)
+    assert r.stats["learned_clip"]["best_epoch"] == best_epoch and not r.stats["reverted_to_rtn"]

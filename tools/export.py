@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from amct_ext.errors import AmctError  # noqa: E402
 from tools.run_ptq import MODELS, check_weights_present, resolve_model_path  # noqa: E402
+import models.deepseek_v4  # noqa: E402,F401  (registers V4's binding: amct_ext.base.model_binding)
 
 FORMATS = ("compressed-tensors", "ascend")
 

@@ -60,6 +60,7 @@ scheme or target, mismatched output folder) print one line `error: ...` and exit
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import shutil
@@ -258,8 +259,10 @@ def run(args, phases=None) -> int:
     from amct_ext.errors import DataError
     from amct_ext.io.io_utils import atomic_write_json
     from amct_ext.quant.schemes import load_scheme, parse_targets
-    from amct_ext.pipeline.workflow import (PARAMS_DIR, PtqRuntime, check_seq_len, layer_range, load_calib_windows,
-                                   load_eval_windows, prepare_params_dir, recipe_meta, summary_table)
+    from amct_ext.pipeline.ptq_spec import resolve_spec
+    from amct_ext.pipeline.workflow import (PARAMS_DIR, PtqRuntime, check_seq_len, evaluate_blockwise, layer_range,
+                                   load_calib_windows, load_eval_windows, prepare_params_dir, run_blockwise_ptq,
+                                   summary_table)
     from models.deepseek_v4.adapter import DeepseekV4Adapter
 
     t_start = time.perf_counter()
@@ -272,17 +275,10 @@ def run(args, phases=None) -> int:
 
     # ---- validate everything before writing anything
     scheme = load_scheme(args.scheme)
-    from amct_ext.algorithms.recipe import default_recipe, resolve_recipe
-
     if args.legacy_solver and (args.algo or args.recipe):
         raise ConfigError("--legacy-solver runs the learned-clip solver alone: drop --algo / --recipe")
-    recipe, default_propagate = None, "float"
-    if not args.legacy_solver:
-        d_algo, default_propagate = default_recipe(scheme.name)
-        recipe = resolve_recipe(args.algo, args.recipe, default=d_algo)
-    propagate = args.propagate or default_propagate
-    if dist is not None:   # quantized predecessors make the layers sequential: refused under torchrun
-        distributed.check_propagate(propagate)
+    # --legacy-solver: the pre-recipe solver, an algorithm of the recipe now
+    algo = f"learned_clip:epochs={args.epochs}:lr={args.lr!r}" if args.legacy_solver else args.algo
     targets = scheme.check_targets(parse_targets(args.quant_target))
     if args.calib_data and args.calib_dataset:
         raise ConfigError("pass either --calib-data FILE or --calib-dataset NAME, not both")
@@ -314,6 +310,11 @@ def run(args, phases=None) -> int:
                         batch_size=_default(args, "batch_size"), seed=args.seed,
                         calib_path=calib_path, eval_paths=(str(eval_path),))
     ptq_cfg.check()
+    spec = resolve_spec(scheme, targets, ptq_cfg, algo=algo, recipe_file=args.recipe, propagate=args.propagate,
+                        holdout=args.holdout, guard=not args.no_guard)
+    recipe, propagate = spec.recipe, spec.propagate
+    if dist is not None:   # quantized predecessors make the layers sequential: refused under torchrun
+        distributed.check_propagate(propagate)
     eval_cfg = EvalConfig(seq_len=seq_len, max_windows=_default(args, "eval_windows"),
                           batch_size=_default(args, "eval_batch_size"), data_path=eval_path,
                           sharded=args.sharded_eval)
@@ -338,11 +339,11 @@ def run(args, phases=None) -> int:
                               "activation quantization)")
         if args.export and args.no_ptq:
             raise ConfigError("--export needs learned parameters: drop --no-ptq (or use tools/export.py --scheme for RTN)")
-        rmeta = recipe_meta(recipe, propagate, args.holdout, not args.no_guard)
         calib = load_calib_windows(adapter, ptq_cfg)
         if not args.no_ptq:
-            prepare_params_dir(adapter, out, scheme, targets, ptq_cfg, create=False, calib_windows=calib,
-                               recipe_settings=rmeta)
+            prepare_params_dir(adapter, out, spec, create=False, calib_windows=calib)
+        # one process: the workflow itself; torchrun: its scale-out over the ranks
+        evaluate = evaluate_blockwise if dist is None else functools.partial(distributed.evaluate, dist)
         windows = load_eval_windows(adapter, eval_cfg) if eval_ppl else None
 
         # ---- work
@@ -356,8 +357,8 @@ def run(args, phases=None) -> int:
             for mode in modes:
                 if mode not in ("float", "rtn"):
                     raise ConfigError(f"--ppl-modes: {mode!r} is not float or rtn")
-                r = distributed.evaluate(dist, adapter, windows, eval_cfg, mode, scheme=scheme, targets=targets,
-                                         layers=layers, calib_windows=calib, calib_batch_size=ptq_cfg.batch_size)
+                r = evaluate(adapter, windows, eval_cfg, mode, scheme=scheme, targets=targets,
+                             layers=layers, calib_windows=calib, calib_batch_size=ptq_cfg.batch_size)
                 ppl[mode] = r.ppl
                 evals[mode] = r.to_dict()
                 if mode == "rtn":
@@ -370,11 +371,12 @@ def run(args, phases=None) -> int:
         ptq_wall = None
         if not args.no_ptq:
             t_ptq = time.perf_counter()
-            res = distributed.run_ptq(dist, adapter, scheme, targets, ptq_cfg, out, layers=layers,
-                                      calib_windows=calib, boundary=args.boundary,
-                                      meta_kwargs={"recipe_settings": rmeta},
-                                      recipe=recipe, propagate=propagate, holdout=args.holdout,
-                                      guard=not args.no_guard, runtime=runtime, phases=phases)
+            runtime.phases = phases
+            if dist is None:
+                res = run_blockwise_ptq(adapter, spec, out, layers=layers, calib_windows=calib, runtime=runtime)
+            else:
+                res = distributed.run_ptq(dist, adapter, spec, out, layers=layers, calib_windows=calib,
+                                          boundary=args.boundary, runtime=runtime)
             ptq_wall = time.perf_counter() - t_ptq
             units = res.units
             unobserved["ptq_calibration"] = res.unobserved_static
@@ -383,8 +385,8 @@ def run(args, phases=None) -> int:
             if main_rank:
                 print(summary_table(units), flush=True)
             if eval_ppl:
-                r = distributed.evaluate(dist, adapter, windows, eval_cfg, "ptq", scheme=scheme, targets=targets,
-                                         layers=layers, params_dir=out / PARAMS_DIR)
+                r = evaluate(adapter, windows, eval_cfg, "ptq", scheme=scheme, targets=targets,
+                             layers=layers, params_dir=out / PARAMS_DIR)
                 ppl["quant"] = r.ppl
                 evals["ptq"] = r.to_dict()
                 unobserved["ptq"] = r.unobserved_static
@@ -401,7 +403,7 @@ def run(args, phases=None) -> int:
                             "epochs": ptq_cfg.epochs, "lr": ptq_cfg.lr, "seed": ptq_cfg.seed},
             "eval": None if not eval_ppl else {"path": str(eval_path), "windows": int(windows.shape[0]),
                                                "seq_len": seq_len},
-            "recipe": None if recipe is None else {"algorithms": recipe.settings(), "propagate": propagate,
+            "recipe": {"algorithms": recipe.settings(), "propagate": propagate,
                                                    "holdout": args.holdout, "guard": not args.no_guard},
             "ptq_wall_s": ptq_wall,
             "ppl": ppl,

@@ -51,8 +51,27 @@ import torch
 from ..pipeline.capture import SpilledCalls, UnitCall
 from ..pipeline.ptq_units import PtqUnit
 
-#: unit kinds the V4 adapter yields (ptq_units.PtqUnit.kind)
-UNIT_KINDS = ("attn", "expert", "shared_expert")
+@dataclass(frozen=True)
+class Needs:
+    """What an algorithm needs the workflow to capture for it (``Algorithm.needs()``); the
+    workflow serves the union over the recipe (``Recipe.needs()``) and nothing else.
+
+    ``calls``: every call of the unit stored (args, kwargs, FLOAT output; in host memory up to
+    the capture budget, spilled beyond it) and handed over as ``UnitData.calls``, for
+    algorithms that replay the unit. Without it no call is stored: the layer's float forward
+    accumulates per-leaf statistics instead (``UnitData.hessians``: ``sum x^T x`` of every
+    quantized leaf's input, ``hessians.HessianCollector``), in as many capture passes as the
+    device budget needs (``hessians.plan_hessian_passes``).
+    ``statistics``: on that statistics path, whether the algorithm reads the Hessians. False
+    (RTN) means they only serve the loss report, so the workflow skips the extra passes a
+    layer too large for one pass would cost (V4-Pro).
+    Grouping is declared by ``Algorithm.group_kinds`` (the unit kinds solved jointly)."""
+
+    calls: bool = True
+    statistics: bool = True
+
+    def __or__(self, other: "Needs") -> "Needs":
+        return Needs(calls=self.calls or other.calls, statistics=self.statistics or other.statistics)
 
 
 @dataclass
@@ -126,15 +145,11 @@ class Algorithm(abc.ABC):
         """Everything that changes the result (recorded in ptq_params/meta.json)."""
         return {"name": self.name, **dataclasses.asdict(self)}
 
-    def needs_calls(self) -> bool:
-        """True when the algorithm reads the captured calls (the workflow captures them)."""
-        return True
-
-    def needs_statistics(self) -> bool:
-        """True when the algorithm reads the capture's Hessians (``UnitData.hessians``) on the
-        statistics path. False (RTN) means they only serve the loss report, which the workflow
-        then skips where collecting them would cost extra forward passes (a V4-Pro layer)."""
-        return True
+    def needs(self) -> Needs:
+        """What the workflow must capture for this algorithm (see :class:`Needs`); the
+        default replays calls. Declared here, served by the workflow: a new algorithm never
+        edits ``pipeline/workflow.py`` to get its data."""
+        return Needs()
 
     def check(self) -> None:
         """Validate the fields; raise ``recipe.RecipeError`` naming the field."""

@@ -10,7 +10,7 @@ Per unit:
    kept only if it is also not worse than RTN on the unit's output MSE over the training
    slice (else the start is RTN).
 3. Learned clipping from there: Adam on the clip factors against the unit's output MSE on the
-   training slice (``solver.solve_unit``; the best epoch is kept, so never worse than the
+   training slice (``learned_clip.solve_unit``; the best epoch is kept, so never worse than the
    start on that slice). ``epochs=0`` skips it.
 4. Held-out check: the incoming state (RTN, or what earlier algorithms of the recipe left),
    the grid start and the learned clips are compared on the held-out slice; the best is
@@ -37,9 +37,10 @@ from torch import nn
 from ..quant import formats
 from ..quant.quant_linear import QuantLinear
 from ..quant.quantizers import ActivationQuantizer
-from ..pipeline.solver import solve_unit, unit_mse
+from ..pipeline.replay import replay_calls as _replay, unit_mse
 from .base import Algorithm, SolveContext, UnitData
-from .gptq import _replay, _targets
+from .gptq import leaf_targets as _targets
+from .learned_clip import solve_unit
 from .recipe import RecipeError, register
 from .runner import restore_unit, snapshot_unit
 

@@ -32,7 +32,7 @@ from a replay of the unit's calls in which every earlier stage is already GPTQ-q
 all activation quantizers are on), so w2 sees the inputs of the quantized w1 / w3.
 ``sequential=false`` takes every Hessian from the FLOAT unit instead (llm-compressor's choice:
 all Hessians of a layer from one pass of the unquantized layer): such a GPTQ replays no calls
-(``needs_calls()`` False), so the workflow accumulates the Hessians during the capture itself
+(``needs().calls`` False), so the workflow accumulates the Hessians during the capture itself
 (``hessians.HessianCollector``: no call stored, the MoE's grouped path kept); with stored calls
 (another algorithm of the recipe needs them) one float replay gives the same sums. w1 / w3 of an
 expert read one tensor: they share one Hessian and are solved as one matrix of stacked rows.
@@ -58,8 +58,8 @@ from torch import nn
 from ..quant import formats
 from ..pipeline.capture import UnitCall
 from ..quant.quant_linear import QuantLinear
-from ..pipeline.solver import _to
-from .base import Algorithm, SolveContext, UnitData
+from ..pipeline.replay import replay_calls as _replay
+from .base import Algorithm, Needs, SolveContext, UnitData
 from .recipe import RecipeError, register
 
 
@@ -236,17 +236,12 @@ class _Target:
             self.leaf.invalidate_cache()
 
 
-def _targets(module: nn.Module) -> list[_Target]:
-    """Every leaf of the unit with a quantizing weight spec (QuantLinear / WoAQuant)."""
+def leaf_targets(module: nn.Module) -> list[_Target]:
+    """Every leaf of the unit with a quantizing weight spec (QuantLinear / WoAQuant), with its
+    input layout (``groups``, ``C``) and the module whose input it reads (``hook_module``)."""
     from .hessians import quant_leaves
 
     return [_Target(name, m) for name, m in quant_leaves(module)]
-
-
-def _replay(module: nn.Module, calls: Sequence[UnitCall], device: torch.device) -> None:
-    with torch.no_grad():
-        for call in calls:
-            module(*_to(call.args, device), **_to(call.kwargs, device))
 
 
 def _stages(module: nn.Module, targets: list[_Target], call: UnitCall, device) -> list[list[_Target]]:
@@ -313,17 +308,17 @@ class GPTQ(Algorithm):
         if self.expert_chunk < 1:
             raise RecipeError(f"gptq.expert_chunk must be >= 1, got {self.expert_chunk}")
 
-    def needs_calls(self) -> bool:
+    def needs(self) -> Needs:
         # sequential stages replay the unit with earlier stages quantized; all_tokens feeds every
         # token to every expert: both need the stored calls. Otherwise every Hessian comes from
         # the float layer, accumulated during the capture (algorithms/hessians.py)
-        return self.sequential or self.all_tokens
+        return Needs(calls=self.sequential or self.all_tokens)
 
     def apply(self, unit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
         return self.apply_group([unit], [data], ctx)[0]
 
     def apply_group(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
-        if not self.needs_calls():
+        if not self.needs().calls:
             return self._apply_float_hessians(units, datas, ctx)
         dev = ctx.device
         # all_tokens concerns routed experts only (the other kinds already see every token)
@@ -332,7 +327,7 @@ class GPTQ(Algorithm):
         per_unit = []
         for u, d in zip(units, datas):
             calls = all_calls if all_calls is not None else d.calls
-            targets = _targets(u.module)
+            targets = leaf_targets(u.module)
             per_unit.append((u, calls, targets))
         stats = [{"leaves": 0, "gptq_loss": 0.0, "hessian_tokens": 0} for _ in units]
         # stage structure from the first unit with data (all units of a kind share it)

@@ -2,7 +2,7 @@
 
 GPTQ needs, per quantized leaf, only ``H = sum_x x^T x`` over the leaf's calibration inputs
 (fp32, on the device) and the number of rows. When no algorithm of a recipe replays the
-captured unit calls (``Recipe.needs_calls()`` is False: ``rtn``, ``gptq:sequential=false``), the
+captured unit calls (``Recipe.needs().calls`` is False: ``rtn``, ``gptq:sequential=false``), the
 workflow stores no calls at all: a :class:`HessianCollector` is attached to the layer during its
 ONE float forward and every leaf's Hessian is folded in as the rows go by. Nothing of the
 calibration activations is kept. This is llm-compressor's sequential pipeline as well: all

@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
-from .base import Algorithm
+from .base import Algorithm, Needs
 
 #: algorithm name -> module that registers it (imported lazily, on first lookup)
 BUILTIN_MODULES = {
     "rtn": "amct_ext.algorithms.rtn",
     "gptq": "amct_ext.algorithms.gptq",
     "clip": "amct_ext.algorithms.clipping",
+    "learned_clip": "amct_ext.algorithms.learned_clip",
     "smoothquant": "amct_ext.algorithms.smoothing",
     "awq": "amct_ext.algorithms.smoothing",
     "autoround": "amct_ext.algorithms.rounding",
@@ -135,11 +136,12 @@ class Recipe:
     def settings(self) -> list[dict[str, Any]]:
         return [a.settings() for a in self.algorithms]
 
-    def needs_calls(self) -> bool:
-        return any(a.needs_calls() for a in self.algorithms)
-
-    def needs_statistics(self) -> bool:
-        return any(a.needs_statistics() for a in self.algorithms)
+    def needs(self) -> Needs:
+        """What the workflow captures for this recipe: the union of its algorithms' needs."""
+        out = Needs(calls=False, statistics=False)
+        for a in self.algorithms:
+            out = out | a.needs()
+        return out
 
     def __str__(self) -> str:
         return ",".join(self.names) or "(empty)"

@@ -48,7 +48,7 @@ from ..errors import ConfigError
 from ..quant import formats
 from ..quant.quant_linear import QuantLinear
 from ..quant.quantizers import CLIP_MIN
-from ..pipeline.solver import _output_tensor, _sq_err, unit_mse, unit_seed
+from ..pipeline.replay import call_sq_err as _sq_err, output_tensor as _output_tensor, unit_mse, unit_seed
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..pipeline.solver import unit_mse
-from .base import Algorithm, SolveContext, UnitData
+from ..pipeline.replay import unit_mse
+from .base import Algorithm, Needs, SolveContext, UnitData
 from .recipe import register
 
 
@@ -18,11 +18,9 @@ from .recipe import register
 class RTN(Algorithm):
     name: ClassVar[str] = "rtn"
 
-    def needs_calls(self) -> bool:
-        return False
-
-    def needs_statistics(self) -> bool:
-        return False   # nothing to solve: the Hessians would only measure the RTN loss
+    def needs(self) -> Needs:
+        # nothing to solve: no calls, and the Hessians would only measure the RTN loss
+        return Needs(calls=False, statistics=False)
 
     def apply(self, unit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
         if not len(data):

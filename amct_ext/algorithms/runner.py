@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from ..pipeline.capture import UnitCall
-from ..pipeline.ptq_units import PtqUnit
 from ..quant.quant_linear import QuantLinear
 from ..quant.quantizers import ActivationQuantizer, WeightQuantizer
-from ..pipeline.solver import UnitResult, unit_mse, unit_seed
+from ..pipeline.ptq_units import PtqUnit, UnitResult
+from ..pipeline.replay import unit_mse, unit_seed
 from .base import SolveContext, UnitData
 from .recipe import Recipe
 
@@ -197,10 +197,10 @@ def run_recipe_on_units(units: Sequence[PtqUnit], calls: dict[str, list[UnitCall
     UnitResult per unit (loss_before = RTN, loss_after = the kept state).
 
     ``hessians``: per unit the capture's statistics (``hessians.HessianCollector``) instead of
-    calls, for a recipe that needs no calls (``recipe.needs_calls()`` False); see
+    calls, for a recipe that needs no calls (``recipe.needs().calls`` False); see
     ``_run_on_hessians`` for what the losses and the guard are then."""
     if hessians is not None:
-        if recipe.needs_calls():
+        if recipe.needs().calls:
             raise ValueError(f"recipe {recipe} replays calls: it cannot run on capture statistics")
         return _run_on_hessians(units, hessians, recipe, device=device, seed=seed, dtype=dtype, holdout=holdout,
                                 on_algorithm=on_algorithm)

@@ -41,7 +41,8 @@ from ..pipeline.capture import UnitCall
 from ..errors import ConfigError
 from ..quant.quant_linear import QuantLinear
 from ..quant.quantizers import ActivationQuantizer
-from ..pipeline.solver import _to, unit_mse
+from ..pipeline.capture import detach_to as _to
+from ..pipeline.replay import unit_mse
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
 

@@ -32,7 +32,7 @@ from ..quant import formats
 from ..io.checkpoint import QUANT_STORAGE, CheckpointReader
 from ..errors import CheckpointError, ConfigError, DataError, QuantConfigError
 from ..io.io_utils import atomic_write_json
-from ..quant.quant_linear import QuantLinear
+from ..base import model_binding
 from ..quant.schemes import QuantScheme, load_scheme, parse_targets
 from ..io.storage_formats import decode_fp4, decode_fp8_block
 from ..pipeline.workflow import META_NAME, PARAMS_DIR, load_unit_params
@@ -150,32 +150,18 @@ def _snapshot(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
     return {n: (id(t), t._version) for n, t in _named_tensors(module).items()}
 
 
-def _quant_leaves(block: torch.nn.Module) -> dict[str, Any]:
-    """weight name (relative to the block) -> quantized leaf, for leaves whose weight is quantized."""
-    from models.deepseek_v4.quant_module import WoAQuant
-
-    leaves: dict[str, Any] = {}
-    for name, mod in block.named_modules():
-        if isinstance(mod, QuantLinear) and not mod.weight_quantizer.is_identity:
-            leaves[f"{name}.weight"] = mod
-        elif isinstance(mod, WoAQuant) and not mod.weight_quantizer.is_identity:
-            leaves[f"{name.rpartition('.')[0]}.wo_a.weight"] = mod
-    return leaves
-
-
 class _Exporter:
     def __init__(self, cfg: ExportConfig):
-        from models.deepseek_v4.adapter import check_config_fields
-        from models.deepseek_v4.loading import load_config
-
         self.cfg = cfg
-        check_config_fields(cfg.model_path)
+        # the model family's knowledge (layer builds, quantized leaves, cost), by config.json model_type
+        self.model = model_binding(cfg.model_path)
+        self.model.check_config(cfg.model_path)
         from .readback import exported_quant
 
         if exported_quant(cfg.model_path) is not None:
             # its weights are already on a grid: quantizing them again is not what anyone wants
             raise ConfigError(f"{cfg.model_path} is itself an exported quantized checkpoint; export from the release")
-        self.config = load_config(cfg.model_path)
+        self.config = self.model.load_config(cfg.model_path)
         self.reader = CheckpointReader(cfg.model_path)
         self.device = devmod.resolve_device(cfg.device)
         self.ascend = cfg.format == "ascend"
@@ -242,16 +228,14 @@ class _Exporter:
                       quantize: bool, with_params: bool, stream) -> None:
         """Stream the block's tensors into ``stream`` (a ShardStream): each quantized leaf as soon as it
         is encoded (host memory holds one leaf's output), then everything else."""
-        from models.deepseek_v4 import quant_module
-
         before = _snapshot(block)
         leaves: dict[str, Any] = {}
         if quantize:
-            quant_module.quantize_block(block, self.cfg.scheme, self.cfg.targets)
+            self.model.quantize_block(block, self.cfg.scheme, self.cfg.targets)
             if with_params:
-                for unit in quant_module.iter_block_ptq_units(block, layer_idx, self.cfg.targets):
+                for unit in self.model.iter_ptq_units(block, layer_idx, self.cfg.targets):
                     load_unit_params(unit, self.cfg.params_dir)
-            leaves = _quant_leaves(block)
+            leaves = self.model.quantized_weights(block)
         now = _named_tensors(block)
         consumed: set[str] = set()
         for wname, leaf in leaves.items():
@@ -286,29 +270,24 @@ class _Exporter:
         self._copy_released([k for k in rest if k not in consumed], stream)
 
     def _build_layer(self, i: int) -> torch.nn.Module:
-        from models.deepseek_v4.loading import load_block
-
-        # no expert packing: the export never runs the layer, and packing holds two copies
-        block, _ = load_block(self.reader, self.config, i, self.cfg.dtype, self.device, pack_experts=False)
-        return block
+        return self.model.build_layer(self.reader, self.config, i, self.cfg.dtype, self.device)
 
     def _build_mtp(self, j: int) -> torch.nn.Module | None:
         """The MTP block j as a decoder block (layer id n_layers + j), or None when the release
         lacks some of its block tensors or the config has no compress ratio for it."""
         from amct_ext.runtime.empty import assert_materialized
-        from models.deepseek_v4.loading import empty_block, materialize_derived_buffers
 
         lid = int(self.config.n_layers) + j
         if len(self.config.compress_ratios) <= lid:
             return None
-        block = empty_block(self.config, lid, self.cfg.dtype)
+        block = self.model.empty_layer(self.config, lid, self.cfg.dtype)
         expected = block.state_dict()
         prefix = f"mtp.{j}."
         if not all(self.reader.has(prefix + n) for n in expected):
             return None
         res = self.reader.load_prefix(prefix, expected, device=self.device, dtype=self.cfg.dtype)
         block.load_state_dict(res.tensors, strict=True, assign=True)
-        materialize_derived_buffers(block, self.device)
+        self.model.materialize_derived_buffers(block, self.device)
         assert_materialized(block, f"mtp.{j}")
         return block.eval()
 
@@ -499,7 +478,7 @@ def export_checkpoint_distributed(cfg: ExportConfig, dist_env) -> ExportReport:
     first = _Exporter(cfg)
     n = int(first.config.n_layers)
     layers = range(n)
-    costs = [distributed.v4_layer_cost(first.config, i, cfg.targets, 1, 0) for i in layers]
+    costs = [first.model.layer_cost(first.config, i, cfg.targets, 1, 0) for i in layers]
     ranges = distributed.partition_layers(layers, costs, dist_env.world_size, prefix=False, use="float")
     mine = ranges[dist_env.rank]
     if dist_env.is_main:

@@ -45,17 +45,17 @@ class StopForward(Exception):
     """Raised by Catcher after recording; private to this module and its callers."""
 
 
-def _detach(obj: Any, device: torch.device | str | None) -> Any:
+def detach_to(obj: Any, device: torch.device | str | None) -> Any:
     """Detach tensors in (nested) tuples / lists / dicts, optionally moving them to ``device``."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         return t.to(device) if device is not None else t
     if isinstance(obj, tuple):
-        return tuple(_detach(o, device) for o in obj)
+        return tuple(detach_to(o, device) for o in obj)
     if isinstance(obj, list):
-        return [_detach(o, device) for o in obj]
+        return [detach_to(o, device) for o in obj]
     if isinstance(obj, dict):
-        return {k: _detach(v, device) for k, v in obj.items()}
+        return {k: detach_to(v, device) for k, v in obj.items()}
     return obj
 
 
@@ -89,8 +89,8 @@ class Catcher(nn.Module):
                             f"{type(self.module).__name__}.forward names only {self._pos_names}")
         bound = dict(zip(self._pos_names, args))
         bound.update(kwargs)
-        self.inputs.append(_detach(inp, self.store_device))
-        self.kwargs.append(_detach(bound, self.store_device))
+        self.inputs.append(detach_to(inp, self.store_device))
+        self.kwargs.append(detach_to(bound, self.store_device))
         raise StopForward
 
 
@@ -409,8 +409,8 @@ def capture_unit_io(modules: Mapping[str, nn.Module] | Iterable[Any], run_fn: Ca
         sink = sinks[name]
 
         def hook(_module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            sink.add(UnitCall(_detach(args, store_device), _detach(kwargs, store_device),
-                              _detach(output, store_device)))
+            sink.add(UnitCall(detach_to(args, store_device), detach_to(kwargs, store_device),
+                              detach_to(output, store_device)))
         return hook
 
     try:

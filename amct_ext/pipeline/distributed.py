@@ -48,18 +48,22 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from ..runtime import device as devmod
-from ..base import BaseModel, EvalConfig, PtqConfig, batches
+from ..base import BaseModel, EvalConfig, PtqConfig
 from ..errors import AmctError, ConfigError
 from .perplexity import NllAccumulator
-from ..quant.schemes import QuantScheme, parse_targets
-from .solver import UnitResult
+from ..quant.schemes import QuantScheme
+from .ptq_spec import PtqSpec
+from .ptq_units import UnitResult
+
+if TYPE_CHECKING:
+    from .workflow import PtqRuntime
 
 BOUNDARY_MODES = ("recompute", "send")
 TIMEOUT_ENV = "AMCT_DIST_TIMEOUT_S"
@@ -186,23 +190,8 @@ def check_propagate(propagate: str | None) -> None:
 
 
 # ----------------------------------------------------------------------------- cost model
-@dataclass(frozen=True)
-class CostRates:
-    """Stated rates of the cost model (defaults: the H200 figures of benchmarks/RESULTS.md).
-
-    ``unit_overhead_s``: fixed cost per solved unit (issue 15: a routed expert took 0.2-0.3 s
-    for 8 calls, launch-bound). ``solve_flop_rate``: effective FLOP/s of the solver's replays
-    (forward + backward ~ 6 FLOPs per weight per token per epoch). ``load_bytes_per_s``: build
-    and load of a layer (RESULTS §5: 3.36 GiB on disk in 1.14 s). ``forward_flop_rate``: float
-    forward, with the per-kind factors measured in RESULTS §4.0 (replay, S = 4096)."""
-
-    unit_overhead_s: float = 0.25
-    solve_flop_rate: float = 1.0e14
-    load_bytes_per_s: float = 3.0e9
-    forward_flop_rate: float = 2.0e14
-    kind_factor: tuple[tuple[int, float], ...] = ((0, 1.0), (4, 10.02 / 6.84), (128, 7.89 / 6.84))
-
-
+# The layer costs come from the model's adapter (``BaseModel.layer_cost``; DeepSeek-V4's cost
+# model is ``models/deepseek_v4/cost.py``); this module only splits layers by them.
 @dataclass(frozen=True)
 class LayerCost:
     """Seconds (under ``CostRates``) of one layer: its float pass (load + forward over the
@@ -215,58 +204,6 @@ class LayerCost:
     def ptq_s(self) -> float:
         """A quantized layer: loaded and run once (capture), then its units solved."""
         return self.float_s + self.solve_s
-
-
-def _param_count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-_COUNTS: dict[tuple, tuple[int, int, int, int]] = {}
-
-
-def _v4_param_counts(config: Any, layer_idx: int) -> tuple[int, int, int, int]:
-    """(attention, one routed expert, shared experts, whole layer) weights of a layer, from a
-    meta build; cached per layer kind (a meta build of 256 experts takes ~0.5 s)."""
-    ratio = int(config.compress_ratios[layer_idx])
-    key = (json.dumps(vars(config), sort_keys=True, default=str), ratio, layer_idx < int(config.n_hash_layers))
-    if key not in _COUNTS:
-        from models.deepseek_v4.loading import empty_block
-
-        block = empty_block(config, layer_idx)
-        shared = block.ffn.shared_experts
-        _COUNTS[key] = (_param_count(block.attn), _param_count(block.ffn.experts[0]),
-                        _param_count(shared) if shared is not None else 0, _param_count(block))
-    return _COUNTS[key]
-
-
-def v4_layer_cost(config: Any, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int,
-                  rates: CostRates = CostRates()) -> LayerCost:
-    """The cost of DeepSeek-V4 layer ``layer_idx`` from its shapes (a meta build, no memory):
-    the attention's weights grow with the compress ratio (compressor at 4 and 128, indexer at
-    4), the MoE's with the number and width of the experts; a routed expert sees topk / E of
-    the tokens. ``n_tokens``: calibration tokens (samples x seq_len)."""
-    targets = list(parse_targets(targets)) if targets else []
-    attn, expert, shared, total = _v4_param_counts(config, layer_idx)
-    n_exp = int(config.n_routed_experts)
-    topk = int(config.n_activated_experts)
-    ratio = int(config.compress_ratios[layer_idx])
-    factor = dict(rates.kind_factor).get(ratio, 1.0)
-    routed_tokens = n_tokens * topk / n_exp
-
-    solve_s, n_units = 0.0, 0
-    passes = 6.0 * max(1, epochs + 1)          # epochs of forward + backward, plus the loss evaluations
-    if "attn-linear" in targets:
-        n_units += 1
-        solve_s += passes * attn * n_tokens / rates.solve_flop_rate
-    if "moe" in targets:
-        n_units += n_exp + (1 if shared else 0)
-        solve_s += passes * (n_exp * expert * routed_tokens + shared * n_tokens) / rates.solve_flop_rate
-    solve_s += n_units * rates.unit_overhead_s
-    # release layout: FP4 experts (~0.53 byte / weight with scales), FP8 elsewhere (~1.0)
-    disk_bytes = 0.53 * n_exp * expert + 1.0 * (total - n_exp * expert)
-    active = attn + topk * expert + shared
-    forward_s = 2.0 * active * n_tokens * factor / rates.forward_flop_rate
-    return LayerCost(float_s=disk_bytes / rates.load_bytes_per_s + forward_s, solve_s=solve_s)
 
 
 def partition_layers(layers: range, costs: Sequence[LayerCost], n_ranks: int, *, prefix: bool = True,
@@ -602,51 +539,51 @@ def is_comm_failure(exc: BaseException) -> bool:
 def ptq_ranges(adapter: BaseModel, dist_env: DistEnv, layers: range, targets: Sequence[str],
                cfg: PtqConfig) -> list[range]:
     n_tokens = cfg.n_samples * cfg.seq_len
-    costs = [v4_layer_cost(adapter.config, i, targets, n_tokens, cfg.epochs) for i in range(layers.stop)]
+    costs = [adapter.layer_cost(i, targets, n_tokens, cfg.epochs) for i in range(layers.stop)]
     return partition_layers(layers, costs, dist_env.world_size)
 
 
 def eval_ranges(adapter: BaseModel, dist_env: DistEnv, n_tokens: int) -> list[range]:
     every = range(adapter.num_layers)
-    costs = [v4_layer_cost(adapter.config, i, [], n_tokens, 0) for i in every]
+    costs = [adapter.layer_cost(i, [], n_tokens, 0) for i in every]
     return partition_layers(every, costs, dist_env.world_size, prefix=False, use="float")
 
 
-def run_ptq(dist_env: DistEnv | None, adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str],
-            cfg: PtqConfig, output_dir: str | Path, *, layers: range, calib_windows: torch.Tensor,
-            boundary: str = "recompute", ranges: Sequence[range] | None = None,
-            on_unit_done: Callable[[UnitResult], None] | None = None, meta_kwargs: dict[str, Any] | None = None,
-            **ptq_kwargs: Any):
-    """``workflow.run_blockwise_ptq`` over the ranks (one process when ``dist_env`` is None).
+def run_ptq(dist_env: DistEnv, adapter: BaseModel, spec: PtqSpec, output_dir: str | Path, *, layers: range,
+            calib_windows: torch.Tensor, boundary: str = "recompute", ranges: Sequence[range] | None = None,
+            runtime: PtqRuntime | None = None):
+    """``workflow.run_blockwise_ptq`` over the ranks of a torchrun job (one process calls
+    ``run_blockwise_ptq`` itself).
 
     Every rank returns the whole run's unit results (gathered, in layer order) and the largest
-    peak memory; ``result.ranges`` holds the split. ``ptq_kwargs`` go to every
-    ``run_blockwise_ptq`` call (e.g. a recipe); ``meta_kwargs`` to rank 0's
-    ``prepare_params_dir`` (it must write the meta.json that run_blockwise_ptq expects, e.g.
-    ``recipe_settings``)."""
-    from .workflow import (MemoryStats, PtqResult, embed_stream, float_layer_output, prepare_params_dir,
-                           run_blockwise_ptq)
+    peak memory; ``result.ranges`` holds the split. Rank 0 writes the meta.json of ``spec``
+    before any rank writes a unit; every rank then runs its range with ``spec`` and
+    ``runtime`` (its ``on_unit_done`` defaults to the test hook ``die_hook``)."""
+    from .workflow import (LayerSlice, MemoryStats, PtqResult, PtqRuntime, embed_stream, float_layer_output,
+                           prepare_params_dir, run_blockwise_ptq)
 
+    if dist_env is None:
+        raise DistributedError("distributed.run_ptq needs a torchrun environment; one process calls "
+                               "workflow.run_blockwise_ptq")
     if boundary not in BOUNDARY_MODES:
         raise ConfigError(f"boundary mode {boundary!r} is unknown; valid: {', '.join(BOUNDARY_MODES)}")
-    if dist_env is None:
-        return run_blockwise_ptq(adapter, scheme, targets, cfg, output_dir, layers=layers,
-                                 calib_windows=calib_windows, on_unit_done=on_unit_done, **ptq_kwargs)
-    check_propagate(ptq_kwargs.get("propagate"))
+    spec = spec.resolved()
+    check_propagate(spec.propagate)
     t0 = time.perf_counter()
-    targets = scheme.check_targets(parse_targets(targets))
+    scheme, targets, cfg = spec.scheme, spec.targets, spec.calibration
     ranges = list(ranges) if ranges is not None else ptq_ranges(adapter, dist_env, layers, targets, cfg)
     mine = ranges[dist_env.rank]
     if dist_env.is_main:
-        prepare_params_dir(adapter, output_dir, scheme, targets, cfg, calib_windows=calib_windows,
-                           **(meta_kwargs or {}))   # before any unit
+        prepare_params_dir(adapter, output_dir, spec, calib_windows=calib_windows)   # before any unit
     barrier(dist_env)
-    hook = on_unit_done or die_hook(dist_env)
+    runtime = runtime or PtqRuntime()
+    if runtime.on_unit_done is None:
+        runtime = replace(runtime, on_unit_done=die_hook(dist_env))
     res = None
     if boundary == "recompute":
         if len(mine):
-            res = run_blockwise_ptq(adapter, scheme, targets, cfg, output_dir, layers=mine,
-                                    calib_windows=calib_windows, on_unit_done=hook, float_like=layers, **ptq_kwargs)
+            res = run_blockwise_ptq(adapter, spec, output_dir, layers=mine, calib_windows=calib_windows,
+                                    runtime=runtime, part=LayerSlice(float_like=layers))
     else:
         # the boundary stream: rank 0 embeds and runs the float layers before the quantized range
         first = mine.start
@@ -666,9 +603,8 @@ def run_ptq(dist_env: DistEnv | None, adapter: BaseModel, scheme: QuantScheme, t
                 adapter.release_block(block)
             send_stream(out, dist_env.rank + 1, dist_env)
         if len(mine):
-            res = run_blockwise_ptq(adapter, scheme, targets, cfg, output_dir, layers=mine,
-                                    calib_windows=calib_windows, on_unit_done=hook, start=(first, stream),
-                                    **ptq_kwargs)
+            res = run_blockwise_ptq(adapter, spec, output_dir, layers=mine, calib_windows=calib_windows,
+                                    runtime=runtime, part=LayerSlice(start=(first, stream)))
     local_units = [u.to_dict() for u in res.units] if res is not None else []
     peak = res.memory.peak_memory_bytes if res is not None else devmod.peak_memory_bytes(adapter.device)
     gathered = all_gather_json({"units": local_units, "peak": peak, "seconds": time.perf_counter() - t0,
@@ -687,73 +623,40 @@ def run_ptq(dist_env: DistEnv | None, adapter: BaseModel, scheme: QuantScheme, t
 
 
 # ----------------------------------------------------------------------------- perplexity
-def evaluate(dist_env: DistEnv | None, adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfig,
+def evaluate(dist_env: DistEnv, adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfig,
              mode: str = "float", *, scheme: QuantScheme | None = None, targets: Sequence[str] | None = None,
              layers: range | None = None, calib_windows: torch.Tensor | None = None, calib_batch_size: int = 1,
              params_dir: str | Path | None = None, ranges: Sequence[range] | None = None):
-    """``workflow.evaluate_blockwise`` as a pipeline over the ranks (one process when
-    ``dist_env`` is None). Every rank returns the same PPL; memory is this rank's."""
-    from .workflow import (EvalResult, MemoryStats, Stream, _module_bytes, check_eval_args, embed_stream,
-                           eval_block, eval_needs_calibration, evaluate_blockwise, layer_range)
+    """``workflow.evaluate_blockwise`` as a pipeline over the ranks: this rank's stage (its
+    layers by forward cost, kept built; streams from the previous rank, to the next one; the
+    last rank's sums broadcast). Every rank returns the same PPL; memory is this rank's. One
+    process calls ``evaluate_blockwise`` itself."""
+    from .workflow import EvalStage, evaluate_blockwise
 
     if dist_env is None:
-        return evaluate_blockwise(adapter, windows, cfg, mode, scheme=scheme, targets=targets, layers=layers,
-                                  calib_windows=calib_windows, calib_batch_size=calib_batch_size,
-                                  params_dir=params_dir)
+        raise DistributedError("distributed.evaluate needs a torchrun environment; one process calls "
+                               "workflow.evaluate_blockwise")
     import torch.distributed as tdist
 
-    targets, pdir = check_eval_args(mode, cfg, scheme, targets, params_dir)
-    layers = layers if layers is not None else layer_range(adapter)
     ranges = list(ranges) if ranges is not None else eval_ranges(adapter, dist_env, int(windows.numel()))
-    mine = ranges[dist_env.rank]
-    dev = adapter.device
-    devmod.reset_peak_memory(dev)
-    t0 = time.perf_counter()
-    needs_calib = eval_needs_calibration(mode, scheme, targets, calib_windows)
     prev, nxt = dist_env.rank - 1, dist_env.rank + 1
-    # 1. this rank's layers, built once and kept (the calibration stream for static specs flows first)
-    calib = None
-    if needs_calib:
-        calib = embed_stream(adapter, calib_windows, calib_batch_size) if dist_env.is_main \
-            else recv_stream(prev, dist_env)
-    blocks = []
-    mem = MemoryStats(device=str(dev), peak_memory_bytes=0)
-    unobserved = 0
-    for i in mine:
-        block, calib, n_unobserved = eval_block(adapter, i, mode, mode != "float" and i in layers, cfg,
-                                                scheme=scheme, targets=targets, calib=calib, pdir=pdir)
-        unobserved += n_unobserved
-        mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
-        blocks.append(block)
-    if needs_calib and not dist_env.is_last:
-        send_stream(calib, nxt, dist_env)
-    # 2. window batches through the pipeline, in the one-process order
-    acc = NllAccumulator()
-    for ids in batches(windows, cfg.batch_size):
-        if dist_env.is_main:
-            s = Stream(adapter.do_embedding_forward([ids]), list(adapter.sample_state))
-        else:
-            s = recv_stream(prev, dist_env)
-        for block in blocks:
-            # graphed=False: a replay graph lives for one do_block_forward call, here one batch
-            s = Stream(adapter.do_block_forward(block, s.hidden, s.state), s.state)
-        if dist_env.is_last:
-            acc.update(adapter.do_head_forward(s.hidden[0]), ids)
-        else:
-            send_stream(s, nxt, dist_env)
-    for block in blocks:
-        adapter.release_block(block)
-    # 3. the last rank's sums to everyone (a broadcast: the very float64 the last rank summed)
-    tot = torch.tensor([acc.total_nll, float(acc.count)], dtype=torch.float64, device=dist_env.comm_device)
-    tdist.broadcast(tot, src=dist_env.world_size - 1)
-    acc.total_nll, acc.count = float(tot[0].item()), int(tot[1].item())
-    n_unobs = torch.tensor([unobserved], dtype=torch.int64, device=dist_env.comm_device)
-    tdist.all_reduce(n_unobs)   # static quantizers left in float, over every rank's layers
-    devmod.synchronize(dev)
-    mem.peak_memory_bytes = devmod.peak_memory_bytes(dev)
-    return EvalResult(mode=mode, ppl=acc.ppl, n_windows=int(windows.shape[0]), seq_len=int(windows.shape[1]),
-                      n_tokens=acc.count, seconds=time.perf_counter() - t0, memory=mem,
-                      unobserved_static=int(n_unobs.item()))
+
+    def reduce(acc: NllAccumulator, unobserved: int) -> int:
+        # the last rank's sums to everyone (a broadcast: the very float64 the last rank summed)
+        tot = torch.tensor([acc.total_nll, float(acc.count)], dtype=torch.float64, device=dist_env.comm_device)
+        tdist.broadcast(tot, src=dist_env.world_size - 1)
+        acc.total_nll, acc.count = float(tot[0].item()), int(tot[1].item())
+        n_unobs = torch.tensor([unobserved], dtype=torch.int64, device=dist_env.comm_device)
+        tdist.all_reduce(n_unobs)   # static quantizers left in float, over every rank's layers
+        return int(n_unobs.item())
+
+    stage = EvalStage(ranges[dist_env.rank], resident=True,
+                      recv=None if dist_env.is_main else (lambda: recv_stream(prev, dist_env)),
+                      send=None if dist_env.is_last else (lambda s: send_stream(s, nxt, dist_env)),
+                      reduce=reduce)
+    return evaluate_blockwise(adapter, windows, cfg, mode, scheme=scheme, targets=targets, layers=layers,
+                              calib_windows=calib_windows, calib_batch_size=calib_batch_size,
+                              params_dir=params_dir, stage=stage)
 
 
 # ----------------------------------------------------------------------------- export hook

@@ -6,7 +6,7 @@ A unit is a sub-module whose float output the solver reproduces with its quantiz
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Iterator
 
 from torch import nn
@@ -25,6 +25,26 @@ class PtqUnit:
         """``layer_{i}_{unit}``: the name of the unit's parameter file (without suffix)."""
         local = self.name[len(f"layers.{self.layer_idx}."):] if self.name.startswith("layers.") else self.name
         return f"layer_{self.layer_idx}_{local.replace('.', '_')}"
+
+
+@dataclass
+class UnitResult:
+    """What the report says about one solved unit."""
+
+    name: str
+    kind: str
+    layer: int
+    loss_before: float | None       # RTN MSE on the captured calibration calls (None: no calls)
+    loss_after: float | None        # MSE of the kept parameters (<= loss_before with the guard)
+    seconds: float
+    n_calls: int
+    n_params: int                   # learnable scalars (0: nothing learned, or not counted)
+    best_epoch: int                 # 0 = RTN kept, k = after epoch k (epoch-based algorithms)
+    resumed: bool = False           # loaded from an earlier run's files, not solved now
+    stats: dict[str, Any] | None = None   # per-algorithm statistics (algorithms/runner.py)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def make_ptq_unit(kind: str, name: str, layer_idx: int, module: nn.Module, **metadata: Any) -> PtqUnit:

@@ -14,7 +14,7 @@ model and the calibration windows, so a resumed run recomputes exactly the same 
 produces bit-identical parameters; (3) one forward per layer gives both the captured unit I/O
 and the next layer's input. (Quantized predecessors would let later layers compensate earlier
 errors, at the cost of a second pass per layer and of resume determinism.)
-``run_blockwise_ptq(propagate='quant')`` (``--propagate quant``) does exactly that: after a
+``PtqSpec(propagate='quant')`` (``--propagate quant``) does exactly that: after a
 layer's units are solved, the quantized layer's output is the next layer's input (a resumed
 run reloads the finished units first, so it stays bit-identical). Which is better is measured
 per scheme on the quality table (benchmarks/RESULTS.md §8; algorithms/recipe.py defaults).
@@ -61,8 +61,9 @@ from ..io.io_utils import atomic_save, atomic_write_json, safe_torch_load
 from .perplexity import NllAccumulator, load_eval_text, tokenize_windows
 from .phases import NO_PHASES
 from ..quant.quantizers import ActivationQuantizer
-from ..quant.schemes import QuantScheme, parse_targets
-from .solver import UnitResult, timed_solve
+from ..quant.schemes import QuantScheme
+from .ptq_spec import PtqSpec
+from .ptq_units import UnitResult
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,6 @@ META_NAME = "meta.json"
 # 2: the full fingerprint (dtype, device type, calibration hashes, checkpoint identity)
 META_VERSION = 2
 MODES = ("float", "rtn", "ptq")
-#: what later layers are calibrated on: float predecessors, or the quantized ones (sequential)
-PROPAGATE = ("float", "quant")
 
 
 class ParamsMismatchError(AmctError):
@@ -254,23 +253,20 @@ def checkpoint_identity(model_path: Path) -> dict[str, Any]:
     return {}
 
 
-def params_meta(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig,
-                calib_windows: torch.Tensor | None = None,
-                recipe_meta: dict[str, Any] | None = None) -> dict[str, Any]:
+def params_meta(adapter: BaseModel, spec: PtqSpec, calib_windows: torch.Tensor | None = None) -> dict[str, Any]:
     """Everything that changes a unit's result (ptq_params/meta.json). A resumed run must agree
     on every field; display-only entries (names) are listed in ``_DISPLAY_ONLY``."""
+    spec = spec.resolved()
+    cfg = spec.calibration
     model_id = adapter.model_id() if hasattr(adapter, "model_id") else {"name": str(adapter.model_path)}
     calib = cfg.calibration_settings()
     text = cfg.calibration_text()
     calib["text_sha256"] = _sha256_file(text) if text.is_file() else None
     if calib_windows is not None:
         calib["windows_sha256"] = windows_sha256(calib_windows)
-    solver = cfg.solver_settings()
-    if recipe_meta:  # recipe runs (algorithms/): the recipe's settings, propagation, guard
-        solver = {**solver, **recipe_meta}
-    return {"version": META_VERSION, "scheme": scheme.name,
-            "scheme_fingerprint": scheme.fingerprint(), "targets": list(targets),
-            "solver": solver, "dtype": dtype_name(adapter.run.dtype),
+    return {"version": META_VERSION, "scheme": spec.scheme.name,
+            "scheme_fingerprint": spec.scheme.fingerprint(), "targets": list(spec.targets),
+            "solver": spec.solver_meta(), "dtype": dtype_name(adapter.run.dtype),
             "device_type": adapter.device.type, "calibration": calib, "model": model_id,
             "checkpoint": checkpoint_identity(Path(adapter.model_path))}
 
@@ -433,41 +429,95 @@ def eval_block(adapter: BaseModel, i: int, mode: str, quant: bool, cfg: EvalConf
     return block, calib, unobserved
 
 
+@dataclass
+class EvalStage:
+    """Where this process sits in an evaluation. One process (the default): every layer, one
+    at a time over every window batch (memory: one layer plus the hidden states). A pipeline
+    rank (``distributed.evaluate``): its ``layers`` stay built (``resident``) and each window
+    batch flows through all of them as it arrives; ``recv`` gives the previous rank's stream
+    (None: this stage embeds), ``send`` passes a stream on (None: this stage computes the head
+    NLL), ``reduce(acc, unobserved)`` shares the last stage's sums and returns the job's count
+    of unobserved static quantizers."""
+
+    layers: range
+    resident: bool = False
+    recv: Callable[[], Stream] | None = None
+    send: Callable[[Stream], None] | None = None
+    reduce: Callable[[NllAccumulator, int], int] | None = None
+
+
 def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfig, mode: str = "float", *,
                        scheme: QuantScheme | None = None, targets: Sequence[str] | None = None,
                        layers: range | None = None, calib_windows: torch.Tensor | None = None,
-                       calib_batch_size: int = 1, params_dir: str | Path | None = None) -> EvalResult:
+                       calib_batch_size: int = 1, params_dir: str | Path | None = None,
+                       stage: EvalStage | None = None) -> EvalResult:
     """Perplexity of ``windows`` ``[n, S]`` with the model run layer by layer.
 
     ``mode``: 'float'; 'rtn' (``quantize_block`` on ``layers``, no learning; static activation
     specs observed on ``calib_windows`` flowing through the FLOAT layers); 'ptq' (the same
     wrappers with the parameters saved in ``params_dir``, i.e. OUTPUT/ptq_params). Layers
-    outside ``layers`` stay float.
+    outside ``layers`` stay float. ``stage``: this process's part of a pipelined evaluation
+    over torchrun ranks (``EvalStage``; ``distributed.evaluate`` builds it); None = the whole
+    model here.
     """
     targets, pdir = check_eval_args(mode, cfg, scheme, targets, params_dir)
     layers = layers if layers is not None else layer_range(adapter)
+    stage = stage if stage is not None else EvalStage(range(adapter.num_layers))
     dev = adapter.device
     devmod.reset_peak_memory(dev)
     t0 = time.perf_counter()
 
     needs_calib = eval_needs_calibration(mode, scheme, targets, calib_windows)
-    stream = embed_stream(adapter, windows, cfg.batch_size)
-    calib = embed_stream(adapter, calib_windows, calib_batch_size) if needs_calib else None
-    mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=stream.nbytes + (calib.nbytes if calib else 0))
+
+    def calibration_stream() -> Stream | None:
+        """The calibration stream for static specs (it flows through the layers first)."""
+        if not needs_calib:
+            return None
+        return stage.recv() if stage.recv is not None else embed_stream(adapter, calib_windows, calib_batch_size)
+
+    mem = MemoryStats(device=str(dev), peak_memory_bytes=0)
     unobserved = 0
-
-    for i in _tqdm(range(adapter.num_layers), desc=f"ppl[{mode}] layers", disable=not adapter.run.progress):
-        block, calib, n_unobserved = eval_block(adapter, i, mode, mode != "float" and i in layers, cfg,
-                                                scheme=scheme, targets=targets, calib=calib, pdir=pdir)
-        unobserved += n_unobserved
-        mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
-        stream = Stream(adapter.do_block_forward(block, stream.hidden, stream.state, progress=f"layer {i}",
-                                                 graphed=cfg.graphs and not cfg.sharded), stream.state)
-        adapter.release_block(block)
-
     acc = NllAccumulator()
-    for h, ids in zip(stream.hidden, batches(windows, cfg.batch_size)):
-        acc.update(adapter.do_head_forward(h), ids)
+    if not stage.resident:
+        stream = embed_stream(adapter, windows, cfg.batch_size)
+        calib = calibration_stream()
+        mem.hidden_bytes = stream.nbytes + (calib.nbytes if calib else 0)
+        for i in _tqdm(stage.layers, desc=f"ppl[{mode}] layers", disable=not adapter.run.progress):
+            block, calib, n_unobserved = eval_block(adapter, i, mode, mode != "float" and i in layers, cfg,
+                                                    scheme=scheme, targets=targets, calib=calib, pdir=pdir)
+            unobserved += n_unobserved
+            mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
+            stream = Stream(adapter.do_block_forward(block, stream.hidden, stream.state, progress=f"layer {i}",
+                                                     graphed=cfg.graphs and not cfg.sharded), stream.state)
+            adapter.release_block(block)
+        for h, ids in zip(stream.hidden, batches(windows, cfg.batch_size)):
+            acc.update(adapter.do_head_forward(h), ids)
+    else:
+        calib = calibration_stream()
+        blocks = []
+        for i in stage.layers:
+            block, calib, n_unobserved = eval_block(adapter, i, mode, mode != "float" and i in layers, cfg,
+                                                    scheme=scheme, targets=targets, calib=calib, pdir=pdir)
+            unobserved += n_unobserved
+            mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
+            blocks.append(block)
+        if needs_calib and stage.send is not None:
+            stage.send(calib)
+        # window batches through the stage, in the one-process order
+        for ids in batches(windows, cfg.batch_size):
+            s = (stage.recv() if stage.recv is not None
+                 else Stream(adapter.do_embedding_forward([ids]), list(adapter.sample_state)))
+            for block in blocks:
+                # graphed=False: a replay graph lives for one do_block_forward call, here one batch
+                s = Stream(adapter.do_block_forward(block, s.hidden, s.state), s.state)
+            if stage.send is None:
+                acc.update(adapter.do_head_forward(s.hidden[0]), ids)
+            else:
+                stage.send(s)
+        for block in blocks:
+            adapter.release_block(block)
+    if stage.reduce is not None:
+        unobserved = stage.reduce(acc, unobserved)
     devmod.synchronize(dev)
     mem.peak_memory_bytes = devmod.peak_memory_bytes(dev)
     return EvalResult(mode=mode, ppl=acc.ppl, n_windows=int(windows.shape[0]), seq_len=int(windows.shape[1]),
@@ -498,11 +548,13 @@ class PtqRuntime:
     ``adapter.shard_devices()`` (``dispatch.build_layer_device_map``, the ``--sharded-eval``
     placement) and solve every unit on the device that holds it, for layers that do not fit
     one device. ``make_sink(unit)``: a ``capture.CallSink`` for the unit (e.g. an algorithm's
-    statistics sink), or None for the store's default."""
+    statistics sink), or None for the store's default. ``phases``: a ``phases.PhaseTimer``
+    recording each step's time and peak memory (benchmarks). ``on_unit_done(result)``: called
+    after each unit is saved (progress reporting; tests use it to interrupt)."""
 
     capture_memory_bytes: int | None = None
     sharded: bool = False
-    #: a recipe that replays no calls (``Recipe.needs_calls()`` False) gets per-leaf Hessians
+    #: a recipe that replays no calls (``Recipe.needs().calls`` False) gets per-leaf Hessians
     #: accumulated during the capture instead of stored calls; False stores calls anyway
     statistics: bool = True
     make_sink: Callable[[Any], CallSink | None] | None = None
@@ -510,6 +562,8 @@ class PtqRuntime:
     #: units need more is captured in several passes (``hessians.plan_hessian_passes``).
     #: None = ``HESSIAN_MEMORY_FRACTION`` of the accelerator's memory, no limit on cpu.
     hessian_memory_bytes: int | None = None
+    phases: Any = None
+    on_unit_done: Callable[[UnitResult], None] | None = None
 
     def check(self) -> None:
         if self.capture_memory_bytes is not None and self.capture_memory_bytes < 0:
@@ -552,86 +606,74 @@ def _resumed_result(params_dir: Path, unit) -> UnitResult:
     return r
 
 
-def recipe_meta(recipe, propagate: str = "float", holdout: float = 0.25, guard: bool = True) -> dict[str, Any] | None:
-    """What a recipe run adds to meta.json's solver settings (None: the legacy clip solver)."""
-    if recipe is None:
-        return None if propagate == "float" else {"propagate": propagate}
-    return {"recipe": recipe.settings(), "propagate": propagate, "holdout": holdout, "guard": guard}
-
-
-def prepare_params_dir(adapter: BaseModel, output_dir: str | Path, scheme: QuantScheme,
-                       targets: Sequence[str], cfg: PtqConfig, create: bool = True,
-                       calib_windows: torch.Tensor | None = None,
-                       recipe_settings: dict[str, Any] | None = None) -> Path:
+def prepare_params_dir(adapter: BaseModel, output_dir: str | Path, spec: PtqSpec, create: bool = True,
+                       calib_windows: torch.Tensor | None = None) -> Path:
     """Check (and, with ``create``, write) OUTPUT/ptq_params/meta.json; returns the folder.
     With ``create=False`` nothing is written: the caller validates before doing any work.
-    ``calib_windows``: the windows the run calibrates on (default: drawn from ``cfg``); their
-    hash is part of the fingerprint."""
+    ``calib_windows``: the windows the run calibrates on (default: drawn from
+    ``spec.calibration``); their hash is part of the fingerprint."""
     pdir = Path(output_dir) / PARAMS_DIR
     if calib_windows is None:
-        calib_windows = load_calib_windows(adapter, cfg)
-    meta = params_meta(adapter, scheme, targets, cfg, calib_windows, recipe_settings)
+        calib_windows = load_calib_windows(adapter, spec.calibration)
+    meta = params_meta(adapter, spec, calib_windows)
     exists = check_params_dir(pdir, meta)
     if create and not exists:
         atomic_write_json(meta, pdir / META_NAME)
     return pdir
 
 
-def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence[str], cfg: PtqConfig,
-                      output_dir: str | Path, *, layers: range | None = None,
-                      calib_windows: torch.Tensor | None = None,
-                      on_unit_done: Callable[[UnitResult], None] | None = None,
-                      recipe=None, propagate: str = "float", holdout: float = 0.25,
-                      guard: bool = True, runtime: PtqRuntime | None = None, phases=None,
-                      float_like: range | None = None, start: tuple[int, Stream] | None = None) -> PtqResult:
-    """Quantize every unit of ``layers`` and save its parameters under OUTPUT/ptq_params.
+@dataclass(frozen=True)
+class LayerSlice:
+    """A layer range of a larger run (``amct_ext.pipeline.distributed``). ``float_like``: that
+    run's range; predecessors inside it run as its quantized layers did
+    (``float_layer_output``), so the hidden states are bit for bit those of the larger run.
+    ``start = (k, stream)``: the float inputs of layer k are given (received from another
+    rank); layers < k are not run."""
+
+    float_like: range | None = None
+    start: tuple[int, Stream] | None = None
+
+
+def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path, *,
+                      layers: range | None = None, calib_windows: torch.Tensor | None = None,
+                      runtime: PtqRuntime | None = None, part: LayerSlice | None = None) -> PtqResult:
+    """Quantize every unit of ``layers`` with ``spec``'s recipe and save its parameters under
+    OUTPUT/ptq_params.
 
     Per layer i (built on the compute device, or spread over the devices with
     ``runtime.sharded``): build it, ``quantize_block``, run it once with quantizers OFF over
-    the calibration inputs X_i while capturing every unit's calls (this is the float layer, bit
-    for bit: the targets are float outputs); observe static activation ranges; then solve, each
-    unit where it is.
+    the calibration inputs X_i while capturing what the recipe declares it needs
+    (``Recipe.needs()``: every unit's calls, or per-leaf statistics in as many passes as the
+    device budget allows; this is the float layer, bit for bit: the targets are float
+    outputs); observe static activation ranges; then run the recipe on the layer's units
+    (``algorithms.runner.run_recipe_on_units``: the kinds an algorithm groups solved jointly,
+    the RTN guard, the held-out share), each unit where it is.
 
-    ``recipe`` None: the legacy solver (learned clipping, ``cfg.epochs`` / ``cfg.lr``) per unit.
-    A ``algorithms.Recipe``: its algorithms in order on the layer's units
-    (``algorithms.runner.run_recipe_on_units``; group entry points for the routed experts),
-    with ``guard`` (fall back to RTN for a unit the recipe made worse on its calibration calls)
-    and ``holdout`` (the share of calls held out by algorithms that validate, e.g. clip).
-
-    ``propagate``: 'float' -- X_{i+1} is the float layer's output (see the module doc);
-    'quant' -- X_{i+1} is the output of the quantized layer i after solving (sequential, as
-    GPTQ / llm-compressor do: later layers compensate earlier errors; one more forward per layer).
-
-    ``runtime`` (``PtqRuntime``): capture memory budget / spilling, sharded layers.
-    ``phases``: a ``phases.PhaseTimer`` recording each step's time and peak memory (benchmarks).
-
-    ``on_unit_done`` is called after each unit is saved (progress reporting; tests use it to
-    interrupt).
-
-    For a layer range of a larger run (amct_ext.pipeline.distributed): ``float_like`` is that run's
-    range; predecessors inside it run as its quantized layers did (``float_layer_output``), so
-    the hidden states are bit for bit those of the larger run. ``start = (k, stream)``: the
-    float inputs of layer k are given (received from another rank); layers < k are not run.
+    ``spec`` (``PtqSpec``): scheme, targets, calibration, recipe (None: the scheme's default,
+    as on the command line), propagation ('float': X_{i+1} is the float layer's output, see
+    the module doc; 'quant': the quantized layer's output after solving), holdout and guard.
+    ``runtime`` (``PtqRuntime``): memory budgets, sharded layers, phase timer, progress hook.
+    ``part`` (``LayerSlice``): this call is a layer range of a larger (torchrun) run.
     """
-    cfg.check()
-    if propagate not in PROPAGATE:
-        raise ConfigError(f"propagate={propagate!r} is unknown; valid: {', '.join(PROPAGATE)}")
-    if not (0 <= holdout < 1):
-        raise ConfigError(f"holdout={holdout} must lie in [0, 1)")
+    spec = spec.resolved()
+    cfg, scheme, targets, recipe = spec.calibration, spec.scheme, spec.targets, spec.recipe
+    propagate, holdout, guard = spec.propagate, spec.holdout, spec.guard
     runtime = runtime or PtqRuntime()
     runtime.check()
-    ph = phases if phases is not None else NO_PHASES
+    part = part or LayerSlice()
+    float_like, start = part.float_like, part.start
+    ph = runtime.phases if runtime.phases is not None else NO_PHASES
+    on_unit_done = runtime.on_unit_done
     sharded = runtime.sharded
-    targets = scheme.check_targets(parse_targets(targets))
     layers = layers if layers is not None else layer_range(adapter)
     if calib_windows is None:
         calib_windows = load_calib_windows(adapter, cfg)
-    pdir = prepare_params_dir(adapter, output_dir, scheme, targets, cfg, calib_windows=calib_windows,
-                              recipe_settings=recipe_meta(recipe, propagate, holdout, guard))
+    pdir = prepare_params_dir(adapter, output_dir, spec, calib_windows=calib_windows)
     dev = adapter.device
     devmod.reset_peak_memory(dev)
     t0 = time.perf_counter()
     result = PtqResult(params_dir=str(pdir))
+    needs = recipe.needs()
 
     if start is not None and not 0 <= start[0] <= layers.start:
         raise ConfigError(f"run_blockwise_ptq: the given stream enters layer {start[0]}, after the first "
@@ -664,7 +706,7 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
         # a recipe that replays no calls (rtn, gptq:sequential=false) gets per-leaf Hessians
         # accumulated during the float forward instead of stored calls (algorithms/hessians.py);
         # the layer then keeps its fast paths (the MoE's grouped GEMMs report their rows)
-        stats_mode = recipe is not None and not recipe.needs_calls() and not sharded and runtime.statistics
+        stats_mode = not needs.calls and not sharded and runtime.statistics
         hessians = collector = None
         if not stats_mode:
             adapter.prepare_capture(block)        # every unit called as a module: hooks see it
@@ -686,7 +728,7 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                     # more than one pass only when the layer's Hessians exceed the budget
                     todo_units = [u for u in units if u.name in todo]
                     passes = plan_hessian_passes(todo_units, runtime.hessian_budget(dev))
-                    if len(passes) > 1 and not recipe.needs_statistics():
+                    if len(passes) > 1 and not needs.statistics:
                         # RTN: the Hessians would only measure its loss; not worth extra passes
                         passes = [todo_units]
                         hessians = {u.name: {} for u in todo_units}
@@ -718,77 +760,59 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                     if unit.name not in todo:
                         load_unit_params(unit, pdir)
                 finish_static(block, i)   # counted once, by the observe pass above
-            if recipe is None:
-                for unit in _tqdm(units, desc=f"layer {i} units", leave=False, disable=not adapter.run.progress):
-                    if unit.name not in todo:
-                        result.units.append(_resumed_result(pdir, unit))
-                        continue
-                    with ph.phase(f"solve:{unit.kind}", layer=i):
-                        # solved where the layer is: the compute device, or where the sharded
-                        # placement put the unit
-                        udev = adapter.unit_device(block, unit) if sharded else dev
-                        r = timed_solve(unit, calls.pop(unit.name), epochs=cfg.epochs, lr=cfg.lr, device=udev,
-                                        seed=cfg.seed)
-                        sinks.pop(unit.name).discard()      # its spilled calls are no longer needed
-                    with ph.phase("write", layer=i):
-                        _save_unit(pdir, unit, r)
-                    result.units.append(r)
-                    if on_unit_done is not None:
-                        on_unit_done(r)
-            else:
-                from ..algorithms.runner import run_recipe_on_units
+            from ..algorithms.runner import run_recipe_on_units
 
-                todo_units = [u for u in units if u.name in todo]
-                solved: dict[str, UnitResult] = {}
-                done: dict[str, UnitResult] = {}
-                if stats_mode and todo_units:
-                    # pass by pass: each pass's Hessians are solved and freed before the next
-                    # pass collects its own (passes[0]'s were collected by the capture above)
-                    for k, pass_units in enumerate(passes):
-                        if k > 0:
-                            with ph.phase("capture", layer=i):
-                                adapter.set_quant_enabled(block, False)
-                                # the output is pass 0's again: not kept (a host copy of the layer's)
-                                collector, hessians, _ = _collect_hessians(adapter, block, calib, pass_units,
-                                                                           keep_output=False)
-                                adapter.set_quant_enabled(block, True)
-                        with ph.phase("solve:recipe", layer=i, device=str(dev)):
-                            rs = run_recipe_on_units(pass_units, {}, recipe, device=dev, seed=cfg.seed,
-                                                     dtype=adapter.run.dtype, holdout=holdout, guard=guard,
-                                                     hessians=hessians)
-                        done.update({u.name: r for u, r in zip(pass_units, rs)})
-                        # written pass by pass: an interrupted layer resumes at its next pass
-                        for unit in pass_units:
-                            with ph.phase("write", layer=i):
-                                _save_unit(pdir, unit, done[unit.name])
-                            solved[unit.name] = done[unit.name]
-                            if on_unit_done is not None:
-                                on_unit_done(done[unit.name])
-                        hessians = None
-                        if collector is not None:
-                            collector.free()
-                            collector = None
-                        devmod.empty_cache(dev)
-                # one recipe run per device holding units (a sharded layer): the grouped
-                # algorithms stack a group's experts, which must share a device
-                by_dev: dict[torch.device, list] = {}
-                for u in (todo_units if not stats_mode else ()):
-                    by_dev.setdefault(adapter.unit_device(block, u) if sharded else dev, []).append(u)
-                for udev, group in by_dev.items():
-                    with ph.phase("solve:recipe", layer=i, device=str(udev)):
-                        rs = run_recipe_on_units(group, calls, recipe, device=udev, seed=cfg.seed,
+            todo_units = [u for u in units if u.name in todo]
+            solved: dict[str, UnitResult] = {}
+            done: dict[str, UnitResult] = {}
+            if stats_mode and todo_units:
+                # pass by pass: each pass's Hessians are solved and freed before the next
+                # pass collects its own (passes[0]'s were collected by the capture above)
+                for k, pass_units in enumerate(passes):
+                    if k > 0:
+                        with ph.phase("capture", layer=i):
+                            adapter.set_quant_enabled(block, False)
+                            # the output is pass 0's again: not kept (a host copy of the layer's)
+                            collector, hessians, _ = _collect_hessians(adapter, block, calib, pass_units,
+                                                                       keep_output=False)
+                            adapter.set_quant_enabled(block, True)
+                    with ph.phase("solve:recipe", layer=i, device=str(dev)):
+                        rs = run_recipe_on_units(pass_units, {}, recipe, device=dev, seed=cfg.seed,
                                                  dtype=adapter.run.dtype, holdout=holdout, guard=guard,
                                                  hessians=hessians)
-                    done.update({u.name: r for u, r in zip(group, rs)})
-                if todo_units:
-                    for unit, r in [(u, done[u.name]) for u in todo_units if u.name not in solved]:
+                    done.update({u.name: r for u, r in zip(pass_units, rs)})
+                    # written pass by pass: an interrupted layer resumes at its next pass
+                    for unit in pass_units:
                         with ph.phase("write", layer=i):
-                            _save_unit(pdir, unit, r)
-                        solved[unit.name] = r
+                            _save_unit(pdir, unit, done[unit.name])
+                        solved[unit.name] = done[unit.name]
                         if on_unit_done is not None:
-                            on_unit_done(r)
-                calls = {}
-                result.units += [solved[u.name] if u.name in solved else _resumed_result(pdir, u) for u in units]
+                            on_unit_done(done[unit.name])
+                    hessians = None
+                    if collector is not None:
+                        collector.free()
+                        collector = None
+                    devmod.empty_cache(dev)
+            # one recipe run per device holding units (a sharded layer): the grouped
+            # algorithms stack a group's experts, which must share a device
+            by_dev: dict[torch.device, list] = {}
+            for u in (todo_units if not stats_mode else ()):
+                by_dev.setdefault(adapter.unit_device(block, u) if sharded else dev, []).append(u)
+            for udev, group in by_dev.items():
+                with ph.phase("solve:recipe", layer=i, device=str(udev)):
+                    rs = run_recipe_on_units(group, calls, recipe, device=udev, seed=cfg.seed,
+                                             dtype=adapter.run.dtype, holdout=holdout, guard=guard,
+                                             hessians=hessians)
+                done.update({u.name: r for u, r in zip(group, rs)})
+            if todo_units:
+                for unit, r in [(u, done[u.name]) for u in todo_units if u.name not in solved]:
+                    with ph.phase("write", layer=i):
+                        _save_unit(pdir, unit, r)
+                    solved[unit.name] = r
+                    if on_unit_done is not None:
+                        on_unit_done(r)
+            calls = {}
+            result.units += [solved[u.name] if u.name in solved else _resumed_result(pdir, u) for u in units]
         finally:
             for s in sinks.values():
                 s.discard()

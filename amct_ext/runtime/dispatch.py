@@ -1,12 +1,14 @@
 """Per-layer device maps and accelerate-hook dispatch of one transformer block.
 
-A DeepSeek-V4 block is split into units that can live on different devices:
+A block is split into placement units that can live on different devices; which submodules
+form them is the model adapter's to say (a ``LayerPlacement``; DeepSeek-V4's is
+``models.deepseek_v4.adapter.V4_PLACEMENT``):
 
-- stem:     everything that is not one of the units below (norms, ``hc_*`` params, the MoE
-            gate, the shared expert, containers) -- the block's forward runs here;
-- attn:     ``attn`` and its submodules (except the indexer);
-- indexer:  ``attn.indexer`` and its submodules (layers with compress ratio 4 only);
-- experts:  ``ffn.experts.{e}`` and their submodules, one unit per expert.
+- stem:     everything that is not one of the units below (norms, gates, containers) -- the
+            block's forward runs here;
+- attn:     the attention module and its submodules (except the indexer);
+- indexer:  the attention's indexer and its submodules (in the layers that have one);
+- experts:  ``{experts_prefix}{e}`` and their submodules, one unit per routed expert.
 
 Placement rule (``build_layer_device_map``), with devices d0..d{n-1}:
   stem -> d0; attn -> d1 (d0 if n == 1); indexer -> d2 when present and n >= 3, else attn's
@@ -25,6 +27,7 @@ forward code sees everything on the stem device.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -45,14 +48,23 @@ def _expert_id(name: str, experts_prefix: str) -> str | None:
     return head or None
 
 
-def classify(name: str, attn_name: str = "attn", indexer_name: str = "attn.indexer",
-             experts_prefix: str = "ffn.experts.") -> str:
+@dataclass(frozen=True)
+class LayerPlacement:
+    """The placement units of a layer by submodule name (relative to the layer): ``attn``,
+    ``indexer`` (None: the model has none) and the prefix of the routed experts' names."""
+
+    attn: str
+    indexer: str | None
+    experts_prefix: str
+
+
+def classify(name: str, placement: LayerPlacement) -> str:
     """'indexer' | 'attn' | 'expert' | 'stem' for a submodule / parameter name."""
-    if indexer_name and _under(name, indexer_name):
+    if placement.indexer and _under(name, placement.indexer):
         return "indexer"
-    if attn_name and _under(name, attn_name):
+    if placement.attn and _under(name, placement.attn):
         return "attn"
-    if _expert_id(name, experts_prefix) is not None:
+    if _expert_id(name, placement.experts_prefix) is not None:
         return "expert"
     return "stem"
 
@@ -62,14 +74,14 @@ def _id_sort_key(e: str) -> tuple[int, int | str]:
 
 
 def build_layer_device_map(module_names: Iterable[str], devices: Sequence[torch.device | str],
-                           indexer_name: str = "attn.indexer", attn_name: str = "attn",
-                           experts_prefix: str = "ffn.experts.") -> dict[str, torch.device]:
+                           placement: LayerPlacement) -> dict[str, torch.device]:
     """Map every name in ``module_names`` (plus the root ``''``) to a device; see module doc."""
+    experts_prefix = placement.experts_prefix
     devs = [torch.device(d) for d in devices]
     if not devs:
         raise ValueError("build_layer_device_map: at least one device is required")
     names = list(dict.fromkeys(module_names))  # de-duplicate, keep order
-    kinds = {n: classify(n, attn_name, indexer_name, experts_prefix) for n in names}
+    kinds = {n: classify(n, placement) for n in names}
     has_indexer = "indexer" in kinds.values()
 
     n = len(devs)

@@ -4,6 +4,7 @@ Nothing here registers with transformers' Auto classes: transformers >= 5.10 own
 ``deepseek_v4`` (see casebook/deepseek-v4.md, "two DeepseekV4 classes")."""
 from .configuration import DeepseekV4Config
 from .modeling import DeepseekV4ForCausalLM
+from .binding import V4_BINDING  # noqa: F401  (registers V4 with amct_ext.base.model_binding)
 
 __all__ = ["DeepseekV4Config", "DeepseekV4ForCausalLM", "load_checkpoint_model"]
 

@@ -36,7 +36,8 @@ from torch import nn
 from amct_ext.base import BaseModel, RunConfig
 from amct_ext.pipeline.capture import Catcher, run_until_caught
 from amct_ext.io.checkpoint import CheckpointReader
-from amct_ext.runtime.dispatch import build_layer_device_map, dispatch_layer, resolve_device_for, undispatch_layer
+from amct_ext.runtime.dispatch import (LayerPlacement, build_layer_device_map, dispatch_layer, resolve_device_for,
+                                       undispatch_layer)
 from amct_ext.runtime.empty import assert_materialized
 from amct_ext.errors import CheckpointError, ConfigError
 from amct_ext.pipeline.ptq_units import PtqUnit
@@ -65,6 +66,11 @@ REQUIRED_CONFIG_FIELDS = (
 
 # attribute set on a sharded block: the devices its map was built over (for re-dispatch)
 _SHARD_ATTR = "_amct_shard_devices"
+
+
+#: how a V4 layer is spread over devices (runtime/dispatch.py): attention, its indexer (the
+#: ratio-4 layers), routed experts one unit each; the rest (norms, hc, gate, shared expert) is the stem
+V4_PLACEMENT = LayerPlacement(attn="attn", indexer="attn.indexer", experts_prefix="ffn.experts.")
 
 
 def check_config_fields(model_path) -> None:
@@ -169,7 +175,7 @@ class DeepseekV4Adapter(BaseModel):
         """Direct placement: one ``load_prefix`` per device group, tensors decoded on the device."""
         block = empty_block(self.config, layer_idx, self.dtype)
         names = [n for n, _ in block.named_modules() if n]
-        dmap = build_layer_device_map(names, devices)
+        dmap = build_layer_device_map(names, devices, V4_PLACEMENT)
         groups: dict[torch.device, dict[str, torch.Tensor]] = defaultdict(dict)
         for key, meta in block.state_dict().items():
             owner = key.rpartition(".")[0]
@@ -211,7 +217,7 @@ class DeepseekV4Adapter(BaseModel):
             return super().unit_device(block, unit)
         names = [n for n, _ in block.named_modules() if n]
         local = unit.name[len(f"layers.{unit.layer_idx}."):]
-        return resolve_device_for(local, build_layer_device_map(names, devices))
+        return resolve_device_for(local, build_layer_device_map(names, devices, V4_PLACEMENT))
 
     # ------------------------------------------------------------------ quantization hooks
     def quantize_block(self, block: Block, scheme, targets: Sequence[str]) -> Block:
@@ -223,13 +229,19 @@ class DeepseekV4Adapter(BaseModel):
         quant_module.quantize_block(block, scheme, list(self.parse_targets(targets)))
         if devices is not None:
             names = [n for n, _ in block.named_modules() if n]
-            dispatch_layer(block, build_layer_device_map(names, devices))
+            dispatch_layer(block, build_layer_device_map(names, devices, V4_PLACEMENT))
         return block
 
     @staticmethod
     def parse_targets(targets: str | Sequence[str]) -> list[str]:
         """Validated targets; 'mlp' is refused (V4's feed-forward layers are MoE: use 'moe')."""
         return parse_targets(targets)
+
+    def layer_cost(self, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int):
+        """V4's cost model from the layer's shapes (``cost.v4_layer_cost``)."""
+        from .cost import v4_layer_cost
+
+        return v4_layer_cost(self.config, layer_idx, targets, n_tokens, epochs)
 
     def iter_ptq_units(self, block: Block, layer_idx: int, targets: Sequence[str]) -> Iterator[PtqUnit]:
         return quant_module.iter_block_ptq_units(block, layer_idx, list(self.parse_targets(targets)))

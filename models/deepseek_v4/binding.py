@@ -1,0 +1,77 @@
+"""DeepSeek-V4's ``ModelBinding``: what the export and the torchrun cost model need to know
+about V4 without a running adapter (``amct_ext/`` never imports ``models``; it looks the
+binding up by config.json ``model_type``, ``amct_ext.base.model_binding``). Registered when
+``models.deepseek_v4`` is imported."""
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from amct_ext.base import ModelBinding, register_model_binding
+from amct_ext.pipeline.ptq_units import PtqUnit
+
+
+class V4Binding(ModelBinding):
+    model_type = "deepseek_v4"
+
+    def check_config(self, model_path) -> None:
+        from .adapter import check_config_fields
+
+        check_config_fields(model_path)
+
+    def load_config(self, model_path) -> Any:
+        from .loading import load_config
+
+        return load_config(model_path)
+
+    def build_layer(self, reader, config, layer_idx: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        from .loading import load_block
+
+        # no expert packing: the export never runs the layer, and packing holds two copies
+        block, _ = load_block(reader, config, layer_idx, dtype, device, pack_experts=False)
+        return block
+
+    def empty_layer(self, config, layer_id: int, dtype: torch.dtype | None = None) -> nn.Module:
+        from .loading import empty_block
+
+        return empty_block(config, layer_id) if dtype is None else empty_block(config, layer_id, dtype)
+
+    def materialize_derived_buffers(self, block: nn.Module, device: torch.device) -> None:
+        from .loading import materialize_derived_buffers
+
+        materialize_derived_buffers(block, device)
+
+    def quantize_block(self, block: nn.Module, scheme, targets: Sequence[str]) -> nn.Module:
+        from . import quant_module
+
+        return quant_module.quantize_block(block, scheme, targets)
+
+    def iter_ptq_units(self, block: nn.Module, layer_idx: int, targets: Sequence[str]) -> Iterator[PtqUnit]:
+        from . import quant_module
+
+        return quant_module.iter_block_ptq_units(block, layer_idx, targets)
+
+    def quantized_weights(self, block: nn.Module) -> dict[str, nn.Module]:
+        """QuantLinear leaves by their own weight; a WoAQuant (the grouped output projection's
+        quantizer, a child of the attention) holds the checkpoint's ``attn.wo_a.weight``."""
+        from amct_ext.quant.quant_linear import QuantLinear
+
+        from .quant_module import WoAQuant
+
+        leaves: dict[str, nn.Module] = {}
+        for name, mod in block.named_modules():
+            if isinstance(mod, QuantLinear) and not mod.weight_quantizer.is_identity:
+                leaves[f"{name}.weight"] = mod
+            elif isinstance(mod, WoAQuant) and not mod.weight_quantizer.is_identity:
+                leaves[f"{name.rpartition('.')[0]}.wo_a.weight"] = mod
+        return leaves
+
+    def layer_cost(self, config, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int):
+        from .cost import v4_layer_cost
+
+        return v4_layer_cost(config, layer_idx, targets, n_tokens, epochs)
+
+
+V4_BINDING = register_model_binding(V4Binding())
