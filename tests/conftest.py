@@ -16,6 +16,8 @@ if str(REPO) not in sys.path:
 DATA = REPO / "amct_ext" / "data"
 WIKI_TEST_RAW = DATA / "wikitext-2-raw" / "wiki.test.raw"     # evaluation only
 WIKI_VALID = DATA / "wikitext-2" / "wiki.valid.tokens"        # calibration / training
+import models.deepseek_v4  # noqa: E402,F401  (registers V4's ModelBinding: amct_ext.base.model_binding)
+
 CONFIGS = REPO / "models" / "deepseek_v4" / "configs"         # V4-Flash / V4-Pro config.json
 SPEC = REPO / "models" / "deepseek_v4" / "SPEC.md"
 

@@ -16,6 +16,7 @@ import torch
 from amct_ext.algorithms.recipe import default_recipe, parse_algo
 from amct_ext.base import EvalConfig, PtqConfig, RunConfig
 from amct_ext.quant.schemes import load_scheme
+from amct_ext.pipeline.ptq_spec import PtqSpec
 from amct_ext.pipeline.workflow import PARAMS_DIR, evaluate_blockwise, load_calib_windows, load_eval_windows, run_blockwise_ptq
 from models.deepseek_v4.adapter import DeepseekV4Adapter
 from tests.conftest import REPO
@@ -36,8 +37,8 @@ def test_default_recipe_beats_rtn_at_3_bits(tmp_path, wiki_test_raw):
     cfg = PtqConfig(n_samples=CALIB, seq_len=SEQ, batch_size=1, seed=0)
     calib = load_calib_windows(adapter, cfg)
     algo, propagate = default_recipe(SCHEME)
-    run_blockwise_ptq(adapter, scheme, targets, cfg, tmp_path, calib_windows=calib, recipe=parse_algo(algo),
-                      propagate=propagate, layers=LAYERS)
+    run_blockwise_ptq(adapter, PtqSpec(scheme, targets, cfg, recipe=parse_algo(algo), propagate=propagate),
+                      tmp_path, calib_windows=calib, layers=LAYERS)
     rtn = evaluate_blockwise(adapter, windows, ecfg, "rtn", scheme=scheme, targets=targets, layers=LAYERS).ppl
     ptq = evaluate_blockwise(adapter, windows, ecfg, "ptq", scheme=scheme, targets=targets, layers=LAYERS,
                              params_dir=tmp_path / PARAMS_DIR).ppl

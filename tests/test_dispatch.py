@@ -2,8 +2,19 @@ import pytest
 import torch
 from torch import nn
 
-from amct_ext.runtime.dispatch import (build_layer_device_map, classify, dispatch_layer,
-                               resolve_device_for, undispatch_layer)
+from amct_ext.runtime.dispatch import build_layer_device_map as _build_map
+from amct_ext.runtime.dispatch import classify as _classify
+from amct_ext.runtime.dispatch import dispatch_layer, resolve_device_for, undispatch_layer
+from models.deepseek_v4.adapter import V4_PLACEMENT
+
+
+def build_layer_device_map(names, devices):
+    """The placement rule on V4's unit names (the adapter's LayerPlacement)."""
+    return _build_map(names, devices, V4_PLACEMENT)
+
+
+def classify(name):
+    return _classify(name, V4_PLACEMENT)
 
 N_EXPERTS = 6
 

@@ -17,6 +17,7 @@ import torch
 
 from amct_ext.runtime import device as devmod
 from amct_ext.pipeline import distributed as dist
+from models.deepseek_v4.cost import CostRates, v4_layer_cost
 from amct_ext.errors import AmctError
 from amct_ext.io.io_utils import safe_torch_load
 from models.deepseek_v4.tiny import tiny_config
@@ -64,14 +65,14 @@ def test_quantized_propagation_is_refused_in_one_line():
 
 def test_cost_model_follows_the_layer_kind():
     cfg = tiny_config()                      # compress ratios [0, 4, 128, 4]
-    cost = [dist.v4_layer_cost(cfg, i, ["attn-linear", "moe"], 128 * 2048, 2) for i in range(4)]
+    cost = [v4_layer_cost(cfg, i, ["attn-linear", "moe"], 128 * 2048, 2) for i in range(4)]
     # same experts: ratio 4 (compressor + indexer) > ratio 128 (compressor) > ratio 0
     assert cost[1].solve_s > cost[2].solve_s > cost[0].solve_s
     assert cost[1].float_s > cost[0].float_s
     assert cost[1].solve_s == cost[3].solve_s          # hash vs score routing: the same units
-    more = dist.v4_layer_cost(tiny_config(n_routed_experts=16), 0, ["attn-linear", "moe"], 128 * 2048, 2)
-    assert more.solve_s > cost[0].solve_s + 7 * dist.CostRates().unit_overhead_s   # 8 more units
-    attn_only = dist.v4_layer_cost(cfg, 0, ["attn-linear"], 128 * 2048, 2)
+    more = v4_layer_cost(tiny_config(n_routed_experts=16), 0, ["attn-linear", "moe"], 128 * 2048, 2)
+    assert more.solve_s > cost[0].solve_s + 7 * CostRates().unit_overhead_s   # 8 more units
+    attn_only = v4_layer_cost(cfg, 0, ["attn-linear"], 128 * 2048, 2)
     assert attn_only.solve_s < cost[0].solve_s and attn_only.float_s == cost[0].float_s
 
 
@@ -270,7 +271,7 @@ def test_export_over_two_ranks_writes_the_one_process_files(tiny_ckpt, tmp_path)
 
     config = load_config(tiny_ckpt)
     n = int(config.n_layers)
-    costs = [dist.v4_layer_cost(config, i, ["attn-linear", "moe"], 1, 0) for i in range(n)]
+    costs = [v4_layer_cost(config, i, ["attn-linear", "moe"], 1, 0) for i in range(n)]
     ranges = dist.partition_layers(range(n), costs, 2, prefix=False, use="float")
     assert len(ranges[0]) and len(ranges[1])     # both ranks really export layers
     proc = _torchrun([*args, "--out", str(tmp_path / "two")], tool=REPO / "tools" / "export.py")

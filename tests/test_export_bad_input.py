@@ -29,12 +29,13 @@ def fake_run(tmp_path_factory):
     """A run_ptq output folder with a real meta.json (w8a8 on the tiny asset) and no units."""
     from amct_ext.base import PtqConfig, RunConfig
     from amct_ext.quant.schemes import load_scheme
+    from amct_ext.pipeline.ptq_spec import PtqSpec
     from amct_ext.pipeline.workflow import prepare_params_dir
     from models.deepseek_v4.adapter import DeepseekV4Adapter
 
     run = tmp_path_factory.mktemp("run")
     with DeepseekV4Adapter(RunConfig(TINY, device="cpu", progress=False)) as a:
-        prepare_params_dir(a, run, load_scheme("w8a8"), ["attn-linear", "moe"], PtqConfig())
+        prepare_params_dir(a, run, PtqSpec(load_scheme("w8a8"), ["attn-linear", "moe"], PtqConfig()))
     return run
 
 

@@ -56,6 +56,7 @@ def ptq_runs(tmp_path_factory, windows, texts):
     """scheme -> (run folder, PTQ PPL): one PTQ run per scheme, shared by both formats."""
     from amct_ext.base import PtqConfig
     from amct_ext.quant.schemes import load_scheme
+    from amct_ext.pipeline.ptq_spec import PtqSpec
     from amct_ext.pipeline.workflow import PARAMS_DIR, evaluate_blockwise, run_blockwise_ptq
 
     win, ecfg = windows
@@ -67,8 +68,9 @@ def ptq_runs(tmp_path_factory, windows, texts):
             run = tmp_path_factory.mktemp(f"run-{scheme}")
             with _adapter(TINY) as a:
                 # one calibration window, one epoch: the clips move (the export must carry them)
-                run_blockwise_ptq(a, sch, targets, PtqConfig(epochs=1, lr=5e-3, n_samples=1, seq_len=SEQ,
-                                                             calib_path=texts[1]), run, layers=LAYERS)
+                cfg = PtqConfig(epochs=1, lr=5e-3, n_samples=1, seq_len=SEQ, calib_path=texts[1])
+                run_blockwise_ptq(a, PtqSpec(sch, targets, cfg, recipe="learned_clip:epochs=1:lr=5e-3"), run,
+                                  layers=LAYERS)
                 cache[scheme] = run, evaluate_blockwise(a, win, ecfg, "ptq", scheme=sch, targets=targets,
                                                         layers=LAYERS, params_dir=run / PARAMS_DIR).ppl
         return cache[scheme]

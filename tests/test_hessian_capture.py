@@ -14,6 +14,7 @@ from amct_ext.base import PtqConfig
 from amct_ext.pipeline.capture import capture_unit_io
 from amct_ext.io.io_utils import safe_torch_load
 from amct_ext.quant.schemes import QuantScheme, load_scheme
+from amct_ext.pipeline.ptq_spec import PtqSpec
 from amct_ext.pipeline.workflow import PARAMS_DIR, PtqRuntime, load_calib_windows, run_blockwise_ptq
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -128,7 +129,7 @@ def test_gptq_on_statistics_equals_gptq_on_stored_calls():
 
     twin_units = list(iter_block_ptq_units(twin, 1, TARGETS))
     recipe = parse_algo("gptq:sequential=false")
-    assert not recipe.needs_calls()
+    assert not recipe.needs().calls
     col, _ = _collect(block, units, x, ids, grouped=True)
     set_quant_enabled(block, True)
     rs = run_recipe_on_units(units, {}, recipe, device=torch.device("cpu"), seed=0,
@@ -181,16 +182,16 @@ def test_workflow_stores_no_calls_for_a_statistics_recipe(tiny_adapter, tmp_path
 
     calib = load_calib_windows(tiny_adapter, PTQ)
     recipe = parse_algo("gptq:sequential=false")
-    ref = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "calls",
-                            layers=range(1, 2), calib_windows=calib, recipe=recipe, guard=False,
+    ref = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe, guard=False),
+                            tmp_path / "calls", layers=range(1, 2), calib_windows=calib,
                             runtime=PtqRuntime(statistics=False))
 
     def no_calls(*a, **k):
         raise AssertionError("the statistics path must not capture calls")
 
     monkeypatch.setattr(wf, "capture_unit_io", no_calls)
-    res = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "stats",
-                            layers=range(1, 2), calib_windows=calib, recipe=recipe, guard=False)
+    res = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe, guard=False),
+                            tmp_path / "stats", layers=range(1, 2), calib_windows=calib)
     pa = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "calls" / PARAMS_DIR).glob("*.pt"))}
     pb = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "stats" / PARAMS_DIR).glob("*.pt"))}
     assert pa.keys() == pb.keys() and len(pa) > 3
@@ -236,8 +237,8 @@ def test_workflow_in_several_hessian_passes_equals_one_pass(tiny_adapter, tmp_pa
 
     calib = load_calib_windows(tiny_adapter, PTQ)
     recipe = parse_algo("gptq:sequential=false")
-    one = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "one",
-                            layers=range(1, 2), calib_windows=calib, recipe=recipe, guard=False,
+    one = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe, guard=False),
+                            tmp_path / "one", layers=range(1, 2), calib_windows=calib,
                             runtime=PtqRuntime(hessian_memory_bytes=1 << 40))
     block = tiny_adapter.block(1, device="cpu")
     tiny_adapter.quantize_block(block, load_scheme("w8a8"), TARGETS)
@@ -252,8 +253,8 @@ def test_workflow_in_several_hessian_passes_equals_one_pass(tiny_adapter, tmp_pa
         return out
 
     monkeypatch.setattr(tiny_adapter, "do_block_forward", forward)
-    many = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "many",
-                             layers=range(1, 2), calib_windows=calib, recipe=recipe, guard=False,
+    many = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe, guard=False),
+                             tmp_path / "many", layers=range(1, 2), calib_windows=calib,
                              runtime=PtqRuntime(hessian_memory_bytes=2 * estimated_hessian_bytes(expert)))
     pa = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "one" / PARAMS_DIR).glob("*.pt"))}
     pb = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "many" / PARAMS_DIR).glob("*.pt"))}
@@ -275,14 +276,14 @@ def test_rtn_skips_hessians_that_would_need_extra_passes(tiny_adapter, tmp_path,
 
     calib = load_calib_windows(tiny_adapter, PTQ)
     recipe = parse_algo("rtn")
-    assert not recipe.needs_statistics() and parse_algo("rtn,gptq:sequential=false").needs_statistics()
-    full = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "full",
-                             layers=range(1, 2), calib_windows=calib, recipe=recipe)
+    assert not recipe.needs().statistics and parse_algo("rtn,gptq:sequential=false").needs().statistics
+    full = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe),
+                             tmp_path / "full", layers=range(1, 2), calib_windows=calib)
     made = []
     monkeypatch.setattr(hs, "HessianCollector", lambda *a, **k: made.append(1) or (_ for _ in ()).throw(
         AssertionError("no Hessians for RTN under a splitting budget")))
-    tight = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "tight",
-                              layers=range(1, 2), calib_windows=calib, recipe=recipe,
+    tight = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe),
+                              tmp_path / "tight", layers=range(1, 2), calib_windows=calib,
                               runtime=PtqRuntime(hessian_memory_bytes=1))
     assert not made
     assert all(u.loss_before is not None for u in full.units)
@@ -349,8 +350,9 @@ def test_an_interrupted_multi_pass_layer_resumes_at_its_next_pass(tiny_adapter, 
     tiny_adapter.quantize_block(block, load_scheme("w8a8"), TARGETS)
     expert = next(u for u in tiny_adapter.iter_ptq_units(block, 1, TARGETS) if u.kind == "expert")
     runtime = PtqRuntime(hessian_memory_bytes=2 * estimated_hessian_bytes(expert))
-    kw = dict(layers=range(1, 2), calib_windows=calib, recipe=recipe, guard=False, runtime=runtime)
-    ref = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "ref", **kw)
+    spec = PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe, guard=False)
+    kw = dict(layers=range(1, 2), calib_windows=calib, runtime=runtime)
+    ref = run_blockwise_ptq(tiny_adapter, spec, tmp_path / "ref", **kw)
 
     class Stop(Exception):
         pass
@@ -366,11 +368,11 @@ def test_an_interrupted_multi_pass_layer_resumes_at_its_next_pass(tiny_adapter, 
 
     monkeypatch.setattr(wf, "_collect_hessians", stop_at_the_second_pass)
     with pytest.raises(Stop):
-        run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "cut", **kw)
+        run_blockwise_ptq(tiny_adapter, spec, tmp_path / "cut", **kw)
     monkeypatch.setattr(wf, "_collect_hessians", real_collect)
     kept = sorted(p.name for p in (tmp_path / "cut" / PARAMS_DIR).glob("*.pt"))
     assert len(kept) == len(first_pass) >= 1
-    again = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path / "cut", **kw)
+    again = run_blockwise_ptq(tiny_adapter, spec, tmp_path / "cut", **kw)
     assert sum(u.resumed for u in again.units) == len(first_pass) and len(again.units) == len(ref.units)
     pa = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "ref" / PARAMS_DIR).glob("*.pt"))}
     pb = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "cut" / PARAMS_DIR).glob("*.pt"))}

@@ -9,8 +9,9 @@ from amct_ext.errors import ConfigError
 from amct_ext.io.io_utils import safe_torch_load
 from amct_ext.pipeline.perplexity import perplexity
 from amct_ext.quant.schemes import load_scheme
-from amct_ext.pipeline.workflow import (PARAMS_DIR, ParamsMismatchError, evaluate_blockwise, load_calib_windows,
-                               load_eval_windows, run_blockwise_ptq)
+from amct_ext.pipeline.ptq_spec import PtqSpec
+from amct_ext.pipeline.workflow import (PARAMS_DIR, ParamsMismatchError, PtqRuntime, evaluate_blockwise,
+                               load_calib_windows, load_eval_windows, run_blockwise_ptq)
 from models.deepseek_v4.loading import load_checkpoint_model
 
 TARGETS = ["attn-linear", "moe"]
@@ -18,6 +19,9 @@ TARGETS = ["attn-linear", "moe"]
 # score-routed ratio-128 layer; layer 0 runs as a float predecessor
 LAYERS = range(1, 3)
 PTQ = PtqConfig(epochs=2, lr=5e-3, n_samples=2, seq_len=64, batch_size=1, seed=0)
+# the learned-clip algorithm (the pre-recipe solver): these tests check the pipeline around a learning
+# algorithm (resume, refusal, static ranges, losses that move)
+LEGACY = "learned_clip:epochs=2:lr=5e-3"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,8 +50,8 @@ def calib(adapter):
 @pytest.fixture(scope="module")
 def full_run(adapter, calib, tmp_path_factory):
     out = tmp_path_factory.mktemp("ptq-full")
-    return out, run_blockwise_ptq(adapter, load_scheme("w8a8"), TARGETS, PTQ, out, layers=LAYERS,
-                                  calib_windows=calib)
+    return out, run_blockwise_ptq(adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=LEGACY), out,
+                                  layers=LAYERS, calib_windows=calib)
 
 
 # ----------------------------------------------------------------------------- perplexity
@@ -98,7 +102,8 @@ def test_static_activation_specs_are_observed(adapter, windows, eval_cfg, calib,
     r = evaluate_blockwise(adapter, windows, eval_cfg, "rtn", scheme=scheme, targets=TARGETS,
                            layers=range(1, 2), calib_windows=calib)
     assert r.ppl > 1 and r.ppl == r.ppl
-    res = run_blockwise_ptq(adapter, scheme, TARGETS, PTQ, tmp_path, layers=range(1, 2), calib_windows=calib)
+    res = run_blockwise_ptq(adapter, PtqSpec(scheme, TARGETS, PTQ, recipe=LEGACY), tmp_path, layers=range(1, 2),
+                            calib_windows=calib)
     params = safe_torch_load(tmp_path / PARAMS_DIR / "layer_1_attn.pt")
     assert any(k.endswith("input_quantizer.running_min") for k in params)
     assert res.unobserved_static == 0          # 2 x 64 tokens reach every expert of layer 1
@@ -171,12 +176,12 @@ def test_resume_after_interrupt_equals_uninterrupted(adapter, calib, full_run, w
             raise Interrupt
 
     with pytest.raises(Interrupt):
-        run_blockwise_ptq(adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
-                          calib_windows=calib, on_unit_done=stop_after_13)
+        run_blockwise_ptq(adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=LEGACY), tmp_path,
+                          layers=LAYERS, calib_windows=calib, runtime=PtqRuntime(on_unit_done=stop_after_13))
     pdir = tmp_path / PARAMS_DIR
     assert len(list(pdir.glob("*.pt"))) == 13
-    res = run_blockwise_ptq(adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
-                            calib_windows=calib)
+    res = run_blockwise_ptq(adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=LEGACY), tmp_path,
+                            layers=LAYERS, calib_windows=calib)
     assert sum(u.resumed for u in res.units) == 13
     full_files = sorted(p.name for p in (out_full / PARAMS_DIR).glob("*.pt"))
     assert full_files == sorted(p.name for p in pdir.glob("*.pt"))
@@ -195,9 +200,11 @@ def test_refuse_mixing_schemes_and_targets(adapter, calib, full_run):
     out, _ = full_run
     before = sorted(p.name for p in (out / PARAMS_DIR).iterdir())
     with pytest.raises(ParamsMismatchError, match="fresh --output-dir"):
-        run_blockwise_ptq(adapter, load_scheme("w4a8"), TARGETS, PTQ, out, layers=LAYERS, calib_windows=calib)
+        run_blockwise_ptq(adapter, PtqSpec(load_scheme("w4a8"), TARGETS, PTQ, recipe=LEGACY), out, layers=LAYERS,
+                          calib_windows=calib)
     with pytest.raises(ParamsMismatchError, match="targets"):
-        run_blockwise_ptq(adapter, load_scheme("w8a8"), ["moe"], PTQ, out, layers=LAYERS, calib_windows=calib)
+        run_blockwise_ptq(adapter, PtqSpec(load_scheme("w8a8"), ["moe"], PTQ, recipe=LEGACY), out, layers=LAYERS,
+                          calib_windows=calib)
     assert sorted(p.name for p in (out / PARAMS_DIR).iterdir()) == before
 
 

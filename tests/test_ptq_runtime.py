@@ -7,10 +7,13 @@ from amct_ext.base import PtqConfig
 from amct_ext.pipeline.capture import CaptureStore, SpillCalls, StoreCalls, UnitCall, call_nbytes, capture_unit_io
 from amct_ext.io.io_utils import safe_torch_load
 from amct_ext.quant.schemes import load_scheme
+from amct_ext.pipeline.ptq_spec import PtqSpec
 from amct_ext.pipeline.workflow import PARAMS_DIR, SCRATCH_DIR, PtqRuntime, load_calib_windows, run_blockwise_ptq
 
 TARGETS = ["attn-linear", "moe"]
 PTQ = PtqConfig(epochs=1, lr=5e-3, n_samples=2, seq_len=48, batch_size=1, seed=0)
+# the learned-clip algorithm: a recipe that replays every captured call
+LEGACY = "learned_clip:epochs=1:lr=5e-3"
 LAYERS = range(1, 2)      # tiny layer 1: ratio 4 with an indexer, hash routing (layer 0 runs float)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -111,7 +114,8 @@ def calib(tiny_adapter):
 @pytest.fixture(scope="module")
 def reference(tiny_adapter, calib, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    res = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, out, layers=LAYERS, calib_windows=calib)
+    res = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=LEGACY),
+                            out, layers=LAYERS, calib_windows=calib)
     return out, res
 
 
@@ -123,8 +127,9 @@ def test_spilled_capture_gives_identical_parameters(tiny_adapter, calib, referen
     def peek(_r):
         seen_scratch.append(any((tmp_path / SCRATCH_DIR).rglob("*.safetensors")))
 
-    res = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
-                            calib_windows=calib, runtime=PtqRuntime(capture_memory_bytes=budget), on_unit_done=peek)
+    res = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=LEGACY),
+                            tmp_path, layers=LAYERS, calib_windows=calib,
+                            runtime=PtqRuntime(capture_memory_bytes=budget, on_unit_done=peek))
     assert 0 < res.memory.capture_memory_peak_bytes <= budget
     assert res.memory.capture_spilled_bytes >= ref.memory.capture_memory_peak_bytes - budget
     assert any(seen_scratch)                                # calls really were read back from disk
@@ -137,25 +142,25 @@ def test_sharded_ptq_solves_each_unit_where_it_lives(tiny_adapter, calib, refere
     """Three CPU "devices" cpu:0..2 (distinct torch.device values, so the dispatch hooks are
     real): layer 1 has an indexer, so stem cpu:0, attention cpu:1, indexer cpu:2 and the 8
     routed experts round-robin over all three (dispatch.py's rule)."""
-    import amct_ext.pipeline.workflow as wf
+    from amct_ext.algorithms.learned_clip import LearnedClip
 
     ref_out, _ = reference
     where = {}
-    real = wf.timed_solve
+    real = LearnedClip.apply
 
-    def spy(unit, calls, **kw):
-        where[unit.name] = str(kw["device"])
-        return real(unit, calls, **kw)
+    def spy(self, unit, data, ctx):
+        where[unit.name] = str(ctx.device)
+        return real(self, unit, data, ctx)
 
-    monkeypatch.setattr(wf, "timed_solve", spy)
+    monkeypatch.setattr(LearnedClip, "apply", spy)
     built = []
     real_block = tiny_adapter.block
     monkeypatch.setattr(tiny_adapter, "block", lambda i, sharded=False, device=None:
                         built.append(sharded) or real_block(i, sharded=sharded, device=device))
     tiny_adapter.run.shard_devices = ["cpu:0", "cpu:1", "cpu:2"]
     try:
-        run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
-                          calib_windows=calib, runtime=PtqRuntime(sharded=True))
+        run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=LEGACY),
+                          tmp_path, layers=LAYERS, calib_windows=calib, runtime=PtqRuntime(sharded=True))
     finally:
         tiny_adapter.run.shard_devices = None
     assert built == [True, True]
@@ -199,7 +204,8 @@ def test_ptq_builds_layers_on_the_compute_device(tiny_adapter, calib, reference,
     real_block = tiny_adapter.block
     monkeypatch.setattr(tiny_adapter, "block", lambda i, sharded=False, device=None:
                         built.append((i, sharded, device)) or real_block(i, sharded=sharded, device=device))
-    run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS, calib_windows=calib)
+    run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=LEGACY),
+                      tmp_path, layers=LAYERS, calib_windows=calib)
     assert built == [(0, False, tiny_adapter.device), (1, False, tiny_adapter.device)]
     _equal_params(_params(ref_out), _params(tmp_path))
 
@@ -212,10 +218,10 @@ def recipe_reference(tiny_adapter, calib, tmp_path_factory):
     from amct_ext.algorithms.recipe import resolve_recipe
 
     recipe = resolve_recipe("gptq")
-    assert recipe.needs_calls()
+    assert recipe.needs().calls
     out = tmp_path_factory.mktemp("recipe-ref")
-    res = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, out, layers=LAYERS,
-                            calib_windows=calib, recipe=recipe)
+    res = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe),
+                            out, layers=LAYERS, calib_windows=calib)
     return recipe, out, res
 
 
@@ -225,8 +231,8 @@ def test_sharded_recipe_run_equals_one_device(tiny_adapter, calib, recipe_refere
     recipe, ref_out, ref = recipe_reference
     tiny_adapter.run.shard_devices = ["cpu:0", "cpu:1", "cpu:2"]
     try:
-        sh = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
-                               calib_windows=calib, recipe=recipe, runtime=PtqRuntime(sharded=True))
+        sh = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe), tmp_path,
+                               layers=LAYERS, calib_windows=calib, runtime=PtqRuntime(sharded=True))
     finally:
         tiny_adapter.run.shard_devices = None
     assert [u.name for u in sh.units] == [u.name for u in ref.units]
@@ -248,8 +254,8 @@ def test_recipe_run_reads_spilled_calls_lazily(tiny_adapter, calib, recipe_refer
         kept.append(isinstance(self.calls, SpilledCalls))
 
     monkeypatch.setattr(algo_base.UnitData, "__init__", spy)
-    spill = run_blockwise_ptq(tiny_adapter, load_scheme("w8a8"), TARGETS, PTQ, tmp_path, layers=LAYERS,
-                              calib_windows=calib, recipe=recipe, runtime=PtqRuntime(capture_memory_bytes=0))
+    spill = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe), tmp_path,
+                              layers=LAYERS, calib_windows=calib, runtime=PtqRuntime(capture_memory_bytes=0))
     assert spill.memory.capture_spilled_bytes > 0 and kept and all(kept)
     _equal_params(_params(ref_out), _params(tmp_path))
     assert [u.loss_after for u in spill.units] == [u.loss_after for u in ref.units]

@@ -165,7 +165,8 @@ def test_recipe_run_resumes_bit_identically_with_quant_propagation(tiny_adapter,
     from amct_ext.base import PtqConfig
     from amct_ext.io.io_utils import safe_torch_load
     from amct_ext.quant.schemes import load_scheme
-    from amct_ext.pipeline.workflow import PARAMS_DIR, load_calib_windows, run_blockwise_ptq
+    from amct_ext.pipeline.ptq_spec import PtqSpec
+    from amct_ext.pipeline.workflow import PARAMS_DIR, PtqRuntime, load_calib_windows, run_blockwise_ptq
 
     cfg = PtqConfig(n_samples=2, seq_len=32, batch_size=1, seed=0)
     calib = load_calib_windows(tiny_adapter, cfg)
@@ -173,8 +174,8 @@ def test_recipe_run_resumes_bit_identically_with_quant_propagation(tiny_adapter,
     recipe = parse_algo("gptq")
 
     def run(out, hook=None):
-        return run_blockwise_ptq(tiny_adapter, scheme, targets, cfg, out, layers=layers, calib_windows=calib,
-                                 recipe=recipe, propagate="quant", on_unit_done=hook)
+        return run_blockwise_ptq(tiny_adapter, PtqSpec(scheme, targets, cfg, recipe=recipe, propagate="quant"), out,
+                                 layers=layers, calib_windows=calib, runtime=PtqRuntime(on_unit_done=hook))
 
     full = tmp_path / "full"
     run(full)

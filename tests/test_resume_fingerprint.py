@@ -8,6 +8,7 @@ import torch
 
 from amct_ext.base import PtqConfig
 from amct_ext.quant.schemes import load_scheme
+from amct_ext.pipeline.ptq_spec import PtqSpec
 from amct_ext.pipeline.workflow import (META_NAME, PARAMS_DIR, ParamsMismatchError, check_params_dir, load_calib_windows,
                                params_meta, prepare_params_dir)
 from tests.conftest import WIKI_VALID
@@ -30,12 +31,12 @@ def base_cfg(small_text):
 @pytest.fixture
 def folder(tiny_adapter, base_cfg, tmp_path):
     """An output folder whose meta.json was written by the baseline run (fp32, cpu)."""
-    prepare_params_dir(tiny_adapter, tmp_path, load_scheme("w8a8"), TARGETS, base_cfg)
+    prepare_params_dir(tiny_adapter, tmp_path, PtqSpec(load_scheme("w8a8"), TARGETS, base_cfg))
     return tmp_path / PARAMS_DIR
 
 
 def meta_for(adapter, cfg, scheme="w8a8", targets=TARGETS):
-    return params_meta(adapter, load_scheme(scheme), targets, cfg, load_calib_windows(adapter, cfg))
+    return params_meta(adapter, PtqSpec(load_scheme(scheme), targets, cfg), load_calib_windows(adapter, cfg))
 
 
 def refusal(folder, meta) -> str:
@@ -51,7 +52,9 @@ def test_same_run_resumes_and_meta_has_every_field(tiny_adapter, base_cfg, folde
     assert set(meta) >= {"version", "scheme", "scheme_fingerprint", "targets", "solver", "dtype", "device_type",
                          "calibration", "model", "checkpoint"}
     assert meta["dtype"] == "fp32" and meta["device_type"] == "cpu"
-    assert meta["solver"] == {"epochs": 1, "lr": 5e-3}
+    # no recipe given: w8a8's default recipe and propagation, as on the command line
+    assert meta["solver"] == {"epochs": 1, "lr": 5e-3, "recipe": [{"name": "rtn"}], "propagate": "float",
+                              "holdout": 0.25, "guard": True}
     assert set(meta["calibration"]) == {"samples", "seq_len", "seed", "batch_size", "text_sha256", "windows_sha256"}
     assert set(meta["checkpoint"]) == {"index_sha256"}
     assert check_params_dir(folder, meta_for(tiny_adapter, base_cfg)) is True
@@ -98,22 +101,22 @@ def test_changed_model_config_checkpoint_and_version(tiny_adapter, tiny_ckpt, ba
     moved = tmp_path / "moved-ckpt"    # a moved, unchanged checkpoint is the same model: resumes
     shutil.copytree(tiny_ckpt, moved)
     monkeypatch.setattr(tiny_adapter, "model_path", moved)
-    assert check_params_dir(folder, params_meta(tiny_adapter, scheme, TARGETS, base_cfg, windows)) is True
+    assert check_params_dir(folder, params_meta(tiny_adapter, PtqSpec(scheme, TARGETS, base_cfg), windows)) is True
     index = json.loads((moved / "model.safetensors.index.json").read_text())
     index["metadata"] = {"total_size": 1}     # another checkpoint with the same config
     (moved / "model.safetensors.index.json").write_text(json.dumps(index))
-    msg = refusal(folder, params_meta(tiny_adapter, scheme, TARGETS, base_cfg, windows))
+    msg = refusal(folder, params_meta(tiny_adapter, PtqSpec(scheme, TARGETS, base_cfg), windows))
     assert "checkpoint.index_sha256: " in msg and "in the folder" in msg, msg
     cfg = json.loads((moved / "config.json").read_text())
     cfg["rms_norm_eps"] = 1e-5
     (moved / "config.json").write_text(json.dumps(cfg))
-    assert "model.config_sha256: " in refusal(folder, params_meta(tiny_adapter, scheme, TARGETS, base_cfg, windows))
+    assert "model.config_sha256: " in refusal(folder, params_meta(tiny_adapter, PtqSpec(scheme, TARGETS, base_cfg), windows))
     monkeypatch.setattr(tiny_adapter, "model_path", tiny_ckpt)
     old = json.loads((folder / META_NAME).read_text())
     old["version"] = 1
     (folder / META_NAME).write_text(json.dumps(old))
     assert "format version: 1 in the folder, 2 now" in refusal(
-        folder, params_meta(tiny_adapter, scheme, TARGETS, base_cfg, windows))
+        folder, params_meta(tiny_adapter, PtqSpec(scheme, TARGETS, base_cfg), windows))
 
 
 def test_fp32_then_bf16_is_refused_by_the_cli(tiny_ckpt, tmp_path, capsys):

@@ -143,12 +143,13 @@ def test_tiny_tokenizer_is_trained_on_calib_data(tmp_path, capsys, monkeypatch):
 def test_refuses_output_dir_of_another_scheme(tiny_ckpt, tmp_path, capsys):
     from amct_ext.base import PtqConfig, RunConfig
     from amct_ext.quant.schemes import load_scheme
+    from amct_ext.pipeline.ptq_spec import PtqSpec
     from amct_ext.pipeline.workflow import prepare_params_dir
     from models.deepseek_v4.adapter import DeepseekV4Adapter
 
     out = tmp_path / "out"
     with DeepseekV4Adapter(RunConfig(tiny_ckpt, device="cpu")) as a:
-        prepare_params_dir(a, out, load_scheme("w8a8"), ["attn-linear", "moe"], PtqConfig())
+        prepare_params_dir(a, out, PtqSpec(load_scheme("w8a8"), ["attn-linear", "moe"], PtqConfig()))
     meta = (out / "ptq_params" / "meta.json").read_text()
     expect_error(capsys, ["--model", "tiny", "--model-path", str(tiny_ckpt), "--output-dir", str(out),
                           "--scheme", "w4a8", "--quiet"], "fresh --output-dir", out)

@@ -12,7 +12,7 @@ from amct_ext.algorithms.smoothing import AWQ, SmoothQuant, awq_scales, commit_s
 from amct_ext.pipeline.capture import capture_unit_io
 from amct_ext.errors import AmctError
 from amct_ext.quant.schemes import QuantScheme, load_scheme
-from amct_ext.pipeline.solver import unit_mse
+from amct_ext.pipeline.replay import unit_mse
 from models.deepseek_v4.quant_module import (
     QuantV4Expert, iter_block_ptq_units, quantize_block, set_quant_enabled,
 )
@@ -275,13 +275,14 @@ def test_workflow_saves_what_was_solved(tiny_adapter, tmp_path):
     inputs; the attention's input is attn_norm's output with s folded in, equal to x / s up to
     fp32 rounding, hence the relative tolerance -- far below the gains)."""
     from amct_ext.base import PtqConfig
+    from amct_ext.pipeline.ptq_spec import PtqSpec
     from amct_ext.pipeline.workflow import PARAMS_DIR, load_unit_params, run_blockwise_ptq
 
     ids = torch.randint(2, 512, (2, 64), generator=torch.Generator().manual_seed(5))
     cfg = PtqConfig(n_samples=2, seq_len=64, batch_size=2)
     recipe = parse_algo("awq:n_grid=3,autoround:iters=4")
-    res = run_blockwise_ptq(tiny_adapter, W4, T, cfg, tmp_path, layers=range(1, 2), calib_windows=ids,
-                            recipe=recipe)
+    res = run_blockwise_ptq(tiny_adapter, PtqSpec(W4, T, cfg, recipe=recipe), tmp_path,
+                            layers=range(1, 2), calib_windows=ids)
     reported = {u.name: u for u in res.units}
     x = tiny_adapter.do_embedding_forward([ids])[0]
     with torch.no_grad():

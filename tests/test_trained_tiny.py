@@ -10,6 +10,7 @@ from transformers import DeepseekV4ForCausalLM as HFDeepseekV4
 
 from amct_ext.base import EvalConfig, PtqConfig, RunConfig
 from amct_ext.quant.schemes import load_scheme
+from amct_ext.pipeline.ptq_spec import PtqSpec
 from amct_ext.pipeline.workflow import evaluate_blockwise, load_calib_windows, load_eval_windows, run_blockwise_ptq
 from models.deepseek_v4 import load_checkpoint_model
 from models.deepseek_v4.adapter import DeepseekV4Adapter
@@ -99,7 +100,8 @@ def test_w4a16_ptq_gains_over_rtn(adapter, windows, tmp_path):
     scheme, targets = load_scheme("w4a16-g128"), ["attn-linear", "moe"]
     cfg = PtqConfig(epochs=2, lr=5e-3, n_samples=8, seq_len=256, batch_size=1, seed=0)
     calib = load_calib_windows(adapter, cfg)
-    run_blockwise_ptq(adapter, scheme, targets, cfg, tmp_path, calib_windows=calib)
+    run_blockwise_ptq(adapter, PtqSpec(scheme, targets, cfg, recipe="learned_clip:epochs=2:lr=5e-3"),
+                      tmp_path, calib_windows=calib)
     ecfg = EvalConfig(**EVAL)
     rtn = evaluate_blockwise(adapter, windows, ecfg, "rtn", scheme=scheme, targets=targets).ppl
     ptq = evaluate_blockwise(adapter, windows, ecfg, "ptq", scheme=scheme, targets=targets,

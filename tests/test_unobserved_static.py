@@ -10,6 +10,7 @@ import torch
 from amct_ext.base import EvalConfig, PtqConfig
 from amct_ext.quant.quantizers import ActivationQuantizer
 from amct_ext.quant.schemes import load_scheme
+from amct_ext.pipeline.ptq_spec import PtqSpec
 from amct_ext.pipeline.workflow import evaluate_blockwise, run_blockwise_ptq
 from models.deepseek_v4.loading import load_checkpoint_model
 from tests.conftest import WIKI_TEST_RAW
@@ -49,8 +50,9 @@ def test_unobserved_static_quantizers_are_counted(tiny_adapter, tiny_ckpt, tmp_p
     r = evaluate_blockwise(tiny_adapter, windows, cfg, "rtn", scheme=load_scheme(STATIC), targets=TARGETS,
                            calib_windows=calib)
     assert r.unobserved_static == expected
-    res = run_blockwise_ptq(tiny_adapter, load_scheme(STATIC), TARGETS,
-                            PtqConfig(epochs=0, n_samples=1, seq_len=3), tmp_path, calib_windows=calib)
+    spec = PtqSpec(load_scheme(STATIC), TARGETS, PtqConfig(epochs=0, n_samples=1, seq_len=3),
+                   recipe="learned_clip:epochs=0")
+    res = run_blockwise_ptq(tiny_adapter, spec, tmp_path, calib_windows=calib)
     assert res.unobserved_static == expected
     q = evaluate_blockwise(tiny_adapter, windows, cfg, "ptq", scheme=load_scheme(STATIC), targets=TARGETS,
                            params_dir=tmp_path / "ptq_params")
