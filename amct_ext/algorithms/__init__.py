@@ -1,8 +1,9 @@
 """PTQ algorithms (one module each) and recipes (ordered lists of them).
 
-    base.py      Algorithm / UnitData / SolveContext: the interface every algorithm implements
+    base.py      Algorithm / Needs / UnitData / SolveContext: the interface every algorithm implements
     recipe.py    registry, --algo / --recipe parsing
     rtn.py       round-to-nearest (nothing learned; the reference every algorithm must beat)
+    learned_clip.py  learned clipping on every call (the pre-recipe solver, --legacy-solver)
     gptq.py      GPTQ (Hessian-based error compensation), batched over routed experts
     clipping.py  clipping that never loses: grid start + learned (Adam) clip, held-out check
     runner.py    a recipe on the units of one layer (group entry points, RTN guard)
