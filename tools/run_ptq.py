@@ -60,6 +60,7 @@ scheme or target, mismatched output folder) print one line `error: ...` and exit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import os
@@ -258,7 +259,7 @@ def run(args, phases=None) -> int:
     from amct_ext.pipeline.calibration import DEFAULT_CALIBRATION_PATH, refuse_test_split
     from amct_ext.errors import DataError
     from amct_ext.io.io_utils import atomic_write_json
-    from amct_ext.quant.schemes import load_scheme, parse_targets
+    from amct_ext.quant.schemes import load_scheme
     from amct_ext.pipeline.ptq_spec import resolve_spec
     from amct_ext.pipeline.workflow import (PARAMS_DIR, PtqRuntime, check_seq_len, evaluate_blockwise, layer_range,
                                    load_calib_windows, load_eval_windows, prepare_params_dir, run_blockwise_ptq,
@@ -279,7 +280,12 @@ def run(args, phases=None) -> int:
         raise ConfigError("--legacy-solver runs the learned-clip solver alone: drop --algo / --recipe")
     # --legacy-solver: the pre-recipe solver, an algorithm of the recipe now
     algo = f"learned_clip:epochs={args.epochs}:lr={args.lr!r}" if args.legacy_solver else args.algo
-    targets = scheme.check_targets(parse_targets(args.quant_target))
+    # the whole recipe (and --propagate / --holdout) checked before any work; calibration joins below
+    spec = resolve_spec(scheme, args.quant_target, PtqConfig(), algo=algo, recipe_file=args.recipe,
+                        propagate=args.propagate, holdout=args.holdout, guard=not args.no_guard)
+    recipe, propagate, targets = spec.recipe, spec.propagate, spec.targets
+    if dist is not None:   # quantized predecessors make the layers sequential: refused under torchrun
+        distributed.check_propagate(propagate)
     if args.calib_data and args.calib_dataset:
         raise ConfigError("pass either --calib-data FILE or --calib-dataset NAME, not both")
     eval_path = Path(args.eval_data) if args.eval_data else DEFAULT_EVAL_PATH
@@ -310,11 +316,7 @@ def run(args, phases=None) -> int:
                         batch_size=_default(args, "batch_size"), seed=args.seed,
                         calib_path=calib_path, eval_paths=(str(eval_path),))
     ptq_cfg.check()
-    spec = resolve_spec(scheme, targets, ptq_cfg, algo=algo, recipe_file=args.recipe, propagate=args.propagate,
-                        holdout=args.holdout, guard=not args.no_guard)
-    recipe, propagate = spec.recipe, spec.propagate
-    if dist is not None:   # quantized predecessors make the layers sequential: refused under torchrun
-        distributed.check_propagate(propagate)
+    spec = dataclasses.replace(spec, calibration=ptq_cfg)
     eval_cfg = EvalConfig(seq_len=seq_len, max_windows=_default(args, "eval_windows"),
                           batch_size=_default(args, "eval_batch_size"), data_path=eval_path,
                           sharded=args.sharded_eval)
