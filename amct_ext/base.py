@@ -40,7 +40,8 @@ from .pipeline.ptq_units import PtqUnit
 
 
 # ------------------------------------------------------------------------------------ configs
-# The solver's defaults, shared by PtqConfig and the CLI (tools/run_ptq.py) so they cannot drift.
+# learned_clip's defaults (algorithms/learned_clip.py, --legacy-solver), shared by PtqConfig and the
+# CLI (tools/run_ptq.py) so they cannot drift.
 DEFAULT_EPOCHS = 2
 DEFAULT_LR = 5e-3
 
@@ -92,8 +93,11 @@ class PtqConfig:
                               f"got {self.n_samples}, {self.batch_size}")
 
     def solver_settings(self) -> dict[str, Any]:
-        """The solver / recipe settings that change a unit's result (ptq_params/meta.json
-        "solver"; a generic dict: algorithm recipes add their own entries, e.g. "recipe")."""
+        """The first entries of ptq_params/meta.json "solver" (``PtqSpec.solver_meta`` adds
+        the recipe, propagation, holdout and guard). ``epochs`` / ``lr`` are the CLI's
+        ``--epochs`` / ``--lr`` (``learned_clip``'s settings under ``--legacy-solver``, also
+        the torchrun cost model's epochs); they stay in the fingerprint so that folders written
+        before the recipe became the one path still resume."""
         return {"epochs": self.epochs, "lr": self.lr}
 
     def calibration_settings(self) -> dict[str, Any]:
