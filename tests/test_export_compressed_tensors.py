@@ -56,7 +56,7 @@ def test_library_decompresses_to_our_fake_quant(float_layer, name):
     from compressed_tensors.quantization import QuantizationConfig
 
     from amct_ext.export import compressed_tensors as ct
-    from amct_ext.export.exporter import _quant_leaves
+    from models.deepseek_v4.binding import V4_BINDING
     from amct_ext.export.readback import decode, group_parts
     from amct_ext.quant.schemes import load_scheme
     from models.deepseek_v4 import quant_module
@@ -68,7 +68,7 @@ def test_library_decompresses_to_our_fake_quant(float_layer, name):
     assert set(parsed.config_groups) == set(targets) and parsed.quant_method == "compressed-tensors"
     block = copy.deepcopy(float_layer)
     quant_module.quantize_block(block, scheme, targets)
-    leaves = _quant_leaves(block)
+    leaves = V4_BINDING.quantized_weights(block)   # what the exporter encodes
     assert len(leaves) >= 30                                   # every linear of the layer
     checked = 0
     for wname, leaf in leaves.items():

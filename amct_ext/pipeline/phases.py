@@ -1,8 +1,8 @@
 """Phase timing for long jobs: wall time and peak device / host memory of each named phase.
 
-``run_blockwise_ptq(..., phases=PhaseTimer(...))`` wraps its steps (build, capture, each unit's
-solve, writing) in ``phases.phase(name, layer=i)``; without a timer the workflow uses
-``NO_PHASES``, whose phases cost nothing (no device syncs are added to a plain run).
+``run_blockwise_ptq(..., runtime=PtqRuntime(phases=PhaseTimer(...)))`` wraps its steps (build,
+capture, each unit's solve, writing) in ``phases.phase(name, layer=i)``; without a timer the
+workflow uses ``NO_PHASES``, whose phases cost nothing (no device syncs are added to a plain run).
 
 Per phase:
 - seconds: host wall clock with a device synchronize at both ends (queued kernels count in the
