@@ -10,10 +10,30 @@ V4-Flash projection. A run that ended without its JSON's per-layer record is lis
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 G = 2 ** 30
+
+
+def stopped(log: Path) -> str:
+    """What a run stopped by its time limit (no per-layer record in its JSON) got through, from
+    its log: the capture phase and the recipe's per-kind lines (``[solve] ...``)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"no result and no log ({log.name})"
+    got = []
+    for ln in lines:
+        m = re.match(r"\[phase\] layer (\d+) (capture|solve:recipe): ([\d.]+) s.*?host RSS ([\d.]+) GiB \(anon ([\d.]+)\)(.*)", ln)
+        if m:
+            end = " (stopped here)" if "ended_by" in m.group(6) else ""
+            got.append(f"{m.group(2)} {float(m.group(3)):.1f} s{end}, host RSS {m.group(4)} GiB (anon {m.group(5)})")
+        m = re.match(r"\[solve\] (.*)", ln)
+        if m:
+            got.append(m.group(1))
+    return "stopped by its time limit: " + ("; ".join(got) if got else "nothing logged")
 
 
 def row(path: Path) -> str:
@@ -24,7 +44,7 @@ def row(path: Path) -> str:
         return f"| {tag} | unreadable JSON: {e} |"
     p = r.get("ptq")
     if not p:
-        return f"| {tag} | no result (stopped or failed: see def_{tag}.log) |"
+        return f"| {tag} | {stopped(path.with_suffix('.log'))} |"
     cells = []
     for i, rec in p["per_layer"].items():
         ph = rec["phases"]
