@@ -37,7 +37,7 @@ def stopped(log: Path) -> str:
 
 
 def row(path: Path) -> str:
-    tag = path.stem.removeprefix("def_")
+    tag = path.stem.split("def_", 1)[-1]
     try:
         r = json.loads(path.read_text())
     except (OSError, ValueError) as e:
