@@ -51,7 +51,7 @@ from ..pipeline.solver import solve_unit, unit_mse
 from .base import Algorithm, SolveContext, UnitData
 from .gptq import _replay, _targets
 from .recipe import RecipeError, register
-from .rounding import _StackedCalls, _ste_clamp
+from .stacked import StackedCalls, ste_clamp
 from .runner import restore_unit, snapshot_unit
 
 # torch.optim.Adam's defaults, which solve_unit's learned clipping uses
@@ -302,8 +302,8 @@ class Clip(Algorithm):
         specs = {n: lins[n][0].weight_quantizer.spec for n in names}
         splits = [ctx.split(d.calls) for d in datas]
         n_train = [len(t) for t, _ in splits]
-        train = _StackedCalls([UnitData(t) for t, _ in splits], dev)
-        judge = _StackedCalls([UnitData(h or t) for t, h in splits], dev)
+        train = StackedCalls([UnitData(t) for t, _ in splits], dev)
+        judge = StackedCalls([UnitData(h or t) for t, h in splits], dev)
 
         def slot_error(rows, k: int, wq, taps=None):
             x, y, w, mask, n_rows = rows.slot(torch.full((E,), k, dtype=torch.long, device=dev))
@@ -322,7 +322,7 @@ class Clip(Algorithm):
             return total / count.clamp(min=1)
 
         def fq(clips: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
-            return {n: formats.fake_quant(W[n], specs[n], _ste_clamp(clips[n], CLIP_MIN, 1.0)) for n in names}
+            return {n: formats.fake_quant(W[n], specs[n], ste_clamp(clips[n], CLIP_MIN, 1.0)) for n in names}
 
         with torch.no_grad():
             W = {n: torch.stack([l.weight.detach().to(dev) for l in lins[n]]) for n in names}   # [E, out, in]

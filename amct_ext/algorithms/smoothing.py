@@ -53,7 +53,7 @@ from ..pipeline.solver import _to, unit_mse
 from ..quant import formats
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
-from .rounding import _StackedCalls
+from .stacked import StackedCalls
 
 #: floor of channel statistics (a dead channel must not give s = 0 or inf)
 STAT_EPS = 1e-5
@@ -470,11 +470,11 @@ class AWQ(Algorithm):
         lins = {n: [getattr(m, n) for m in members] for n in names}
         held = [_held_out(d, ctx, self.validate) for d in datas]
         n_train = [len(d) - len(h) for d, h in zip(datas, held)]
-        rows_all = _StackedCalls(datas, dev)
-        rows_train = _StackedCalls([UnitData(d.calls[:k]) for d, k in zip(datas, n_train)], dev)
+        rows_all = StackedCalls(datas, dev)
+        rows_train = StackedCalls([UnitData(d.calls[:k]) for d, k in zip(datas, n_train)], dev)
         has_held = [len(h) > 0 for h in held]
         # an expert without held-out calls gets its training calls there (its result is unused)
-        rows_held = (_StackedCalls([UnitData(h or d.calls) for h, d in zip(held, datas)], dev)
+        rows_held = (StackedCalls([UnitData(h or d.calls) for h, d in zip(held, datas)], dev)
                      if any(has_held) else None)
         W = {n: torch.stack([l.weight.detach().to(dev) for l in lins[n]]) for n in names}
         quantizes = {n: lins[n][0].enabled and not lins[n][0].weight_quantizer.is_identity for n in names}
