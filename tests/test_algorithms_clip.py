@@ -248,3 +248,24 @@ def test_batched_clip_falls_back_where_experts_cannot_be_stacked():
     assert all("batched_experts" not in r for r in res)
     for m, o, d, r in zip(mods, ref, datas, res):
         assert Clip(epochs=1).apply(make_ptq_unit("expert", "e", 0, o), d, SolveContext()) == r
+
+
+@pytest.mark.parametrize("spec", [TensorSpec("int", 4, False, "group", 16), TensorSpec("int", 3, True, "channel"),
+                                  TensorSpec("int", 4, True, "block", block_size=(8, 16))],
+                         ids=["int4-g16-asym", "int3-channel-sym", "int4-block-sym"])
+def test_prepared_int_weight_is_fake_quant_bit_for_bit(spec):
+    """The batched clip's learned steps reuse a weight's block ranges (formats.PreparedIntWeight):
+    the same fake-quant values and the same clip gradients as formats.fake_quant, bit for bit,
+    on stacked bf16 weights with a clip per block (and with none)."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(3, 24, 64, generator=g) ** 3).to(torch.bfloat16)
+    prep = formats.PreparedIntWeight(w, spec)
+    assert torch.equal(prep.fake_quant(None), formats.fake_quant(w, spec))
+    c0 = 0.5 + 0.5 * torch.rand(formats.scale_shape(w.shape, spec), generator=g)
+    grads = []
+    for fn in (lambda c: prep.fake_quant(c), lambda c: formats.fake_quant(w, spec, c)):
+        c = c0.clone().requires_grad_(True)
+        out = fn(c)
+        (out.float() * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        grads.append((out.detach(), c.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

@@ -322,10 +322,15 @@ class Clip(Algorithm):
             return total / count.clamp(min=1)
 
         def fq(clips: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
-            return {n: formats.fake_quant(W[n], specs[n], ste_clamp(clips[n], CLIP_MIN, 1.0)) for n in names}
+            """The stacked weights fake-quantized under ``clips`` (the learned clips: an int grid
+            reuses its block ranges, ``formats.PreparedIntWeight``; the same numbers)."""
+            return {n: (prepared[n].fake_quant(ste_clamp(clips[n], CLIP_MIN, 1.0)) if n in prepared else
+                        formats.fake_quant(W[n], specs[n], ste_clamp(clips[n], CLIP_MIN, 1.0))) for n in names}
 
         with torch.no_grad():
             W = {n: torch.stack([l.weight.detach().to(dev) for l in lins[n]]) for n in names}   # [E, out, in]
+            prepared = {n: formats.PreparedIntWeight(W[n], specs[n]) for n in names
+                        if specs[n].format == "int" and self.epochs}
             # the incoming state, each leaf through its own quantizer (fixed grid, clip), as apply
             inc_wq = {n: torch.stack([l.weight_quantizer(l.weight.detach()).to(dev) for l in lins[n]]) for n in names}
             incoming = {n: [(l.weight_quantizer.clip, l.weight_quantizer.fixed_scale,
