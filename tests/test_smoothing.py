@@ -384,3 +384,83 @@ def test_smoothquant_then_gptq_then_clip_reloads_exactly(tiny_adapter, layer_dat
     wq.weight_quantizer.set_fixed_qparams(wq.weight, *formats.qparams(wq.weight, wq.weight_quantizer.spec))
     with pytest.raises(AmctError, match="before gptq"):
         SmoothQuant().apply(ounits[0], odatas[ounits[0].name], SolveContext())
+
+
+# ----------------------------------------------------------------------------- batched experts
+def _expert_set(n=7, seed=14):
+    """``n`` float64 experts whose intermediate channels have per-expert outlier scales (so AWQ
+    picks different alphas), 1-4 calls of 5-26 rows each (routing weights included); expert 1
+    with a per-channel up limit left by an earlier smoothing, expert 3 with a clip left by an
+    earlier algorithm on w2, expert 4 with no call at all."""
+    from amct_ext.pipeline.capture import UnitCall
+
+    g = torch.Generator().manual_seed(seed)
+    from amct_ext.quant.schemes import TensorSpec
+
+    spec = TensorSpec("int", 4, False, "group", 16)
+    mods, datas = [], []
+    for i in range(n):
+        e = Expert(32, 48, 2.0, torch.float64)
+        with torch.no_grad():
+            for p in e.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
+            boost = 1 + (i + 1) * torch.rand(48, generator=g, dtype=torch.float64) ** 4 * 3
+            e.w3.weight.mul_(boost[:, None])          # outlier up channels, w2 reads them
+        q = QuantV4Expert(e, spec, None)
+        if i == 1:
+            q.scale_up_limit(torch.rand(48, generator=g, dtype=torch.float64).float() + 0.5)
+        if i == 3:
+            c = q.w2.weight_quantizer.init_clip(q.w2.weight)
+            with torch.no_grad():
+                c.copy_(0.7 + 0.3 * torch.rand(c.shape, generator=g))
+        calls = []
+        for c in range(0 if i == 4 else 1 + i % 4):
+            x = torch.randn(5 + 7 * ((i + c) % 4), 32, generator=g, dtype=torch.float64)
+            w = torch.rand(x.shape[0], 1, generator=g, dtype=torch.float64).float()
+            with torch.no_grad():
+                calls.append(UnitCall((x, w), {}, Expert.forward(e, x, w)))   # the float target
+        mods.append(q)
+        datas.append(UnitData(calls))
+    return mods, datas
+
+
+@pytest.mark.parametrize("duo", [False, True], ids=["mean", "duo"])
+def test_awq_batched_experts_equal_one_by_one(one_thread, duo):
+    """AWQ on 7 experts in chunks of 3 (stacked, one batched forward per call slot) picks the
+    same alpha, makes the same held-out decision and leaves the same weights and up limits as
+    one expert at a time (float64 weights and calls); losses to fp32 precision (V4's fp32
+    SwiGLU). The experts differ in their alphas and in the held-out verdict, so an alpha, a
+    scale or a verdict taken for the chunk instead of per expert fails this (mutation-checked)."""
+    from amct_ext.pipeline.ptq_units import make_ptq_unit
+
+    mods, datas = _expert_set()
+    ref = copy.deepcopy(mods)
+    ctx = SolveContext(holdout=0.25)
+    units = [make_ptq_unit("expert", f"layers.0.ffn.experts.{i}", 0, m) for i, m in enumerate(mods)]
+    batched = AWQ(duo_scaling=duo, expert_chunk=3).apply_group(units, datas, ctx)
+    loop = [AWQ(duo_scaling=duo, expert_chunk=1).apply(make_ptq_unit("expert", f"e{i}", 0, m), d, ctx)
+            for i, (m, d) in enumerate(zip(ref, datas))]
+    assert batched[4] == loop[4] == {"pairs": {}, "skipped": "no calls"}
+    alphas = [r["pairs"]["w3"]["alpha"] for r in loop if "pairs" in r and r["pairs"]]
+    assert len(set(alphas)) > 2, alphas
+    assert any(r["pairs"]["w3"].get("kept") is False for r in loop if r["pairs"]), "a held-out veto is expected"
+    for i, (b, r) in enumerate(zip(batched, loop)):
+        if i == 4:
+            continue
+        assert b.pop("batched_experts") == 3
+        bi, ri = b["pairs"]["w3"], r["pairs"]["w3"]
+        assert set(bi) == set(ri) and bi["alpha"] == ri["alpha"] and bi.get("kept") == ri.get("kept"), (i, bi, ri)
+        for k in set(ri) - {"alpha", "kept"}:
+            assert bi[k] == pytest.approx(ri[k], rel=1e-6), (i, k)
+        assert b["loss_before"] == pytest.approx(r["loss_before"], rel=1e-6)
+        assert b["loss_after"] == pytest.approx(r["loss_after"], rel=1e-6)
+    x = torch.randn(9, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    for i, (m, o) in enumerate(zip(mods, ref)):
+        for n in ("w2", "w3"):
+            torch.testing.assert_close(getattr(m, n).weight, getattr(o, n).weight, rtol=1e-6, atol=0)
+        assert (m.up_limit is None) == (o.up_limit is None), i
+        if m.up_limit is not None:
+            torch.testing.assert_close(m.up_limit, o.up_limit, rtol=1e-6, atol=0)
+        assert sorted(m.replaced_names()) == sorted(o.replaced_names()), i
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), o(x), rtol=1e-5, atol=1e-6)

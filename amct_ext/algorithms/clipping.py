@@ -25,6 +25,16 @@ candidates (a clip acts on scales computed from the weight); the incoming candid
 
 ``grid=0, holdout 0`` (``--algo clip:grid=0`` with ``--holdout 0``) is the original learned
 clipping (Adam from RTN, best epoch on the calibration calls).
+
+The routed experts of a layer are clipped together (``group_kinds``), ``expert_chunk`` at a
+time, by the same steps on stacked weights [E, out, in]: one batched forward
+(``grouped_forward``) per call slot serves every expert's losses and channel statistics, the
+grid search runs on the stacked weights, Adam steps every expert on its own call (an expert
+past its last call of the epoch is not stepped, its moments untouched: a masked Adam with
+per-expert step counts, torch.optim.Adam's formula), and every choice (grid kept, best epoch,
+the held-out winner) is made per expert. A test holds it to the one-by-one result in float64.
+Where the batched forward cannot reproduce an expert (``grouped_forward_blocker``, a
+per-tensor weight grid, a rounding offset left by AutoRound) the experts go one by one.
 """
 from __future__ import annotations
 
@@ -36,13 +46,17 @@ from torch import nn
 
 from ..quant import formats
 from ..quant.quant_linear import QuantLinear
-from ..quant.quantizers import ActivationQuantizer
+from ..quant.quantizers import CLIP_MIN, ActivationQuantizer
 from ..pipeline.replay import replay_calls as _replay, unit_mse
 from .base import Algorithm, SolveContext, UnitData
 from .gptq import leaf_targets as _targets
 from .learned_clip import solve_unit
 from .recipe import RecipeError, register
+from .stacked import StackedCalls, ste_clamp
 from .runner import restore_unit, snapshot_unit
+
+# torch.optim.Adam's defaults, which solve_unit's learned clipping uses
+_ADAM_BETAS, _ADAM_EPS = (0.9, 0.999), 1e-8
 
 
 def _mse(module, calls, device) -> float | None:
@@ -110,6 +124,7 @@ class Clip(Algorithm):
     """Weight (and static activation) clipping that keeps RTN where it does not win."""
 
     name: ClassVar[str] = "clip"
+    group_kinds: ClassVar[tuple[str, ...]] = ("expert",)
 
     grid: int = 20
     grid_min: float = 0.5
@@ -117,6 +132,9 @@ class Clip(Algorithm):
     lr: float = 5e-3
     activation: bool = True
     act_grid: str = "1.0,0.9,0.8,0.7,0.6,0.5,0.4,0.3"
+    # routed experts per batched solve (1 = one by one): their calls, weights, clips and Adam
+    # moments sit on the device together (32 Flash experts: ~3 GB of calls, ~2 GB of weights)
+    expert_chunk: int = 32
 
     def check(self) -> None:
         if self.grid < 0 or self.grid == 1:
@@ -125,6 +143,8 @@ class Clip(Algorithm):
             raise RecipeError(f"clip.grid_min must lie in (0, 1), got {self.grid_min}")
         if self.epochs < 0 or not (self.lr > 0):
             raise RecipeError(f"clip.epochs must be >= 0 and clip.lr > 0, got {self.epochs}, {self.lr}")
+        if self.expert_chunk < 1:
+            raise RecipeError(f"clip.expert_chunk must be >= 1 (1 = one expert at a time), got {self.expert_chunk}")
         self.act_factors()
 
     def act_factors(self) -> list[float]:
@@ -220,3 +240,232 @@ class Clip(Algorithm):
                 m.running_min, m.running_max = orig[n]
             return {"quantizers": len(qs), "kept": False, "factors": chosen}
         return {"quantizers": len(qs), "kept": True, "factors": chosen}
+
+    # ------------------------------------------------------------------ routed experts, batched
+    def _group_blocker(self, units, datas) -> str | None:
+        """Why the experts cannot be clipped batched (None: they can)."""
+        if self.expert_chunk < 2 or len(units) < 2:
+            return "one expert per solve"
+        m0 = units[0].module
+        blocker = getattr(type(m0), "grouped_forward_blocker", None)
+        if blocker is None:
+            return f"{type(m0).__name__} has no grouped_forward"
+        why = blocker([u.module for u in units])
+        if why:
+            return why
+        for name in type(m0).GROUPED_PROJECTIONS:
+            lins = [getattr(u.module, name) for u in units]
+            ref = lins[0]
+            for lin in lins:
+                wq = lin.weight_quantizer
+                if not getattr(lin, "enabled", True) or wq.spec is None or wq.spec.format not in ("int", "fp8"):
+                    return f"{name} is not an enabled int / fp8 weight grid in every expert"
+                if wq.spec != ref.weight_quantizer.spec:
+                    return f"{name}'s weight specs differ between experts"
+                if lin.weight.shape != ref.weight.shape or lin.weight.dtype != ref.weight.dtype:
+                    return f"{name}'s weight shapes or dtypes differ between experts"
+                if wq.round_offset is not None:
+                    return f"{name} carries a rounding offset (AutoRound ran before clip)"
+            if ref.weight_quantizer.spec.granularity == "tensor":
+                return "a per-tensor weight scale is not per expert once stacked"
+        if self.activation and any(isinstance(m, ActivationQuantizer) and m.is_static
+                                   for u in units for m in u.module.modules()):
+            return "static activation quantizers are clipped one unit at a time"
+        for d in datas:
+            for c in d.calls:
+                if c.kwargs.keys() - {"weights"} or len(c.args) > 2 or not isinstance(c.args[0], torch.Tensor):
+                    return "an expert call is not (x, routing weights)"
+        return None
+
+    def apply_group(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
+        why = self._group_blocker(units, datas)
+        ready = [i for i, d in enumerate(datas) if ctx.split(d.calls)[0]]
+        if why is not None or len(ready) < 2:
+            return [self.apply(u, d, ctx) for u, d in zip(units, datas)]
+        out: list[dict[str, Any] | None] = [None] * len(units)
+        for i, (u, d) in enumerate(zip(units, datas)):
+            if i not in ready:
+                out[i] = self.apply(u, d, ctx)          # the per-expert "no calibration calls"
+        for c0 in range(0, len(ready), self.expert_chunk):
+            idx = ready[c0:c0 + self.expert_chunk]
+            for i, r in zip(idx, self._clip_chunk([units[i] for i in idx], [datas[i] for i in idx], ctx)):
+                out[i] = r
+        return out
+
+    def _clip_chunk(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
+        """Steps 1-4 of the module doc on ``len(units)`` experts at once, every choice per expert."""
+        dev = ctx.device
+        members = [u.module for u in units]
+        cls = type(members[0])
+        names = cls.GROUPED_PROJECTIONS
+        E = len(members)
+        lins = {n: [getattr(m, n) for m in members] for n in names}
+        specs = {n: lins[n][0].weight_quantizer.spec for n in names}
+        splits = [ctx.split(d.calls) for d in datas]
+        n_train = [len(t) for t, _ in splits]
+        train = StackedCalls([UnitData(t) for t, _ in splits], dev)
+        judge = StackedCalls([UnitData(h or t) for t, h in splits], dev)
+
+        def slot_error(rows, k: int, wq, taps=None):
+            x, y, w, mask, n_rows = rows.slot(torch.full((E,), k, dtype=torch.long, device=dev))
+            out = cls.grouped_forward(members, x, w, wq, taps)
+            diff = (out.float() - y.float()) * mask
+            return diff.square().sum(dim=(1, 2)), n_rows * out.shape[-1]
+
+        @torch.no_grad()
+        def mse(rows, wq) -> torch.Tensor:       # [E] float64, unit_mse per expert
+            total = torch.zeros(E, dtype=torch.float64, device=dev)
+            count = torch.zeros(E, dtype=torch.float64, device=dev)
+            for k in range(rows.max_calls):
+                se, n = slot_error(rows, k, wq)
+                total += se.double()
+                count += n.double()
+            return total / count.clamp(min=1)
+
+        def fq(clips: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+            """The stacked weights fake-quantized under ``clips`` (the learned clips: an int grid
+            reuses its block ranges, ``formats.PreparedIntWeight``; the same numbers)."""
+            return {n: (prepared[n].fake_quant(ste_clamp(clips[n], CLIP_MIN, 1.0)) if n in prepared else
+                        formats.fake_quant(W[n], specs[n], ste_clamp(clips[n], CLIP_MIN, 1.0))) for n in names}
+
+        with torch.no_grad():
+            W = {n: torch.stack([l.weight.detach().to(dev) for l in lins[n]]) for n in names}   # [E, out, in]
+            prepared = {n: formats.PreparedIntWeight(W[n], specs[n]) for n in names
+                        if specs[n].format == "int" and self.epochs}
+            # the incoming state, each leaf through its own quantizer (fixed grid, clip), as apply
+            inc_wq = {n: torch.stack([l.weight_quantizer(l.weight.detach()).to(dev) for l in lins[n]]) for n in names}
+            incoming = {n: [(l.weight_quantizer.clip, l.weight_quantizer.fixed_scale,
+                             l.weight_quantizer.fixed_zero_point) for l in lins[n]] for n in names}
+            inc_loss = mse(judge, inc_wq)
+            del inc_wq
+            for n in names:                      # candidates start from the weight's own scales
+                for l in lins[n]:
+                    l.weight_quantizer.clear_fixed_qparams()
+                    l.invalidate_cache()
+            # the state after that: a clip an earlier algorithm left stays (1: none, the same numbers)
+            base_c = {n: (torch.stack([(l.weight_quantizer.effective_clip().detach() if l.weight_quantizer.clip
+                                        is not None else torch.ones(l.weight_quantizer.scale_shape(l.weight)))
+                                       .to(dev, torch.float32) for l in lins[n]])
+                          if any(l.weight_quantizer.clip is not None for l in lins[n]) else None)
+                      for n in names}
+            base_wq = {n: formats.fake_quant(W[n], specs[n], base_c[n]) for n in names}
+            base_train = mse(train, base_wq)
+            ones = {n: torch.ones((E, *formats.scale_shape(W[n].shape[1:], specs[n])), device=dev) for n in names}
+            start_c = {n: (base_c[n] if base_c[n] is not None else ones[n]) for n in names}
+            start_train = base_train
+            grid_kept = torch.zeros(E, dtype=torch.bool, device=dev)
+            grid_c, grid_train, grid_judge = None, None, None
+            if self.grid:
+                # E[x^2] per input channel of every projection, over the training rows, in the base state
+                acc = {n: None for n in names}
+                count = torch.zeros(E, dtype=torch.float32, device=dev)
+                for k in range(train.max_calls):
+                    taps: dict[str, torch.Tensor] = {}
+                    x, _, w, _, n_rows = train.slot(torch.full((E,), k, dtype=torch.long, device=dev))
+                    cls.grouped_forward(members, x, w, base_wq, taps)
+                    for n in names:
+                        s = taps[n].float().square().sum(1)          # padding rows are zeros
+                        acc[n] = s if acc[n] is None else acc[n] + s
+                    count += n_rows
+                grid_c = {n: grid_clip(W[n], specs[n], (acc[n] / count[:, None])[:, None, :], self.grid, self.grid_min)
+                          for n in names}
+                grid_train = mse(train, {n: formats.fake_quant(W[n], specs[n], grid_c[n]) for n in names})
+                grid_kept = grid_train <= base_train          # else the proxy misled: start from RTN
+                grid_judge = mse(judge, {n: formats.fake_quant(W[n], specs[n], grid_c[n]) for n in names})
+                keep = grid_kept.reshape(E, *[1] * (grid_c[names[0]].dim() - 1))
+                start_c = {n: torch.where(keep, grid_c[n], start_c[n]) for n in names}
+                start_train = torch.where(grid_kept, grid_train, base_train)
+            del base_wq
+
+        learned = None
+        if self.epochs:
+            learned = self._adam(start_c, start_train, n_train, train, slot_error, mse, fq, E, dev)
+            learned["judge"] = mse(judge, fq(learned["clip"]))
+
+        # per expert: the best candidate on its judge slice, ties to the earlier one
+        cand = [("incoming", inc_loss)]
+        if self.grid:
+            cand.append(("grid", torch.where(grid_kept, grid_judge, torch.full_like(grid_judge, float("inf")))))
+        if learned is not None:
+            cand.append(("learned", learned["judge"]))
+        host = {name: loss.tolist() for name, loss in cand}
+        host_base, kept = base_train.tolist(), grid_kept.tolist()
+        host_grid = grid_train.tolist() if grid_train is not None else None
+        host_epoch = learned["epoch"].tolist() if learned is not None else None
+        host_lt = learned["train"].tolist() if learned is not None else None
+        results = []
+        with torch.no_grad():
+            for e, (u, m) in enumerate(zip(units, members)):
+                avail = [(name, host[name][e]) for name, _ in cand if not (name == "grid" and not kept[e])]
+                choice, loss = avail[0]
+                for name, l in avail[1:]:
+                    if l < loss:
+                        choice, loss = name, l
+                for n in names:
+                    wq, lin = lins[n][e].weight_quantizer, lins[n][e]
+                    if choice == "incoming":
+                        clip, fs, fz = incoming[n][e]
+                        wq.clip, wq.fixed_scale, wq.fixed_zero_point = clip, fs, fz
+                    else:
+                        value = (grid_c if choice == "grid" else learned["clip"])[n][e]
+                        wq.clip = nn.Parameter(value.detach().to(lin.weight.device, torch.float32).clone(),
+                                               requires_grad=False)
+                    lin.invalidate_cache()
+                t, h = splits[e]
+                stats: dict[str, Any] = {"holdout_calls": len(h), "train_calls": len(t)}
+                if self.grid:
+                    stats["grid_train_loss"], stats["rtn_train_loss"] = host_grid[e], host_base[e]
+                    stats["grid_kept"] = bool(kept[e])
+                if learned is not None:
+                    stats["learned_epoch"], stats["learned_train_loss"] = int(host_epoch[e]), host_lt[e]
+                stats["choice"], stats["judge_loss"] = choice, loss
+                stats["candidates"] = dict(avail)
+                if self.activation:
+                    stats["activation"] = self._activation(m, t, h or t, dev)
+                stats["batched_experts"] = E
+                results.append(stats)
+        return results
+
+    def _adam(self, start_c, start_train, n_train, train, slot_error, mse, fq, E, dev) -> dict[str, Any]:
+        """solve_unit's learned clipping on every expert of the chunk: per epoch each expert
+        steps once per training call of its own (Adam, torch.optim.Adam's update; an expert
+        whose calls are used up waits, moments and step count untouched), then its training
+        MSE; the best epoch is kept per expert (strict: ties keep the start)."""
+        b1, b2 = _ADAM_BETAS
+        P = {n: c.detach().clone().requires_grad_(True) for n, c in start_c.items()}
+        m1 = {n: torch.zeros_like(p) for n, p in P.items()}
+        m2 = {n: torch.zeros_like(p) for n, p in P.items()}
+        best_c = {n: p.detach().clone() for n, p in P.items()}
+        best_loss = start_train.clone()
+        best_epoch = torch.zeros(E, dtype=torch.long, device=dev)
+        steps = [0] * E
+        shape = lambda p: (E, *[1] * (p.dim() - 1))   # noqa: E731
+        for epoch in range(1, self.epochs + 1):
+            for k in range(train.max_calls):
+                active = [k < n for n in n_train]
+                for e in range(E):
+                    steps[e] += active[e]
+                # per expert scalars on the host, as torch.optim.Adam computes them
+                s = [max(st, 1) for st in steps]
+                step_size = torch.tensor([self.lr / (1 - b1 ** st) for st in s], dtype=torch.float32, device=dev)
+                bc2 = torch.tensor([(1 - b2 ** st) ** 0.5 for st in s], dtype=torch.float32, device=dev)
+                on = torch.tensor(active, device=dev)
+                for p in P.values():
+                    p.grad = None
+                se, n = slot_error(train, k, fq(P))
+                (se / n.clamp(min=1)).sum().backward()   # each expert's gradient is its own MSE's
+                with torch.no_grad():
+                    for name, p in P.items():
+                        g, a = p.grad, on.reshape(shape(p))
+                        m1[name] = torch.where(a, m1[name].lerp(g, 1 - b1), m1[name])
+                        m2[name] = torch.where(a, m2[name] * b2 + (1 - b2) * (g * g), m2[name])
+                        denom = m2[name].sqrt() / bc2.reshape(shape(p)) + _ADAM_EPS
+                        p.sub_(torch.where(a, step_size.reshape(shape(p)) * (m1[name] / denom), 0.0))
+            with torch.no_grad():
+                loss = mse(train, fq(P))
+                better = loss < best_loss
+                best_loss = torch.where(better, loss, best_loss)
+                best_epoch = torch.where(better, torch.full_like(best_epoch, epoch), best_epoch)
+                for name, p in P.items():
+                    best_c[name] = torch.where(better.reshape(shape(p)), p.detach(), best_c[name])
+        return {"clip": best_c, "train": best_loss, "epoch": best_epoch}

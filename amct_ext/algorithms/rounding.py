@@ -48,9 +48,10 @@ from ..errors import ConfigError
 from ..quant import formats
 from ..quant.quant_linear import QuantLinear
 from ..quant.quantizers import CLIP_MIN
-from ..pipeline.replay import call_sq_err as _sq_err, output_tensor as _output_tensor, unit_mse, unit_seed
+from ..pipeline.replay import call_sq_err as _sq_err, unit_mse, unit_seed
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
+from .stacked import StackedCalls as _StackedCalls, ste_clamp as _ste_clamp
 
 
 def _weight_leaves(module: nn.Module):
@@ -98,12 +99,6 @@ def _invalidate(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, QuantLinear):
             m.invalidate_cache()
-
-
-def _ste_clamp(p: torch.Tensor, lo, hi) -> torch.Tensor:
-    """``p`` clamped to [lo, hi] in the forward, identity gradient (the quantizers' effective_*)."""
-    clamped = torch.clamp(p, lo, hi)
-    return p + (clamped - p).detach()
 
 
 @torch.no_grad()
@@ -381,49 +376,3 @@ class AutoRound(Algorithm):
                 p.grad = None
             for m in members:
                 _invalidate(m)
-
-
-class _StackedCalls:
-    """The calls of E experts on the device as padded batches: ``slot(k)`` gives every expert
-    e its call ``k[e]`` (x [E, T, D], target [E, T, D], routing weights [E, T, 1], a row mask
-    [E, T, 1] and the rows per expert), T the longest call of all. An expert past its last
-    call gets an all-padding slot (0 rows). Indices stay on the device: no host sync a step."""
-
-    def __init__(self, datas, dev: torch.device):
-        xs, ys, ws, starts, lens = [], [], [], [], []
-        at = 0
-        for d in datas:
-            st, ln = [], []
-            for c in d.calls:
-                x = c.args[0]
-                x = x.reshape(-1, x.shape[-1])
-                w = c.args[1] if len(c.args) > 1 else c.kwargs.get("weights")
-                # no routing weight: a weight of exactly 1 (h * 1.0 == h bit for bit)
-                w = torch.ones(x.shape[0], 1) if w is None else w.reshape(-1, 1)
-                xs.append(x.to(dev))
-                ys.append(_output_tensor(c.output).reshape(x.shape[0], -1).to(dev))
-                ws.append(w.to(device=dev, dtype=torch.float32))
-                st.append(at)
-                ln.append(x.shape[0])
-                at += x.shape[0]
-            starts.append(st)
-            lens.append(ln)
-        k_max = max(len(s) for s in starts)
-        self.max_calls = k_max
-        self.n_calls = torch.tensor([len(s) for s in starts], dtype=torch.long, device=dev)
-        pad = lambda rows: [r + [0] * (k_max - len(r)) for r in rows]   # noqa: E731
-        self.starts = torch.tensor(pad(starts), dtype=torch.long, device=dev)     # [E, K]
-        self.lens = torch.tensor(pad(lens), dtype=torch.long, device=dev)         # [E, K] (0: no call)
-        self.t_max = max(max(ln) for ln in lens)
-        self.x, self.y, self.w = torch.cat(xs), torch.cat(ys), torch.cat(ws)
-        self.arange = torch.arange(self.t_max, device=dev)
-
-    def slot(self, k: torch.Tensor):
-        kk = k.clamp(max=self.max_calls - 1).unsqueeze(1)
-        start = self.starts.gather(1, kk).squeeze(1)
-        n_rows = torch.where(k < self.n_calls, self.lens.gather(1, kk).squeeze(1), 0)     # [E]
-        valid = self.arange.unsqueeze(0) < n_rows.unsqueeze(1)                            # [E, T]
-        idx = torch.where(valid, start.unsqueeze(1) + self.arange.unsqueeze(0), 0)
-        mask = valid.unsqueeze(-1)
-        x = torch.where(mask, self.x[idx], 0)
-        return x, self.y[idx], torch.where(mask, self.w[idx], 0.0), mask, n_rows

@@ -28,6 +28,14 @@ per channel, L / s_j (``QuantV4Expert.up_limit``), which is exact for every inpu
 deployment whose kernel has a scalar clamp must leave that pair out (``pairs`` option).
 
 Static activation quantizers observed before this ran are re-observed on the smoothed unit.
+
+AWQ solves the routed experts of a layer together (``group_kinds``), ``expert_chunk`` at a
+time: their one pair (w3 -> w2) on stacked weights [E, out, in], the float channel statistics
+and every candidate's loss from the model's ``grouped_forward`` (one bmm-batched forward per
+call slot), the alpha, the held-out check and the commit per expert. A test holds it to the
+one-by-one result in float64. Where the batched forward cannot reproduce an expert (its
+``grouped_forward_blocker``, a per-tensor or MX weight grid, a fixed grid, a rounding offset)
+the experts go one by one.
 """
 from __future__ import annotations
 
@@ -43,8 +51,10 @@ from ..quant.quant_linear import QuantLinear
 from ..quant.quantizers import ActivationQuantizer
 from ..pipeline.capture import detach_to as _to
 from ..pipeline.replay import unit_mse
+from ..quant import formats
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
+from .stacked import StackedCalls
 
 #: floor of channel statistics (a dead channel must not give s = 0 or inf)
 STAT_EPS = 1e-5
@@ -359,14 +369,19 @@ class AWQ(Algorithm):
     unsmoothed unit on the held-out calls (``SolveContext.holdout``)."""
 
     name: ClassVar[str] = "awq"
+    group_kinds: ClassVar[tuple[str, ...]] = ("expert",)
     n_grid: int = 20
     duo_scaling: bool = False
     pairs: str = "all"
     validate: bool = True
+    # routed experts per batched solve (1 = one by one): their calls and weights on the device
+    expert_chunk: int = 32
 
     def check(self) -> None:
         if self.n_grid < 1:
             raise ConfigError(f"n_grid={self.n_grid}: need at least one grid point")
+        if self.expert_chunk < 1:
+            raise ConfigError(f"expert_chunk={self.expert_chunk}: must be >= 1 (1 = one expert at a time)")
         _check_pairs(self.pairs)
 
     def apply(self, unit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
@@ -388,3 +403,199 @@ class AWQ(Algorithm):
 
         with torch.no_grad():
             return smooth_unit(module, data, ctx.device, self.pairs, choose, _held_out(data, ctx, self.validate))
+
+    # ------------------------------------------------------------------ routed experts, batched
+    def _group_blocker(self, units, datas) -> str | None:
+        """Why the experts cannot be smoothed batched (None: they can)."""
+        if self.expert_chunk < 2 or len(units) < 2:
+            return "one expert per solve"
+        m0 = units[0].module
+        blocker = getattr(type(m0), "grouped_forward_blocker", None)
+        if blocker is None:
+            return f"{type(m0).__name__} has no grouped_forward"
+        why = blocker([u.module for u in units])
+        if why:
+            return why
+        for u in units:
+            pairs = _pairs(u.module, self.pairs)
+            if [(p.name, p.producer, p.readers) for p in pairs] != [("w3", "w3", ["w2"])]:
+                return "the expert's smoothing pairs are not exactly w3 -> w2"
+            if not _is_quantizing(u.module.w2):
+                return "w2 does not quantize in every expert"
+            if any(isinstance(m, ActivationQuantizer) and m.is_static and m.mode != "off" for m in u.module.modules()):
+                return "static activation quantizers are re-observed one unit at a time"
+        for name in type(m0).GROUPED_PROJECTIONS:
+            lins = [getattr(u.module, name) for u in units]
+            ref = lins[0]
+            for lin in lins:
+                wq = lin.weight_quantizer
+                if wq.spec != ref.weight_quantizer.spec or lin.enabled != ref.enabled:
+                    return f"{name}'s weight specs differ between experts"
+                if wq.spec is not None and wq.spec.format not in ("int", "fp8"):
+                    return f"{name}'s {wq.spec.format} grid is quantized one expert at a time"
+                if wq.has_fixed_qparams or wq.round_offset is not None:
+                    return f"{name} carries a fixed grid or a rounding offset"
+                if lin.weight.shape != ref.weight.shape or lin.weight.dtype != ref.weight.dtype:
+                    return f"{name}'s weight shapes or dtypes differ between experts"
+            if ref.weight_quantizer.spec is not None and ref.weight_quantizer.spec.granularity == "tensor":
+                return "a per-tensor weight scale is not per expert once stacked"
+        for d in datas:
+            for c in d.calls:
+                if c.kwargs.keys() - {"weights"} or len(c.args) > 2 or not isinstance(c.args[0], torch.Tensor):
+                    return "an expert call is not (x, routing weights)"
+        return None
+
+    def apply_group(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
+        why = self._group_blocker(units, datas)
+        ready = [i for i, d in enumerate(datas) if len(d)]
+        if why is not None or len(ready) < 2:
+            return [self.apply(u, d, ctx) for u, d in zip(units, datas)]
+        out: list[dict[str, Any] | None] = [None] * len(units)
+        for i, (u, d) in enumerate(zip(units, datas)):
+            if i not in ready:
+                out[i] = self.apply(u, d, ctx)          # the per-expert "no calls"
+        for c0 in range(0, len(ready), self.expert_chunk):
+            idx = ready[c0:c0 + self.expert_chunk]
+            for i, r in zip(idx, self._awq_chunk([units[i] for i in idx], [datas[i] for i in idx], ctx)):
+                out[i] = r
+        return out
+
+    @torch.no_grad()
+    def _awq_chunk(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
+        """smooth_unit + AWQ.choose on the w3 -> w2 pair of ``len(units)`` experts at once."""
+        dev = ctx.device
+        members = [u.module for u in units]
+        cls = type(members[0])
+        names = cls.GROUPED_PROJECTIONS
+        E = len(members)
+        lins = {n: [getattr(m, n) for m in members] for n in names}
+        held = [_held_out(d, ctx, self.validate) for d in datas]
+        n_train = [len(d) - len(h) for d, h in zip(datas, held)]
+        rows_all = StackedCalls(datas, dev)
+        rows_train = StackedCalls([UnitData(d.calls[:k]) for d, k in zip(datas, n_train)], dev)
+        has_held = [len(h) > 0 for h in held]
+        # an expert without held-out calls gets its training calls there (its result is unused)
+        rows_held = (StackedCalls([UnitData(h or d.calls) for h, d in zip(held, datas)], dev)
+                     if any(has_held) else None)
+        W = {n: torch.stack([l.weight.detach().to(dev) for l in lins[n]]) for n in names}
+        quantizes = {n: lins[n][0].enabled and not lins[n][0].weight_quantizer.is_identity for n in names}
+        clips = {n: (torch.stack([(l.weight_quantizer.effective_clip().detach() if l.weight_quantizer.clip is not None
+                                   else torch.ones(l.weight_quantizer.scale_shape(l.weight))).to(dev, torch.float32)
+                                  for l in lins[n]])
+                     if any(l.weight_quantizer.clip is not None for l in lins[n]) else None) for n in names}
+        limit = members[0].swiglu_limit
+        inter = W["w3"].shape[1]
+        base_lim = (torch.stack([m.up_limit.to(dev) if m.up_limit is not None else
+                                 torch.full((inter,), float(limit), dtype=torch.float32, device=dev) for m in members])
+                    if limit > 0 else None)
+        own_lim = [m.up_limit for m in members]
+
+        def fq(n, w):
+            if not quantizes[n]:
+                return w
+            return formats.fake_quant(w, lins[n][0].weight_quantizer.spec, clips[n])
+
+        def weights(s):         # the members' quantized weights with s folded in (None: as they are)
+            if s is None:
+                return {n: fq(n, W[n]) for n in names}, None
+            w3 = (W["w3"].float() / s[:, :, None]).to(W["w3"].dtype)
+            w2 = (W["w2"].float() * s[:, None, :]).to(W["w2"].dtype)
+            return {"w1": fq("w1", W["w1"]), "w3": fq("w3", w3), "w2": fq("w2", w2)}, \
+                (None if base_lim is None else base_lim / s.float())
+
+        def run(rows, wq, lim, taps=None):
+            """Per slot: (squared error fp32 [E], elements [E]); lim: the members' up limits."""
+            if lim is not None:
+                for m, l in zip(members, lim):
+                    m.up_limit = l
+            try:
+                for k in range(rows.max_calls):
+                    x, y, w, mask, n_rows = rows.slot(torch.full((E,), k, dtype=torch.long, device=dev))
+                    out = cls.grouped_forward(members, x, w, wq, taps)
+                    diff = (out.float() - y.float()) * mask
+                    yield diff.square().sum(dim=(1, 2)), n_rows * out.shape[-1], taps, n_rows
+            finally:
+                for m, l in zip(members, own_lim):
+                    m.up_limit = l
+
+        def mse(rows, s=None):   # [E] float64, unit_mse per expert
+            wq, lim = weights(s)
+            total = torch.zeros(E, dtype=torch.float64, device=dev)
+            count = torch.zeros(E, dtype=torch.float64, device=dev)
+            for se, n, _, _ in run(rows, wq, lim):
+                total += se.double()
+                count += n.double()
+            return total / count.clamp(min=1)
+
+        # float channel statistics of w2's input over the training calls (quantizers off)
+        iq = [getattr(members[0], n).input_quantizer for n in names]
+        modes = [q.mode for q in iq]
+        for q in iq:
+            q.mode = "off"
+        try:
+            mx, sm = None, None
+            cnt = torch.zeros(E, dtype=torch.float32, device=dev)
+            taps: dict[str, torch.Tensor] = {}
+            for _, _, t, n_rows in run(rows_train, dict(W), None, taps):
+                h = t["w2"].float().abs()                   # padding rows are zeros
+                mx = h.amax(1) if mx is None else torch.maximum(mx, h.amax(1))
+                sm = h.sum(1) if sm is None else sm + h.sum(1)
+                cnt += n_rows
+        finally:
+            for q, m in zip(iq, modes):
+                q.mode = m
+        mean = sm / cnt[:, None]
+        loss_start = mse(rows_all)
+        wmax = W["w2"].float().abs().amax(1) if self.duo_scaling else None       # [E, I]
+        base = mse(rows_train)
+        best_loss, best_alpha = base.clone(), torch.full((E,), -1.0, dtype=torch.float64, device=dev)
+        best_s = torch.ones_like(mean)
+        for i in range(self.n_grid):
+            alpha = i / self.n_grid
+            if alpha == 0.0 and wmax is None:
+                continue
+            s = _awq_scales_rows(mean, alpha, wmax)
+            loss = mse(rows_train, s)
+            better = loss < best_loss
+            best_loss = torch.where(better, loss, best_loss)
+            best_alpha = torch.where(better, torch.full_like(best_alpha, alpha), best_alpha)
+            best_s = torch.where(better[:, None], s, best_s)
+        chosen = best_alpha >= 0
+        h0 = h1 = None
+        if rows_held is not None:
+            h0, h1 = mse(rows_held), mse(rows_held, best_s)
+        host = {k: v.tolist() for k, v in (("base", base), ("best", best_loss), ("alpha", best_alpha),
+                                           ("start", loss_start), ("chosen", chosen))}
+        if h0 is not None:
+            host["h0"], host["h1"] = h0.tolist(), h1.tolist()
+        results = []
+        for e, (u, m) in enumerate(zip(units, members)):
+            info: dict[str, Any] = {"alpha": host["alpha"][e] if host["chosen"][e] else None,
+                                    "loss_before": host["base"][e], "loss_after": host["best"][e]}
+            keep = bool(host["chosen"][e])
+            if keep and has_held[e]:
+                info = {**info, "held_out_before": host["h0"][e], "held_out_after": host["h1"][e]}
+                if not host["h1"][e] < host["h0"][e]:
+                    keep, info["kept"] = False, False
+            if keep:
+                commit_scales(m, None, _pairs(m, self.pairs)[0], best_s[e].to(m.w3.weight.device))
+            results.append({"pairs": {"w3": info}, "loss_before": host["start"][e], "batched_experts": E})
+        # the loss after, of the committed state (the experts' own weights and limits now)
+        for lin_n in names:
+            for l in lins[lin_n]:
+                l.invalidate_cache()
+        W = {n: torch.stack([l.weight.detach().to(dev) for l in lins[n]]) for n in names}
+        own_lim = [m.up_limit for m in members]
+        after = mse(rows_all).tolist()
+        for r, a in zip(results, after):
+            r["loss_after"] = a
+        return results
+
+
+def _awq_scales_rows(act_absmean: torch.Tensor, alpha: float, weight_absmax: torch.Tensor | None) -> torch.Tensor:
+    """:func:`awq_scales` on every row of [E, C] statistics at once (the same numbers per row)."""
+    s = act_absmean.float().clamp(min=STAT_EPS).pow(alpha)
+    if weight_absmax is not None:
+        s = s / weight_absmax.float().clamp(min=STAT_EPS).pow(1.0 - alpha)
+    s = s / (s.amax(-1, keepdim=True) * s.amin(-1, keepdim=True)).sqrt()
+    return torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))

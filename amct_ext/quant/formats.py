@@ -291,6 +291,41 @@ def _fq_int(x: torch.Tensor, spec: TensorSpec, clip, round_offset=None) -> torch
     return lay.restore(out).to(x.dtype)
 
 
+class PreparedIntWeight:
+    """A fixed integer-grid weight for many fake quantizations that differ only in their clip
+    (learned clipping steps): the float view and each block's range are computed once, and
+    :meth:`fake_quant` gives ``fake_quant(x, spec, clip)`` bit for bit (the same functions on
+    the same values; gradients to the clip alike), without re-reading the weight for its
+    ranges, re-checking it for NaN / Inf, or reading the clip back to check its range."""
+
+    def __init__(self, x: torch.Tensor, spec: TensorSpec):
+        _need(spec, ("int",))
+        _check_input(x)
+        self.spec, self.dtype = spec, x.dtype
+        self.lay = _layout(x.shape, spec, "input")
+        with torch.no_grad():
+            self.xv = self.lay.view(x.detach().float())
+            dims = self.lay.reduce_dims
+            if spec.symmetric:
+                self.lo, self.hi = None, self.xv.abs().amax(dim=dims, keepdim=True)
+            else:
+                self.lo = self.xv.amin(dim=dims, keepdim=True)
+                self.hi = self.xv.amax(dim=dims, keepdim=True)
+
+    def fake_quant(self, clip: torch.Tensor | None) -> torch.Tensor:
+        """``clip``: public scale shape, already in (0, 1] (e.g. a clamped learned clip) or None."""
+        spec = self.spec
+        c = None if clip is None else self.lay.to_view(torch.broadcast_to(clip.float(), self.lay.public_shape))
+        if spec.symmetric:
+            amax = self.hi if c is None else self.hi * c
+            scale, zp = int_qparams_from_range(-amax, amax, spec.bits, True)
+        else:
+            lo, hi = (self.lo, self.hi) if c is None else (self.lo * c, self.hi * c)
+            scale, zp = int_qparams_from_range(lo, hi, spec.bits, False)
+        qmin, qmax = _int_range(spec.bits, spec.symmetric)
+        return self.lay.restore(_int_decode(_int_codes(self.xv, scale, zp, qmin, qmax), scale, zp)).to(self.dtype)
+
+
 def fake_quant_int(x: torch.Tensor, bits: int = 8, *, symmetric: bool = True,
                    granularity: str = "channel", group_size: int | None = None,
                    block_size: tuple[int, int] | None = None, clip=None) -> torch.Tensor:

@@ -496,18 +496,22 @@ class QuantV4Expert(PtqUnitMixin, QuantGatedMLP):
 
     @staticmethod
     def grouped_forward(members: list["QuantV4Expert"], x: torch.Tensor, weights: torch.Tensor | None,
-                        w: dict[str, torch.Tensor]) -> torch.Tensor:
+                        w: dict[str, torch.Tensor], taps: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Every member's forward at once, on given (fake-quant) weights.
 
         x [E, T, D] (member e's rows; zero rows pad), weights [E, T, 1] fp32 or None,
         w {"w1": [E, I, D], "w3": [E, I, D], "w2": [E, D, I]} -> [E, T, D]. The math of
         :meth:`forward` (clamp-then-silu, the per-channel up limit, the routing weight before
-        w2), batched with bmm; valid only where :meth:`grouped_forward_blocker` is None."""
+        w2), batched with bmm; valid only where :meth:`grouped_forward_blocker` is None.
+        ``taps``: filled with each projection's input before its input quantizer ([E, T, in],
+        what a forward pre-hook on the member's projection sees; clipping's channel statistics)."""
         m0 = members[0]
 
         def quant_in(name: str, a: torch.Tensor) -> torch.Tensor:   # the members' shared row-wise quantizer
             return getattr(m0, name).input_quantizer(a.reshape(-1, a.shape[-1])).reshape(a.shape)
 
+        if taps is not None:
+            taps["w1"] = taps["w3"] = x
         gate = torch.bmm(quant_in("w1", x), w["w1"].transpose(1, 2)).float()        # [E, T, I]
         up = torch.bmm(quant_in("w3", x), w["w3"].transpose(1, 2)).float()
         limit = m0.swiglu_limit
@@ -524,7 +528,10 @@ class QuantV4Expert(PtqUnitMixin, QuantGatedMLP):
         h = torch.nn.functional.silu(gate) * up
         if weights is not None:
             h = h * weights
-        return torch.bmm(quant_in("w2", h.to(x.dtype)), w["w2"].transpose(1, 2))   # [E, T, D]
+        h = h.to(x.dtype)
+        if taps is not None:
+            taps["w2"] = h
+        return torch.bmm(quant_in("w2", h), w["w2"].transpose(1, 2))   # [E, T, D]
 
     @torch.no_grad()
     def scale_up_limit(self, s: torch.Tensor) -> None:
