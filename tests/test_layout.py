@@ -139,7 +139,7 @@ V4_ONLY = re.compile(r"\b(wq_a|wq_b|wkv|wo_a|wo_b|attn_sink|compressor|shared_ex
 V4_KNOWN = {
     "amct_ext/export/exporter.py": {"tid2eid", "compress_ratios"},          # serve-export
     "amct_ext/export/compressed_tensors.py": {"shared_experts"},          # serve-export
-    "amct_ext/algorithms/smoothing.py": {"up_limit", "attn_norm", "q_norm", "wo_a"},   # plan / speed
+    "amct_ext/algorithms/smoothing.py": {"up_limit", "swiglu_limit", "attn_norm", "q_norm", "wo_a"},   # plan / speed (batched AWQ reads the experts' scalar limit)
 }
 
 
