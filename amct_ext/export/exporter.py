@@ -400,6 +400,8 @@ class _Exporter:
             "source_config_sha256": _sha256(cfg.model_path / "config.json"),
             "source_index_sha256": _sha256(self.reader.index_path) if self.reader.index_path else None,
             "params": _params_digest(cfg.params_dir),
+            # a resumed export must not mix layers written for the engine with storage-only ones
+            "engine": None if self.profile is None else self.profile.engine,
         }
         stem, index_name = (ascend.SHARD_STEM, ascend.INDEX_NAME) if self.ascend else ("model", "model.safetensors.index.json")
         writer = ShardedWriter(cfg.out_dir, list(by_group), fingerprint, stem, index_name, overwrite=cfg.overwrite,
