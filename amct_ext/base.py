@@ -183,6 +183,16 @@ class ModelBinding(abc.ABC):
         """checkpoint weight name (relative to the block) -> the quantized leaf that holds it,
         for every leaf whose weight is quantized (what the export encodes)."""
 
+    def check_export(self, export_cfg: Any, profile: Any, planned_params: Sequence[str] = ()) -> None:
+        """Refuse (one line naming module, engine and flag) an export that ``profile``'s engine
+        would reject or compute differently; called by ``ExportConfig.check`` before anything
+        is written. The default knows no module of the model and accepts."""
+
+    def released_config_keys(self, config: Any) -> dict[str, Any]:
+        """Keys the released config.json carries that an export must add when its source
+        predates them (the serving engines read them); the default adds none."""
+        return {}
+
     def layer_cost(self, config: Any, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int) -> Any:
         """Seconds of one layer under the stated rates (``distributed.LayerCost``), for the
         torchrun layer split; the default counts every layer alike."""

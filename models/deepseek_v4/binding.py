@@ -68,6 +68,16 @@ class V4Binding(ModelBinding):
                 leaves[f"{name.rpartition('.')[0]}.wo_a.weight"] = mod
         return leaves
 
+    def check_export(self, export_cfg, profile, planned_params: Sequence[str] = ()) -> None:
+        from .serving import check_export
+
+        check_export(export_cfg, profile, planned_params)
+
+    def released_config_keys(self, config) -> dict[str, Any]:
+        from .configuration import behaviour_keys
+
+        return behaviour_keys(config)
+
     def layer_cost(self, config, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int):
         from .cost import v4_layer_cost
 
@@ -75,3 +85,6 @@ class V4Binding(ModelBinding):
 
 
 V4_BINDING = register_model_binding(V4Binding())
+
+# the engine profiles (vLLM, vllm-ascend) register themselves with amct_ext.export.engine on import
+from . import serving  # noqa: E402,F401
