@@ -258,6 +258,9 @@ class _Exporter:
             base = prefix + wname[: -len(".weight")]
             w = leaf.weight
             spec, act = leaf.weight_quantizer.spec, leaf.input_quantizer.spec
+            if self.ascend and ascend.plan_leaf(wname[: -len(".weight")], spec, act, from_run=with_params,
+                                                where=base) == "released":
+                continue    # vllm-ascend builds / runs it float: copied as released below
             with torch.no_grad():
                 d = leaf.weight_quantizer.export(w)
                 if self.ascend:
@@ -284,6 +287,14 @@ class _Exporter:
                 continue
             rest.append(key)
         self._copy_released([k for k in rest if k not in consumed], stream)
+
+    def _add_mtp_head(self, group: str, stream) -> None:
+        """vllm-ascend's MTP draft loads its own head from ``mtp.{j}.head.weight`` and does not share
+        the target's lm_head (models/deepseek_v4/serving_ascend.py MTP_HEAD_SOURCE); a release
+        without one gets a copy of ``head.weight`` (what vllm-ascend itself does for the FP8 release)."""
+        key = f"{group}.head.weight"
+        stream.add(key, self._raw("head.weight"))
+        self.types[key] = ascend.FLOAT
 
     def _build_layer(self, i: int) -> torch.nn.Module:
         from models.deepseek_v4.loading import load_block
@@ -391,6 +402,8 @@ class _Exporter:
                     else:
                         self._export_block(block, f"{group}.", gkeys, n + j, True, False, stream)
                         self._release(block)
+                        if self.ascend and f"{group}.head.weight" not in gkeys:
+                            self._add_mtp_head(group, stream)
                         extra["mtp"] = {group: "quantized (RTN)"}
                     mtp_state.update(extra["mtp"])
                 extra["types"] = dict(self.types)
