@@ -1,0 +1,134 @@
+"""Issue 23.5: every tensor of the Ascend export maps to a parameter and quant method vllm-ascend's
+DeepSeek-V4 would create for it, and no parameter is left unset (tests/vllm_ascend_loader.py
+replays its loader from its source, independently of the exporter's profile)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tests.export_helpers import TINY, tensor_layout, with_complete_mtp
+from tests.vllm_ascend_loader import load_draft, load_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+W4A8_CHANNEL = {
+    "name": "w4a8-channel", "description": "int8 attention, int4 per-channel experts, int8 per-token inputs",
+    "weight": {"format": "int", "bits": 8, "symmetric": True, "granularity": "channel"},
+    "input": {"format": "int", "bits": 8, "symmetric": True, "granularity": "token", "dynamic": True},
+    "targets": {"moe": {"weight": {"format": "int", "bits": 4, "symmetric": True, "granularity": "channel"}}},
+}
+
+
+@pytest.fixture(scope="module")
+def complete_src(tmp_path_factory):
+    # like the release: the MTP block complete, its head shared (no mtp.0.head.weight)
+    return with_complete_mtp(TINY, tmp_path_factory.mktemp("mtp-src"), own_head=False)
+
+
+def _export(src, out, scheme, **kw):
+    from amct_ext.export.exporter import ExportConfig, export_checkpoint
+    from amct_ext.quant.schemes import load_scheme
+
+    cfg = ExportConfig(model_path=src, out_dir=out, format="ascend", scheme=load_scheme(scheme),
+                       targets=kw.pop("targets", ["attn-linear", "moe"]), device="cpu", dtype=torch.float32, **kw)
+    export_checkpoint(cfg)
+    from amct_ext.export import ascend
+
+    return (json.loads((out / "config.json").read_text()), tensor_layout(out, ascend.INDEX_NAME),
+            json.loads((out / ascend.DESCRIPTION_NAME).read_text()),
+            tensor_layout(src, "model.safetensors.index.json"))
+
+
+@pytest.fixture(scope="module")
+def w8a8_mtp(complete_src, tmp_path_factory):
+    return _export(complete_src, tmp_path_factory.mktemp("w8a8") / "e", "w8a8")
+
+
+def test_w8a8_export_loads_completely_in_target_and_mtp_draft(w8a8_mtp):
+    cfg, layout, desc, src = w8a8_mtp
+    target = load_target(cfg, layout, desc, src)
+    assert not target.errors, target.errors[:5]
+    assert not target.unset(), target.unset()[:5]
+    # what vllm-ascend runs quantized: the attention projections (not wo_a), the indexer's wq_b,
+    # the shared and routed experts; the rest float
+    quant = {re.sub(r"layers\.\d+", "layers.L", k) for k, v in target.methods.items() if v == "W8A8_DYNAMIC"}
+    assert quant == {f"model.layers.L.self_attn.{m}" for m in ("wq_a", "wq_b", "wkv", "wo_b", "indexer.wq_b")} | \
+        {"model.layers.L.mlp.shared_experts.gate_up_proj", "model.layers.L.mlp.shared_experts.down_proj",
+         "model.layers.L.mlp.experts"}, sorted(quant)
+    draft = load_draft(cfg, layout, desc, src)
+    assert not draft.errors, draft.errors[:5]
+    assert not draft.unset(), draft.unset()[:5]
+    assert draft.methods["model.layers.0.mtp_block.self_attn.wq_a"] == "W8A8_DYNAMIC"
+    assert draft.methods["model.layers.0.mtp_block.mlp.experts"] == "W8A8_DYNAMIC"
+    assert draft.methods["model.layers.0.e_proj"] == "FLOAT"
+    # vllm-ascend's draft loads its own head: the export wrote a copy of head.weight there
+    assert "mtp.0.head.weight" not in src and layout["mtp.0.head.weight"] == layout["head.weight"]
+
+
+def test_w4a8_channel_export_loads_completely(tmp_path):
+    cfg, layout, desc, src = _export(TINY, tmp_path / "e", W4A8_CHANNEL)
+    target = load_target(cfg, layout, desc, src)
+    assert not target.errors, target.errors[:5]
+    assert not target.unset(), target.unset()[:5]
+    assert target.methods["model.layers.1.mlp.experts"] == "W4A8_DYNAMIC"
+    # no W4A8_DYNAMIC linear in vllm-ascend: the int4 shared expert stays float
+    assert target.methods["model.layers.1.mlp.shared_experts.gate_up_proj"] == "FLOAT"
+    # the asset's MTP layer has e_proj / h_proj / norms only: a draft would leave its block unset
+    draft = load_draft(cfg, layout, desc, src)
+    assert any("mtp block" in e for e in draft.errors), draft.errors[:3]
+
+
+@pytest.mark.parametrize("scheme,targets,needle", [
+    ("w4a8", ["moe"], "per channel only"),                        # group 128
+    ("w8a8", ["attn-linear", "attn-cache"], "attn-cache"),
+    ({**W4A8_CHANNEL, "weight": W4A8_CHANNEL["targets"]["moe"]["weight"], "targets": {}}, ["attn-linear"],
+     "no W4A8_DYNAMIC method for a linear"),
+])
+def test_schemes_vllm_ascend_cannot_run_are_refused(tmp_path, scheme, targets, needle):
+    from amct_ext.errors import QuantConfigError
+
+    with pytest.raises(QuantConfigError, match=needle):
+        _export(TINY, tmp_path / "e", scheme, targets=targets)
+    assert not (tmp_path / "e").exists() or not any((tmp_path / "e").iterdir())
+
+
+def test_a_run_that_quantized_wo_a_is_refused_for_ascend(tmp_path):
+    """With run parameters, a module the engine keeps float but the run quantized (with its
+    input) cannot be served as evaluated: refused with the module, the engine and the flag."""
+    from amct_ext.errors import QuantConfigError
+    from amct_ext.export import ascend
+    from amct_ext.quant.schemes import load_scheme
+
+    ts = load_scheme("w8a8").target("attn-linear")
+    with pytest.raises(QuantConfigError, match=r"layers\.1\.attn\.wo_a: vllm-ascend .*--quant-target"):
+        ascend.plan_leaf("attn.wo_a", ts.weight, ts.input, from_run=True, where="layers.1.attn.wo_a")
+    assert ascend.plan_leaf("attn.wo_a", ts.weight, ts.input, from_run=False, where="x") == "released"
+    assert ascend.plan_leaf("attn.wq_a", ts.weight, ts.input, from_run=True, where="x") == "quant"
+
+
+def test_the_replay_catches_what_vllm_ascend_would_reject(w8a8_mtp):
+    """The replay itself can fail: each edit below is an export vllm-ascend would not load."""
+    cfg, layout, desc, src = w8a8_mtp
+
+    def errors(lay, des):
+        t = load_target(cfg, lay, des, src)
+        return t.errors + [f"unset {u}" for u in t.unset()]
+
+    w = "layers.1.attn.wo_a"
+    bad = dict(layout, **{f"{w}.weight": {"dtype": "I8", "shape": layout[f"{w}.weight"]["shape"]},
+                          f"{w}.weight_scale": {"dtype": "F32", "shape": [layout[f"{w}.weight"]["shape"][0], 1]},
+                          f"{w}.weight_offset": {"dtype": "F32", "shape": [layout[f"{w}.weight"]["shape"][0], 1]}})
+    bad_desc = dict(desc, **{f"{w}.weight": "W8A8_DYNAMIC"})
+    assert any("raw int8 weight" in e for e in errors(bad, bad_desc))
+    p = "layers.1.attn.indexer.weights_proj"
+    assert any("no parameter" in e for e in errors(dict(layout, **{f"{p}.weight_scale": {"dtype": "F32", "shape": [1, 1]}}), desc))
+    gone = {k: v for k, v in layout.items() if k != "layers.2.ffn.experts.3.w2.weight_scale"}
+    assert any("unset model.layers.2.mlp.experts.w2_weight_scale" in e for e in errors(gone, desc))
+    assert any("KeyError" in e for e in errors(layout, {k: v for k, v in desc.items() if k != "layers.1.attn.wq_b.weight"}))
+    assert any("no description entry" in e for e in errors(layout, {k: v for k, v in desc.items() if k != "hc_head_fn"}))
+    # the MTP draft needs its own head
+    d = load_draft(cfg, {k: v for k, v in layout.items() if k != "mtp.0.head.weight"}, desc, src)
+    assert "model.layers.0.shared_head.head.weight" in d.unset()
