@@ -11,8 +11,9 @@ the module. Host memory holds one layer's output tensors at a time.
 
 The MTP layer (``mtp.{j}.*``) has the decoder block's structure (its compress ratio is the
 entry after the main layers'). When the release has all of its block tensors it is quantized
-with the same scheme (RTN: PTQ runs calibrate the main layers only); otherwise (the tiny asset
-carries only e_proj / h_proj / norms) every mtp tensor is copied. It is never dropped.
+with the same scheme: with the run's parameters when the run calibrated it (a run that reaches
+the last layer does, ``workflow.run_blockwise_ptq(mtp=True)``), else RTN; otherwise (the tiny
+asset carries only e_proj / h_proj / norms) every mtp tensor is copied. It is never dropped.
 """
 from __future__ import annotations
 
@@ -336,6 +337,10 @@ class _Exporter:
         stems = {p.name for p in Path(self.cfg.params_dir).glob("layer_*.pt")}
         return [i for i in range(n) if any(s.startswith(f"layer_{i}_") for s in stems)]
 
+    def _has_params(self, layer_id: int) -> bool:
+        """Whether the run saved unit parameters for layer ``layer_id`` (the MTP layer's: n_layers + j)."""
+        return self.cfg.params_dir is not None and any(Path(self.cfg.params_dir).glob(f"layer_{layer_id}_*.pt"))
+
     def run(self, only_groups: Sequence[str] | None = None, absorb: Sequence[Path] = ()) -> ExportReport:
         """The whole export; ``only_groups``: write just those groups' shards (one torchrun
         rank's layers: no side files, no index); ``absorb``: staging folders of other ranks
@@ -400,11 +405,13 @@ class _Exporter:
                         self._copy_released(gkeys, stream)
                         extra["mtp"] = {group: "copied"}
                     else:
-                        self._export_block(block, f"{group}.", gkeys, n + j, True, False, stream)
+                        # the run's MTP parameters when it calibrated the MTP layer, else RTN
+                        mtp_params = self._has_params(n + j)
+                        self._export_block(block, f"{group}.", gkeys, n + j, True, mtp_params, stream)
                         self._release(block)
                         if self.ascend and f"{group}.head.weight" not in gkeys:
                             self._add_mtp_head(group, stream)
-                        extra["mtp"] = {group: "quantized (RTN)"}
+                        extra["mtp"] = {group: "quantized (run parameters)" if mtp_params else "quantized (RTN)"}
                     mtp_state.update(extra["mtp"])
                 extra["types"] = dict(self.types)
                 report.bytes_written += writer.close_group(group, stream, extra)

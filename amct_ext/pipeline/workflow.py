@@ -583,7 +583,8 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
                       on_unit_done: Callable[[UnitResult], None] | None = None,
                       recipe=None, propagate: str = "float", holdout: float = 0.25,
                       guard: bool = True, runtime: PtqRuntime | None = None, phases=None,
-                      float_like: range | None = None, start: tuple[int, Stream] | None = None) -> PtqResult:
+                      float_like: range | None = None, start: tuple[int, Stream] | None = None,
+                      mtp: bool = True) -> PtqResult:
     """Quantize every unit of ``layers`` and save its parameters under OUTPUT/ptq_params.
 
     Per layer i (built on the compute device, or spread over the devices with
@@ -612,6 +613,10 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     range; predecessors inside it run as its quantized layers did (``float_layer_output``), so
     the hidden states are bit for bit those of the larger run. ``start = (k, stream)``: the
     float inputs of layer k are given (received from another rank); layers < k are not run.
+
+    ``mtp``: when the range ends at the model's last layer and the adapter has an MTP layer
+    (``adapter.mtp_layer_ids()``), that layer is quantized next like a decoder layer, on inputs
+    the adapter builds from the last layer's outputs (``adapter.mtp_block_inputs``).
     """
     cfg.check()
     if propagate not in PROPAGATE:
@@ -644,14 +649,17 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
             calib = embed_stream(adapter, calib_windows, cfg.batch_size)
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes)
     last = layers.stop
+    mtp_ids = _mtp_layers(adapter, layers) if mtp else []
     # The layer is built where it runs (decoded there, never staged in host memory): the float
     # capture needs the whole layer on the device anyway, and a host-staged V4-Flash layer cost
     # ~3x its 13 GB in host RSS (build, .to(device), .to('cpu') after; benchmarks/RESULTS.md §7b).
-    for i in _tqdm(range(first, last), desc="ptq layers", disable=not adapter.run.progress):
+    for i in _tqdm([*range(first, last), *mtp_ids], desc="ptq layers", disable=not adapter.run.progress):
+        if i in mtp_ids:   # the MTP layer: h_i of the last layer with embed(t_{i+1}) (issue 23.6)
+            calib = Stream(*adapter.mtp_block_inputs(i, calib.hidden, calib.state))
         with ph.phase("build", layer=i):
-            block = adapter.block(i, sharded=True) if sharded else adapter.block(i, device=dev)
+            block = adapter.block(i, sharded=True) if sharded and i not in mtp_ids else adapter.block(i, device=dev)
         mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
-        if i not in layers:  # a float predecessor: only its output is needed
+        if i not in layers and i not in mtp_ids:  # a float predecessor: only its output is needed
             with ph.phase("float_forward", layer=i):
                 calib = float_layer_output(adapter, block, calib, float_like is not None and i in float_like,
                                            scheme, targets)
@@ -808,6 +816,15 @@ def run_blockwise_ptq(adapter: BaseModel, scheme: QuantScheme, targets: Sequence
     result.memory = mem
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _mtp_layers(adapter: BaseModel, layers: range) -> list[int]:
+    """The MTP layer quantized after the run's layers: the adapter's first one (its input is
+    the last main layer's output), when the run ends at the model's last layer."""
+    hook = getattr(adapter, "mtp_layer_ids", None)
+    if hook is None or layers.stop != adapter.num_layers:
+        return []
+    return hook()[:1]
 
 
 def _collect_hessians(adapter: BaseModel, block: nn.Module, calib: Stream, units: Sequence,
