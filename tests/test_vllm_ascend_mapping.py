@@ -109,6 +109,33 @@ def test_a_run_that_quantized_wo_a_is_refused_for_ascend(tmp_path):
     assert ascend.plan_leaf("attn.wq_a", ts.weight, ts.input, from_run=True, where="x") == "quant"
 
 
+@pytest.mark.parametrize("scheme,targets,needle", [
+    ("w8a8", ["attn-linear-all", "moe"], r"attn\.wo_a \(--quant-target attn-linear-all\): vllm-ascend"),
+    (W4A8_CHANNEL, ["attn-linear", "moe"], r"ffn\.shared_experts\.w1 \(--quant-target moe\): vllm-ascend.*W8A8_DYNAMIC"),
+])
+def test_a_run_the_engine_cannot_serve_is_refused_at_plan_time(tmp_path, scheme, targets, needle):
+    """With run parameters, before any tensor is read: one line naming module, engine and flag."""
+    from amct_ext.export.engine import EngineRefusal
+    from amct_ext.export.exporter import ExportConfig, export_checkpoint
+    from amct_ext.quant.schemes import load_scheme
+
+    cfg = ExportConfig(model_path=TINY, out_dir=tmp_path / "e", format="ascend", scheme=load_scheme(scheme),
+                       targets=targets, params_dir=tmp_path / "no-such-run", device="cpu")
+    with pytest.raises(EngineRefusal, match=needle) as e:
+        export_checkpoint(cfg)
+    assert "\n" not in str(e.value) and "--quant-target" in str(e.value)
+    assert not (tmp_path / "e").exists()
+
+
+def test_rtn_export_of_the_wider_target_follows_the_engine(tmp_path):
+    """Without run parameters the export quantizes what vllm-ascend runs and leaves the rest float."""
+    cfg, layout, desc, src = _export(TINY, tmp_path / "e", "w8a8", targets=["attn-linear-all", "moe"])
+    target = load_target(cfg, layout, desc, src)
+    assert not target.errors and not target.unset(), (target.errors + target.unset())[:5]
+    assert desc["layers.1.attn.wo_a.weight"] == "FLOAT" and desc["layers.1.attn.compressor.wkv.weight"] == "FLOAT"
+    assert desc["layers.1.attn.wq_a.weight"] == "W8A8_DYNAMIC"
+
+
 def test_the_replay_catches_what_vllm_ascend_would_reject(w8a8_mtp):
     """The replay itself can fail: each edit below is an export vllm-ascend would not load."""
     cfg, layout, desc, src = w8a8_mtp

@@ -25,6 +25,7 @@ asks :func:`plan_leaf` per quantized leaf and the profile's scheme-level limits 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import torch
@@ -63,57 +64,77 @@ def weight_type(weight: TensorSpec, act: TensorSpec | None, where: str) -> str:
 
 
 def _profile():
-    # the model's engine data; imported lazily so this module stays importable without it
+    # the model's engine data (registered for this format by its module); imported here so this
+    # module stays importable without it
     from models.deepseek_v4 import serving_ascend
 
     return serving_ascend
 
 
-def check_scheme(scheme: QuantScheme, targets: list[str]) -> None:
+def check_scheme(scheme: QuantScheme, targets: list[str], from_run: bool = False) -> None:
+    """Plan-time checks (no tensor data): every target's specs have a ModelSlim type vllm-ascend
+    runs somewhere; with a run's parameters also every module kind the targets select (the
+    profile's ``TARGET_LEAVES``), since a run's quantized module cannot be written otherwise."""
+    from ..quant.schemes import spec_targets
+
     prof = _profile()
-    for t in LINEAR_TARGETS:
-        if t in targets:
-            ts = scheme.target(t)
-            if ts.weight is None:
-                raise QuantConfigError(f"ascend export: scheme {scheme.name!r} target {t} has no weight spec")
-            typ = weight_type(ts.weight, ts.input, f"scheme {scheme.name!r} target {t}")
-            if typ == W4A8 and ts.weight.granularity != "channel":
-                raise QuantConfigError(
-                    f"ascend export: scheme {scheme.name!r} target {t}: {prof.ENGINE} runs W4A8_DYNAMIC "
-                    f"per channel only (group_size > 0 is refused, {prof.W4A8_PER_CHANNEL_ONLY}); "
-                    f"use an int4 per-channel weight spec (granularity: channel) for {t}")
-            if typ == W4A8 and t == "attn-linear":
-                raise QuantConfigError(
-                    f"ascend export: scheme {scheme.name!r} target attn-linear: {prof.ENGINE} has no "
-                    "W4A8_DYNAMIC method for a linear (quantization/methods/registry.py: 'moe' only); "
-                    "use int8 weights for attn-linear")
+    for t in spec_targets(targets):
+        if t not in LINEAR_TARGETS:
+            continue
+        ts = scheme.target(t)
+        if ts.weight is None:
+            raise QuantConfigError(f"ascend export: scheme {scheme.name!r} target {t} has no weight spec")
+        typ = weight_type(ts.weight, ts.input, f"scheme {scheme.name!r} target {t}")
+        if typ == W4A8 and ts.weight.granularity != "channel":
+            raise QuantConfigError(
+                f"ascend export: scheme {scheme.name!r} target {t}: {prof.ENGINE} runs W4A8_DYNAMIC "
+                f"per channel only (group_size > 0 is refused, {prof.W4A8_PER_CHANNEL_ONLY}); "
+                f"use an int4 per-channel weight spec (granularity: channel) for {t}")
+        if typ == W4A8 and t == "attn-linear":
+            raise QuantConfigError(
+                f"ascend export: scheme {scheme.name!r} target attn-linear: {prof.ENGINE} has no "
+                "W4A8_DYNAMIC method for a linear (quantization/methods/registry.py: 'moe' only); "
+                "use int8 weights for attn-linear")
     if "attn-cache" in targets and scheme.cache is not None:
         raise QuantConfigError(
             f"ascend export: attn-cache: {prof.ENGINE} keeps DeepSeek-V4's attention caches in bf16 and has "
             f"no int8 q/k/p/v path for it ({prof.CACHE_SOURCE}); drop attn-cache from --quant-target")
+    if from_run:
+        for t in targets:
+            for leaf in prof.TARGET_LEAVES.get(t, ()):
+                ts = scheme.target(t)
+                plan_leaf(leaf, ts.weight, ts.input, from_run=True, where=f"{leaf} (--quant-target {t})")
 
 
 def plan_leaf(leaf: str, weight: TensorSpec, act: TensorSpec | None, *, from_run: bool, where: str) -> str:
-    """'quant': written in its ModelSlim type; 'released': the engine builds or runs the module
-    float and the export has no run parameters, so it is not quantized (copied as released,
-    FLOAT). A run's quantized leaf the engine would serve in bf16 is refused (every ascend type
-    quantizes the input, so there is no weight-only leaf to write as a fake-quant float weight).
+    """What the export writes for a leaf the scheme quantizes, by the engine profile
+    (``amct_ext.export.engine``, registered for "ascend"): 'quant' (its ModelSlim type) or
+    'released' -- the engine builds or runs it float and the export has no run parameters, so it
+    is not quantized (copied as released, FLOAT; one warning line per leaf kind). A run's leaf the
+    engine would serve in bf16 is refused (every ascend type quantizes the input, so there is no
+    weight-only leaf to write as a fake-quant float weight).
 
     ``leaf``: the name relative to the decoder block (``attn.wo_a``)."""
-    prof = _profile()
-    rule = prof.rule_for(leaf)
-    if rule is None:
-        raise QuantConfigError(f"ascend export: {where}: the {prof.ENGINE} profile has no rule for module {leaf!r}")
-    typ = weight_type(weight, act, where)
-    if rule.built == "quant" and typ in rule.types:
-        return "quant"
-    why = rule.why or f"does not run {typ} there"
-    if not from_run:
-        log.info("ascend export: %s written float: %s %s (%s)", where, prof.ENGINE, why, rule.source)
-        return "released"
-    raise QuantConfigError(
-        f"ascend export: {where}: {prof.ENGINE} {why} ({rule.source}), so the run's {typ} module cannot be "
-        f"served as evaluated; quantize with a --quant-target that leaves {leaf} float")
+    from .engine import QUANTIZED, EngineRefusal, profile_for
+
+    prof = profile_for("ascend") or _profile().vllm_ascend_profile()
+    weight_type(weight, act, where)        # a type at all (the scheme check refused the rest)
+    try:
+        if prof.plan_leaf(leaf, weight, act, where=where).action == QUANTIZED:
+            return "quant"
+        why = "builds it float"
+    except EngineRefusal as e:
+        if from_run:
+            raise
+        why = str(e)
+    kind = re.sub(r"\.\d+\.", ".N.", leaf)
+    if kind not in _WARNED:
+        _WARNED.add(kind)
+        log.warning("ascend export: %s written float, not quantized (no run parameters): %s", kind, why)
+    return "released"
+
+
+_WARNED: set[str] = set()
 
 
 def encode_weight(base: str, spec: TensorSpec, act: TensorSpec | None, d: dict[str, torch.Tensor],

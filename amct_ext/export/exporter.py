@@ -73,7 +73,7 @@ class ExportConfig:
             raise ConfigError(f"--format {self.format!r} is unknown; valid: {', '.join(FORMATS)}")
         self.targets = self.scheme.check_targets(parse_targets(self.targets))
         if self.format == "ascend":
-            ascend.check_scheme(self.scheme, spec_targets(self.targets))
+            ascend.check_scheme(self.scheme, self.targets, from_run=self.params_dir is not None)
         else:
             ct.quantization_config(self.scheme, self.targets)  # raises on what it cannot describe
         for t in self.targets:

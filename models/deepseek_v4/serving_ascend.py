@@ -5,15 +5,16 @@ Read from ``vllm-project/vllm-ascend`` at commit 182b75e (2026-08-22), Atlas A2 
 ``vllm_ascend/``; ``model.py`` / ``mtp.py`` / ``compressor.py`` / ``indexer.py`` live in
 ``models/deepseek_v4/``. casebook/vllm-ascend.md has the prose.
 
-One rule per leaf (the module owning one exported weight, named relative to its decoder block:
+The rules are an ``amct_ext.export.engine.EngineProfile`` registered for the "ascend" export
+format, one per leaf (the module owning one exported weight, named relative to its decoder block:
 ``attn.wq_a``, ``ffn.experts.3.w1``); first full match wins:
 
-- ``built``: "quant" -- built with the checkpoint's quant config, so vllm-ascend looks the module up
+- quantized -- built with the checkpoint's quant config, so vllm-ascend looks the module up
   in quant_model_description.json (a missing entry is a KeyError, modelslim_config.py:469);
   "float" -- built with ``quant_config=None``: a plain float ``weight`` and nothing else (no
   description lookup; a ``weight_scale`` beside it has no parameter: KeyError in load_weights,
   model.py:1256);
-- ``types``: the description types its kernels run there (FLOAT always means the unquantized
+- ``runs``: the description types its kernels run there (FLOAT always means the unquantized
   method, modelslim_config.py:802). A module whose kernel consumes the raw ``.weight`` with no
   scale runs FLOAT only, whatever the quant config says.
 
@@ -25,54 +26,94 @@ export independently of this table.
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from functools import lru_cache
+
+from amct_ext.export import engine
+from amct_ext.quant.schemes import TensorSpec
 
 ENGINE = "vllm-ascend (182b75e, A2/A3)"
 W8A8, W4A8, FLOAT = "W8A8_DYNAMIC", "W4A8_DYNAMIC", "FLOAT"
 
 
-@dataclass(frozen=True)
-class AscendLeafRule:
-    pattern: str            # leaf name relative to the block, full match
-    built: str              # "quant" | "float"
-    types: frozenset[str]   # description types vllm-ascend runs there
-    source: str             # vllm_ascend file:line
-    why: str = ""           # why only FLOAT, when it is
-
-    def matches(self, leaf: str) -> bool:
-        return re.fullmatch(self.pattern, leaf) is not None
-
-
-_LINEAR = frozenset({FLOAT, W8A8})          # (W8A8_DYNAMIC, 'linear'): methods/w8a8_dynamic.py:51
-_MOE = frozenset({FLOAT, W8A8, W4A8})       # (.., 'moe'): methods/w8a8_dynamic.py:165, methods/w4a8.py:36
-
-RULES: tuple[AscendLeafRule, ...] = (
-    AscendLeafRule(r"attn\.(wq_a|wq_b|wkv)", "quant", _LINEAR, "model.py:474-500; attention/dsa_v1.py:1244-1296"),
-    AscendLeafRule(r"attn\.wo_a", "quant", frozenset({FLOAT}), "model.py:503-509; attention/dsa_v1.py:1172-1180",
-                   "runs wo_a as a bf16 batch matmul of wo_a.weight with scale=None (npu_transpose_batchmatmul); "
-                   "only A5 takes an FP8-MX wo_a"),
-    AscendLeafRule(r"attn\.wo_b", "quant", _LINEAR, "model.py:511-517; attention/dsa_v1.py:1181"),
-    AscendLeafRule(r"attn\.(indexer\.)?compressor\.(wkv|wgate)", "quant", frozenset({FLOAT}),
-                   "compressor.py:125-139,212-216",
-                   "passes compressor.wkv/wgate.weight to the fused compressor kernel with no scale"),
-    AscendLeafRule(r"attn\.indexer\.wq_b", "quant", _LINEAR, "indexer.py:270-276,438-476"),
-    AscendLeafRule(r"attn\.indexer\.weights_proj", "float", frozenset({FLOAT}), "indexer.py:284-290",
-                   "builds indexer.weights_proj with quant_config=None"),
-    AscendLeafRule(r"ffn\.gate", "float", frozenset({FLOAT}), "model.py:279-281",
-                   "builds the router gate with quant_config=None"),
-    # w1 / w3 load into one MergedColumnParallelLinear gate_up_proj (model.py:220-227,
-    # modelslim_config.py:143-146): both shards must carry the same type (modelslim_config.py:455-462)
-    AscendLeafRule(r"ffn\.shared_experts\.w[123]", "quant", _LINEAR, "model.py:301-313,220-236",
-                   "has no W4A8_DYNAMIC method for a linear (methods/registry.py: W4A8_DYNAMIC is 'moe' only)"),
-    # the routed experts are one FusedMoE; its type is expert 0's w1 / w3 / w2 (the packed mapping
-    # 'experts' -> experts.0.gate_proj/up_proj/down_proj, modelslim_config.py:143-146,452-462)
-    AscendLeafRule(r"ffn\.experts\.\d+\.w[123]", "quant", _MOE, "model.py:335-354; methods/w4a8.py:114-127"),
-)
+def modelslim_type(weight: TensorSpec, act: TensorSpec | None) -> str | None:
+    """The ModelSlim v1 type of a (weight, input) spec pair, None when it has none: symmetric int8
+    per channel / int4 per channel or group weights with int8 per-token dynamic inputs."""
+    int8_token = (act is not None and act.format == "int" and act.bits == 8 and act.symmetric
+                  and act.granularity == "token" and act.dynamic)
+    if not int8_token or weight.format != "int" or not weight.symmetric:
+        return None
+    if weight.bits == 8 and weight.granularity == "channel":
+        return W8A8
+    if weight.bits == 4 and weight.granularity in ("channel", "group"):
+        return W4A8
+    return None
 
 
-def rule_for(leaf: str) -> AscendLeafRule | None:
-    return next((r for r in RULES if r.matches(leaf)), None)
+def _runs(types: frozenset[str], why: str):
+    """A FormatCheck: None when vllm-ascend runs the pair's type at the module, else why not."""
+    def check(weight: TensorSpec, act: TensorSpec | None) -> str | None:
+        typ = modelslim_type(weight, act)
+        return None if typ in types else f"{why} (the run's is {typ or 'no ModelSlim type'})"
+    return check
+
+
+_LINEAR = frozenset({W8A8})          # (W8A8_DYNAMIC, 'linear'): methods/w8a8_dynamic.py:51
+_MOE = frozenset({W8A8, W4A8})       # (.., 'moe'): methods/w8a8_dynamic.py:165, methods/w4a8.py:36
+_NO_W4A8_LINEAR = "runs a linear only as W8A8_DYNAMIC (no W4A8_DYNAMIC 'linear' method, quantization/methods/registry)"
+_RAW_WEIGHT = ("is built with the quant config but {what} consumes .weight with no scale, so it runs only "
+               "FLOAT")
+
+
+@lru_cache(maxsize=None)
+def vllm_ascend_profile() -> engine.EngineProfile:
+    R = engine.LeafRule
+    rules = (
+        R(r"attn\.(wq_a|wq_b|wkv)", True, "models/deepseek_v4/model.py:474-500; attention/dsa_v1.py:1244-1296",
+          runs=_runs(_LINEAR, _NO_W4A8_LINEAR)),
+        R(r"attn\.wo_a", True, "models/deepseek_v4/model.py:503-509; attention/dsa_v1.py:1172-1180",
+          runs=_runs(frozenset(), _RAW_WEIGHT.format(what="the A2/A3 o_proj batch matmul (npu_transpose_batchmatmul, "
+                                                       "scale=None; only A5 takes an FP8-MX wo_a)")),
+          note="FLOAT only on A2/A3"),
+        R(r"attn\.wo_b", True, "models/deepseek_v4/model.py:511-517; attention/dsa_v1.py:1181",
+          runs=_runs(_LINEAR, _NO_W4A8_LINEAR)),
+        R(r"attn\.(indexer\.)?compressor\.(wkv|wgate)", True, "models/deepseek_v4/compressor.py:125-139,212-216",
+          runs=_runs(frozenset(), _RAW_WEIGHT.format(what="the fused compressor kernel")),
+          note="quant_config=None on A5; FLOAT only, but listed in the description (the lookup happens)"),
+        R(r"attn\.indexer\.wq_b", True, "models/deepseek_v4/indexer.py:270-276,438-476",
+          runs=_runs(_LINEAR, _NO_W4A8_LINEAR)),
+        R(r"attn\.indexer\.weights_proj", False, "models/deepseek_v4/indexer.py:284-290"),
+        R(r"ffn\.gate", False, "models/deepseek_v4/model.py:279-281"),
+        # w1 / w3 load into one MergedColumnParallelLinear gate_up_proj (model.py:220-227,
+        # modelslim_config.py:143-146): both shards must carry the same type (modelslim_config.py:455-462)
+        R(r"ffn\.shared_experts\.w[123]", True, "models/deepseek_v4/model.py:301-313,220-236",
+          runs=_runs(_LINEAR, _NO_W4A8_LINEAR)),
+        # the routed experts are one FusedMoE; its type is expert 0's w1 / w3 / w2 (the packed mapping
+        # 'experts' -> experts.0.gate_proj/up_proj/down_proj, modelslim_config.py:143-146,452-462)
+        R(r"ffn\.experts\.\d+\.w[123]", True, "models/deepseek_v4/model.py:335-354; quantization/methods/w4a8.py:114-127",
+          runs=_runs(_MOE, "runs routed experts as W8A8_DYNAMIC or per-channel W4A8_DYNAMIC")),
+    )
+    from .serving import AVOID_LIMIT_FLAG
+
+    params = (
+        engine.ParamRule(r"ffn\.(experts\.\d+|shared_experts)\.up_limit",
+                         "clamps the SwiGLU with one scalar swiglu_limit (SiluAndMulWithClamp; the FusedMoE gets "
+                         "the same scalar), not the per-channel limit that w3 -> w2 smoothing leaves",
+                         AVOID_LIMIT_FLAG, "models/deepseek_v4/model.py:239-240,308,347"),
+    )
+    return engine.EngineProfile(
+        engine=ENGINE, export_format="ascend", leaf_rules=rules, param_rules=params,
+        flag="pass --quant-target attn-linear (the modules vllm-ascend quantizes) and int8 weights where it "
+             "has no int4 method",
+        default_quantized=False,
+        notes=("FLOAT modules are listed as FLOAT in quant_model_description.json",))
+
+
+engine.register_profile("ascend", vllm_ascend_profile)
+
+#: one leaf per target that stands for the modules it selects (plan-time checks, no tensor data)
+TARGET_LEAVES = {"attn-linear": ("attn.wq_a", "attn.wo_b", "attn.indexer.wq_b"),
+                 "attn-linear-all": ("attn.wq_a", "attn.wo_a", "attn.compressor.wkv"),
+                 "moe": ("ffn.experts.0.w1", "ffn.shared_experts.w1")}
 
 
 #: the W4A8_DYNAMIC MoE method refuses a description with group_size > 0 (methods/w4a8.py:114-127)
