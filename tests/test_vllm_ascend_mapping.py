@@ -68,14 +68,18 @@ def test_w8a8_export_loads_completely_in_target_and_mtp_draft(w8a8_mtp):
     assert "mtp.0.head.weight" not in src and layout["mtp.0.head.weight"] == layout["head.weight"]
 
 
-def test_w4a8_channel_export_loads_completely(tmp_path):
-    cfg, layout, desc, src = _export(TINY, tmp_path / "e", W4A8_CHANNEL)
+def test_int4_routed_experts_load_completely(tmp_path):
+    """int4 per-channel routed experts: W4A8_DYNAMIC with scale_bias, every expert slot set. The
+    scheme also makes the shared expert int4, which the served export refuses; written anyway
+    (serve_check=False), the replay rejects exactly that and nothing else."""
+    cfg, layout, desc, src = _export(TINY, tmp_path / "e", W4A8_CHANNEL, serve_check=False)
     target = load_target(cfg, layout, desc, src)
-    assert not target.errors, target.errors[:5]
-    assert not target.unset(), target.unset()[:5]
     assert target.methods["model.layers.1.mlp.experts"] == "W4A8_DYNAMIC"
-    # no W4A8_DYNAMIC linear in vllm-ascend: the int4 shared expert stays float
-    assert target.methods["model.layers.1.mlp.shared_experts.gate_up_proj"] == "FLOAT"
+    assert [e for e in target.errors if "shared_experts" not in e] == []
+    for i in range(cfg["num_hidden_layers"]):
+        assert f"model.layers.{i}.mlp.shared_experts.gate_up_proj: no vllm-ascend method for (W4A8_DYNAMIC, linear) " \
+               "(modelslim_config.py:531-541)" in target.errors
+    assert [u for u in target.unset() if "shared_experts" not in u] == []
     # the asset's MTP layer has e_proj / h_proj / norms only: a draft would leave its block unset
     draft = load_draft(cfg, layout, desc, src)
     assert any("mtp block" in e for e in draft.errors), draft.errors[:3]
@@ -95,45 +99,52 @@ def test_schemes_vllm_ascend_cannot_run_are_refused(tmp_path, scheme, targets, n
     assert not (tmp_path / "e").exists() or not any((tmp_path / "e").iterdir())
 
 
-def test_a_run_that_quantized_wo_a_is_refused_for_ascend(tmp_path):
-    """With run parameters, a module the engine keeps float but the run quantized (with its
-    input) cannot be served as evaluated: refused with the module, the engine and the flag."""
-    from amct_ext.errors import QuantConfigError
-    from amct_ext.export import ascend
+def test_the_profile_keeps_what_vllm_ascend_runs_float():
+    from amct_ext.export import engine
     from amct_ext.quant.schemes import load_scheme
+    from models.deepseek_v4.serving_ascend import vllm_ascend_profile
 
-    ts = load_scheme("w8a8").target("attn-linear")
-    with pytest.raises(QuantConfigError, match=r"layers\.1\.attn\.wo_a: vllm-ascend .*--quant-target"):
-        ascend.plan_leaf("attn.wo_a", ts.weight, ts.input, from_run=True, where="layers.1.attn.wo_a")
-    assert ascend.plan_leaf("attn.wo_a", ts.weight, ts.input, from_run=False, where="x") == "released"
-    assert ascend.plan_leaf("attn.wq_a", ts.weight, ts.input, from_run=True, where="x") == "quant"
+    prof, ts = vllm_ascend_profile(), load_scheme("w8a8").target("attn-linear")
+    with pytest.raises(engine.EngineRefusal, match=r"layers\.1\.attn\.wo_a: vllm-ascend .*--quant-target attn-linear"):
+        prof.plan_leaf("attn.wo_a", ts.weight, ts.input, where="layers.1.attn.wo_a")
+    for leaf in ("attn.compressor.wkv", "attn.indexer.compressor.wgate", "attn.indexer.weights_proj"):
+        with pytest.raises(engine.EngineRefusal):
+            prof.plan_leaf(leaf, ts.weight, ts.input)
+    for leaf in ("attn.wq_a", "attn.wkv", "attn.wq_b", "attn.wo_b", "attn.indexer.wq_b", "ffn.experts.3.w2",
+                 "ffn.shared_experts.w1"):
+        assert prof.plan_leaf(leaf, ts.weight, ts.input).action == engine.QUANTIZED, leaf
+    assert engine.profile_for("ascend") is prof
 
 
 @pytest.mark.parametrize("scheme,targets,needle", [
-    ("w8a8", ["attn-linear-all", "moe"], r"attn\.wo_a \(--quant-target attn-linear-all\): vllm-ascend"),
-    (W4A8_CHANNEL, ["attn-linear", "moe"], r"ffn\.shared_experts\.w1 \(--quant-target moe\): vllm-ascend.*W8A8_DYNAMIC"),
+    ("w8a8", ["attn-linear-all", "moe"], r"layers\.0\.attn\.wo_a: vllm-ascend .*--quant-target attn-linear"),
+    (W4A8_CHANNEL, ["attn-linear", "moe"], r"layers\.0\.ffn\.shared_experts\.w1: vllm-ascend.*W8A8_DYNAMIC"),
 ])
-def test_a_run_the_engine_cannot_serve_is_refused_at_plan_time(tmp_path, scheme, targets, needle):
-    """With run parameters, before any tensor is read: one line naming module, engine and flag."""
+@pytest.mark.parametrize("from_run", [False, True])
+def test_what_the_engine_cannot_serve_is_refused_before_writing(tmp_path, scheme, targets, needle, from_run):
+    """RTN or a run's parameters alike, before any layer is written: one line naming module,
+    engine and flag."""
     from amct_ext.export.engine import EngineRefusal
     from amct_ext.export.exporter import ExportConfig, export_checkpoint
     from amct_ext.quant.schemes import load_scheme
 
     cfg = ExportConfig(model_path=TINY, out_dir=tmp_path / "e", format="ascend", scheme=load_scheme(scheme),
-                       targets=targets, params_dir=tmp_path / "no-such-run", device="cpu")
+                       targets=targets, params_dir=(tmp_path / "run") if from_run else None, device="cpu")
     with pytest.raises(EngineRefusal, match=needle) as e:
         export_checkpoint(cfg)
     assert "\n" not in str(e.value) and "--quant-target" in str(e.value)
     assert not (tmp_path / "e").exists()
 
 
-def test_rtn_export_of_the_wider_target_follows_the_engine(tmp_path):
-    """Without run parameters the export quantizes what vllm-ascend runs and leaves the rest float."""
-    cfg, layout, desc, src = _export(TINY, tmp_path / "e", "w8a8", targets=["attn-linear-all", "moe"])
-    target = load_target(cfg, layout, desc, src)
-    assert not target.errors and not target.unset(), (target.errors + target.unset())[:5]
-    assert desc["layers.1.attn.wo_a.weight"] == "FLOAT" and desc["layers.1.attn.compressor.wkv.weight"] == "FLOAT"
-    assert desc["layers.1.attn.wq_a.weight"] == "W8A8_DYNAMIC"
+def test_the_replay_rejects_the_wider_target_written_as_asked(tmp_path):
+    """serve_check=False writes wo_a / the compressors W8A8_DYNAMIC and weights_proj with scales:
+    the loader replay fails on each, as the profile predicted."""
+    cfg, layout, desc, src = _export(TINY, tmp_path / "e", "w8a8", targets=["attn-linear-all", "moe"],
+                                     serve_check=False)
+    errs = load_target(cfg, layout, desc, src).errors
+    assert any("layers.1.self_attn.wo_a: W8A8_DYNAMIC, but" in e for e in errs)
+    assert any("layers.1.self_attn.compressor.wkv: W8A8_DYNAMIC, but" in e for e in errs)
+    assert any("layers.1.attn.indexer.weights_proj.weight_scale: no parameter" in e for e in errs)
 
 
 def test_the_replay_catches_what_vllm_ascend_would_reject(w8a8_mtp):

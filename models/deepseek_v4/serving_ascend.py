@@ -18,11 +18,13 @@ format, one per leaf (the module owning one exported weight, named relative to i
   method, modelslim_config.py:802). A module whose kernel consumes the raw ``.weight`` with no
   scale runs FLOAT only, whatever the quant config says.
 
-The exporter (amct_ext/export/ascend.py) writes a leaf quantized only when its type is allowed
-here; otherwise as a float weight (the exact fake-quant weight when the run quantized it
-weight-only), and refuses when the run also quantized the leaf's input (that would be served
-in bf16: not what the run evaluated). tests/test_vllm_ascend_mapping.py replays the loader on the
-export independently of this table.
+The exporter writes a leaf quantized only when its type is allowed here; otherwise as a float
+weight (the exact fake-quant weight when the run quantized it weight-only), and refuses -- before
+any layer is written (``serving.check_export``) -- when the leaf's input is quantized too (it would
+be served in bf16: not what the run evaluated). Every ascend type quantizes the input, so for
+``--format ascend`` a module the engine keeps float is either not selected by the targets
+(``attn-linear`` leaves wo_a and the compressors out) or refused.
+tests/test_vllm_ascend_mapping.py replays the loader on the export independently of this table.
 """
 from __future__ import annotations
 
@@ -109,12 +111,6 @@ def vllm_ascend_profile() -> engine.EngineProfile:
 
 
 engine.register_profile("ascend", vllm_ascend_profile)
-
-#: one leaf per target that stands for the modules it selects (plan-time checks, no tensor data)
-TARGET_LEAVES = {"attn-linear": ("attn.wq_a", "attn.wo_b", "attn.indexer.wq_b"),
-                 "attn-linear-all": ("attn.wq_a", "attn.wo_a", "attn.compressor.wkv"),
-                 "moe": ("ffn.experts.0.w1", "ffn.shared_experts.w1")}
-
 
 #: the W4A8_DYNAMIC MoE method refuses a description with group_size > 0 (methods/w4a8.py:114-127)
 W4A8_PER_CHANNEL_ONLY = "methods/w4a8.py:114-127"
