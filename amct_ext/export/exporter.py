@@ -81,10 +81,12 @@ class ExportConfig:
 
         return engine.profile_for(self.format)
 
-    def check(self) -> None:
+    def check(self, planned_params: Sequence[str] = ()) -> None:
         """Every refusal the export can know before it writes anything: the format, the
         scheme, and what the format's engine would reject (``serving.check_export``). The plan
-        of run_ptq.py --export calls this too."""
+        of run_ptq.py --export calls this too, before the run: ``planned_params`` are the unit
+        parameter names its recipe will save (e.g. ``up_limit`` when smoothing pair w3 runs on
+        the experts; ``serving.PAIR_PARAMS``), checked like the saved ones of ``params_dir``."""
         if self.format not in FORMATS:
             raise ConfigError(f"--format {self.format!r} is unknown; valid: {', '.join(FORMATS)}")
         self.targets = self.scheme.check_targets(parse_targets(self.targets))
@@ -101,7 +103,7 @@ class ExportConfig:
         if profile is not None:
             from models.deepseek_v4.serving import check_export
 
-            check_export(self, profile)
+            check_export(self, profile, planned_params)
 
 
 @dataclass
