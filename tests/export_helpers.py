@@ -15,9 +15,10 @@ REFERENCE = Path(__file__).resolve().parent / "data" / "msmodelslim-26.1-tiny-v4
 
 
 @torch.no_grad()
-def with_complete_mtp(src: Path, dst: Path, seed: int = 7) -> Path:
+def with_complete_mtp(src: Path, dst: Path, seed: int = 7, own_head: bool = True) -> Path:
     """A copy of ``src`` whose ``mtp.0.*`` holds a whole decoder block (layer id n_layers) plus the
-    MTP head tensors, like the checkpoint msModelSlim's MTP run used."""
+    MTP head tensors, like the checkpoint msModelSlim's MTP run used (``own_head=False``: without
+    ``mtp.0.head.weight`` / ``mtp.0.emb.tok_emb.weight``, which the release shares with the model)."""
     from amct_ext.io.checkpoint_writer import save_sharded
     from models.deepseek_v4.loading import load_config
     from models.deepseek_v4.modeling import Block
@@ -41,6 +42,8 @@ def with_complete_mtp(src: Path, dst: Path, seed: int = 7) -> Path:
                   "mtp.0.norm.weight": torch.ones(d), "mtp.0.emb.tok_emb.weight": torch.randn(config.vocab_size, d, generator=gen),
                   "mtp.0.hc_head_fn": 0.02 * torch.randn(config.hc_mult, config.hc_mult * d, generator=gen),
                   "mtp.0.hc_head_base": torch.zeros(config.hc_mult), "mtp.0.hc_head_scale": torch.ones(1)})
+    if not own_head:
+        extra = {k: v for k, v in extra.items() if k not in ("mtp.0.head.weight", "mtp.0.emb.tok_emb.weight")}
     extra = {k: v for k, v in extra.items() if k not in tensors}
     tensors.update(release_tensors(extra, "bf16"))
     save_sharded(tensors, dst, 2)

@@ -257,6 +257,7 @@ def run(args, phases=None) -> int:
     from amct_ext.pipeline import distributed
     from amct_ext.base import EvalConfig, PtqConfig, RunConfig
     from amct_ext.pipeline.calibration import DEFAULT_CALIBRATION_PATH, refuse_test_split
+    from amct_ext.pipeline.mtp_eval import evaluate_mtp
     from amct_ext.errors import DataError
     from amct_ext.io.io_utils import atomic_write_json
     from amct_ext.quant.schemes import load_scheme
@@ -369,6 +370,7 @@ def run(args, phases=None) -> int:
                 if main_rank:
                     print(f"ppl[{mode}] = {r.ppl:.4f}  ({r.n_windows} windows x {r.seq_len}, {r.seconds:.1f} s)", flush=True)
         units = []
+        mtp_report = None
         ptq_memory = None
         ptq_wall = None
         if not args.no_ptq:
@@ -395,6 +397,9 @@ def run(args, phases=None) -> int:
                 peaks.append(r.memory.peak_memory_bytes)
                 if main_rank:
                     print(f"ppl[ptq] = {r.ppl:.4f}  ({r.seconds:.1f} s)", flush=True)
+                    # issue 23.6: the MTP layer's quantization cost (amct_ext/pipeline/mtp_eval.py)
+                    mtp_report = evaluate_mtp(adapter, windows, eval_cfg, scheme, targets, out / PARAMS_DIR)
+                    print(f"mtp: {mtp_report}", flush=True)
 
         report = {
             "model": args.model, "model_path": str(model_path), "scheme": scheme.name,
@@ -413,6 +418,7 @@ def run(args, phases=None) -> int:
                        "loss_after": u.loss_after, "seconds": u.seconds, "n_calls": u.n_calls,
                        "resumed": u.resumed, "stats": u.stats} for u in units],
             "evaluations": evals,
+            "mtp": mtp_report,
             "unobserved_static_quantizers": unobserved,
             "ptq_runtime": {"capture_memory_gb": capture_gb, "sharded": args.sharded_ptq,
                             "hessian_memory_gb": args.hessian_memory_gb,

@@ -17,6 +17,10 @@ Read from msModelSlim 26.1's own output on assets/tiny-v4 (tests/data/msmodelsli
 
 Only symmetric int weights with dynamic per-token int8 inputs have a type here (w8a8, w4a8 and
 per-channel variants); other schemes are refused by :func:`check_scheme`.
+
+What vllm-ascend accepts per module is the model's engine profile for this format (DeepSeek-V4:
+``models/deepseek_v4/serving_ascend.py``, each rule with its vllm-ascend file:line), which the
+exporter follows leaf by leaf (``amct_ext.export.engine``); the scheme-level limits are checked here.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ SCALE_BIAS_TP = 16
 W8A8, W4A8, FLOAT = "W8A8_DYNAMIC", "W4A8_DYNAMIC", "FLOAT"
 
 
+
 def _is_int8_token(spec: TensorSpec | None) -> bool:
     return (spec is not None and spec.format == "int" and spec.bits == 8 and spec.symmetric
             and spec.granularity == "token" and spec.dynamic)
@@ -55,15 +60,43 @@ def weight_type(weight: TensorSpec, act: TensorSpec | None, where: str) -> str:
     return W8A8 if weight.bits == 8 else W4A8
 
 
+def _profile():
+    # the model's engine data (registered for this format by its module); imported here so this
+    # module stays importable without it
+    from models.deepseek_v4 import serving_ascend
+
+    return serving_ascend
+
+
 def check_scheme(scheme: QuantScheme, targets: list[str]) -> None:
-    for t in LINEAR_TARGETS:
-        if t in targets:
-            ts = scheme.target(t)
-            if ts.weight is None:
-                raise QuantConfigError(f"ascend export: scheme {scheme.name!r} target {t} has no weight spec")
-            weight_type(ts.weight, ts.input, f"scheme {scheme.name!r} target {t}")
-    if "attn-cache" in targets and scheme.cache is not None and not _is_int8_token(scheme.cache):
-        raise QuantConfigError(f"ascend export: the attention-cache spec must be int8 per-token dynamic, got {scheme.cache}")
+    """Scheme-level checks (no tensor data): every target's specs have a ModelSlim type that
+    vllm-ascend runs somewhere. Which module may carry which type is the engine profile's
+    (models/deepseek_v4/serving_ascend.py), checked leaf by leaf before anything is written
+    (``ExportConfig.check`` -> ``serving.check_export``)."""
+    from ..quant.schemes import spec_targets
+
+    prof = _profile()
+    for t in spec_targets(targets):
+        if t not in LINEAR_TARGETS:
+            continue
+        ts = scheme.target(t)
+        if ts.weight is None:
+            raise QuantConfigError(f"ascend export: scheme {scheme.name!r} target {t} has no weight spec")
+        typ = weight_type(ts.weight, ts.input, f"scheme {scheme.name!r} target {t}")
+        if typ == W4A8 and ts.weight.granularity != "channel":
+            raise QuantConfigError(
+                f"ascend export: scheme {scheme.name!r} target {t}: {prof.ENGINE} runs W4A8_DYNAMIC "
+                f"per channel only (group_size > 0 is refused, {prof.W4A8_PER_CHANNEL_ONLY}); "
+                f"use an int4 per-channel weight spec (granularity: channel) for {t}")
+        if typ == W4A8 and t == "attn-linear":
+            raise QuantConfigError(
+                f"ascend export: scheme {scheme.name!r} target attn-linear: {prof.ENGINE} has no "
+                "W4A8_DYNAMIC method for a linear (quantization/methods/registry.py: 'moe' only); "
+                "use int8 weights for attn-linear")
+    if "attn-cache" in targets and scheme.cache is not None:
+        raise QuantConfigError(
+            f"ascend export: attn-cache: {prof.ENGINE} keeps DeepSeek-V4's attention caches in bf16 and has "
+            f"no int8 q/k/p/v path for it ({prof.CACHE_SOURCE}); drop attn-cache from --quant-target")
 
 
 def encode_weight(base: str, spec: TensorSpec, act: TensorSpec | None, d: dict[str, torch.Tensor],
@@ -98,9 +131,10 @@ def description(types: dict[str, str], scheme: QuantScheme, targets: list[str]) 
     desc: dict[str, Any] = dict(types)
     desc.update({"version": VERSION, "model_quant_type": model_type, "metadata": {},
                  "group_size": groups.pop() if len(groups) == 1 else 0})
-    if "attn-cache" in targets and scheme.cache is not None:
-        # int8 per-token dynamic q/k/p/v: no static cache scales to store (see casebook/export.md)
-        desc["kv_cache_type"] = "C8"
+    missing = [k for k in _profile().DESCRIPTION_NEEDS if k not in types]
+    if missing:   # vllm-ascend would look every module up under names the description lacks
+        raise QuantConfigError(f"ascend export: the checkpoint has no tensor {missing[0]!r}, which "
+                               f"{_profile().ENGINE} needs in {DESCRIPTION_NAME} to map its names")
     return desc
 
 

@@ -11,8 +11,9 @@ the module. Host memory holds one layer's output tensors at a time.
 
 The MTP layer (``mtp.{j}.*``) has the decoder block's structure (its compress ratio is the
 entry after the main layers'). When the release has all of its block tensors it is quantized
-with the same scheme (RTN: PTQ runs calibrate the main layers only); otherwise (the tiny asset
-carries only e_proj / h_proj / norms) every mtp tensor is copied. It is never dropped.
+with the same scheme: with the run's parameters when the run calibrated it (a run that reaches
+the last layer does, ``workflow.run_blockwise_ptq(mtp=True)``), else RTN; otherwise (the tiny
+asset carries only e_proj / h_proj / norms) every mtp tensor is copied. It is never dropped.
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ class ExportConfig:
             raise ConfigError(f"--format {self.format!r} is unknown; valid: {', '.join(FORMATS)}")
         self.targets = self.scheme.check_targets(parse_targets(self.targets))
         if self.format == "ascend":
-            ascend.check_scheme(self.scheme, spec_targets(self.targets))
+            ascend.check_scheme(self.scheme, self.targets)
         else:
             ct.quantization_config(self.scheme, self.targets)  # raises on what it cannot describe
         for t in self.targets:
@@ -314,6 +315,14 @@ class _Exporter:
                         self.float_leaves.add(rel[: -len(".weight")])
         self._copy_released([k for k in rest if k not in consumed], stream)
 
+    def _add_mtp_head(self, group: str, stream) -> None:
+        """vllm-ascend's MTP draft loads its own head from ``mtp.{j}.head.weight`` and does not share
+        the target's lm_head (models/deepseek_v4/serving_ascend.py MTP_HEAD_SOURCE); a release
+        without one gets a copy of ``head.weight`` (what vllm-ascend itself does for the FP8 release)."""
+        key = f"{group}.head.weight"
+        stream.add(key, self._raw("head.weight"))
+        self.types[key] = ascend.FLOAT
+
     def _build_layer(self, i: int) -> torch.nn.Module:
         return self.model.build_layer(self.reader, self.config, i, self.cfg.dtype, self.device)
 
@@ -348,6 +357,10 @@ class _Exporter:
             return list(range(n))
         stems = {p.name for p in Path(self.cfg.params_dir).glob("layer_*.pt")}
         return [i for i in range(n) if any(s.startswith(f"layer_{i}_") for s in stems)]
+
+    def _has_params(self, layer_id: int) -> bool:
+        """Whether the run saved unit parameters for layer ``layer_id`` (the MTP layer's: n_layers + j)."""
+        return self.cfg.params_dir is not None and any(Path(self.cfg.params_dir).glob(f"layer_{layer_id}_*.pt"))
 
     def run(self, only_groups: Sequence[str] | None = None, absorb: Sequence[Path] = ()) -> ExportReport:
         """The whole export; ``only_groups``: write just those groups' shards (one torchrun
@@ -416,9 +429,13 @@ class _Exporter:
                         self._copy_released(gkeys, stream)
                         extra["mtp"] = {group: "copied"}
                     else:
-                        self._export_block(block, f"{group}.", gkeys, n + j, True, False, stream)
+                        # the run's MTP parameters when it calibrated the MTP layer, else RTN
+                        mtp_params = self._has_params(n + j)
+                        self._export_block(block, f"{group}.", gkeys, n + j, True, mtp_params, stream)
                         self._release(block)
-                        extra["mtp"] = {group: "quantized (RTN)"}
+                        if self.ascend and f"{group}.head.weight" not in gkeys:
+                            self._add_mtp_head(group, stream)
+                        extra["mtp"] = {group: "quantized (run parameters)" if mtp_params else "quantized (RTN)"}
                     mtp_state.update(extra["mtp"])
                 extra["types"] = dict(self.types)
                 extra["float_leaves"] = sorted(self.float_leaves)

@@ -636,7 +636,8 @@ class LayerSlice:
 
 def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path, *,
                       layers: range | None = None, calib_windows: torch.Tensor | None = None,
-                      runtime: PtqRuntime | None = None, part: LayerSlice | None = None) -> PtqResult:
+                      runtime: PtqRuntime | None = None, part: LayerSlice | None = None,
+                      mtp: bool = True) -> PtqResult:
     """Quantize every unit of ``layers`` with ``spec``'s recipe and save its parameters under
     OUTPUT/ptq_params.
 
@@ -654,6 +655,10 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
     the module doc; 'quant': the quantized layer's output after solving), holdout and guard.
     ``runtime`` (``PtqRuntime``): memory budgets, sharded layers, phase timer, progress hook.
     ``part`` (``LayerSlice``): this call is a layer range of a larger (torchrun) run.
+
+    ``mtp``: when the range ends at the model's last layer and the adapter has an MTP layer
+    (``adapter.mtp_layer_ids()``), that layer is quantized next like a decoder layer, on inputs
+    the adapter builds from the last layer's outputs (``adapter.mtp_block_inputs``).
     """
     spec = spec.resolved()
     cfg, scheme, targets, recipe = spec.calibration, spec.scheme, spec.targets, spec.recipe
@@ -686,14 +691,17 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
             calib = embed_stream(adapter, calib_windows, cfg.batch_size)
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes)
     last = layers.stop
+    mtp_ids = _mtp_layers(adapter, layers) if mtp else []
     # The layer is built where it runs (decoded there, never staged in host memory): the float
     # capture needs the whole layer on the device anyway, and a host-staged V4-Flash layer cost
     # ~3x its 13 GB in host RSS (build, .to(device), .to('cpu') after; benchmarks/RESULTS.md §7b).
-    for i in _tqdm(range(first, last), desc="ptq layers", disable=not adapter.run.progress):
+    for i in _tqdm([*range(first, last), *mtp_ids], desc="ptq layers", disable=not adapter.run.progress):
+        if i in mtp_ids:   # the MTP layer: h_i of the last layer with embed(t_{i+1}) (issue 23.6)
+            calib = Stream(*adapter.mtp_block_inputs(i, calib.hidden, calib.state))
         with ph.phase("build", layer=i):
-            block = adapter.block(i, sharded=True) if sharded else adapter.block(i, device=dev)
+            block = adapter.block(i, sharded=True) if sharded and i not in mtp_ids else adapter.block(i, device=dev)
         mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
-        if i not in layers:  # a float predecessor: only its output is needed
+        if i not in layers and i not in mtp_ids:  # a float predecessor: only its output is needed
             with ph.phase("float_forward", layer=i):
                 calib = float_layer_output(adapter, block, calib, float_like is not None and i in float_like,
                                            scheme, targets)
@@ -832,6 +840,15 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
     result.memory = mem
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _mtp_layers(adapter: BaseModel, layers: range) -> list[int]:
+    """The MTP layer quantized after the run's layers: the adapter's first one (its input is
+    the last main layer's output), when the run ends at the model's last layer."""
+    hook = getattr(adapter, "mtp_layer_ids", None)
+    if hook is None or layers.stop != adapter.num_layers:
+        return []
+    return hook()[:1]
 
 
 def _collect_hessians(adapter: BaseModel, block: nn.Module, calib: Stream, units: Sequence,

@@ -43,7 +43,7 @@ from amct_ext.errors import CheckpointError, ConfigError
 from amct_ext.pipeline.ptq_units import PtqUnit
 from amct_ext.quant.schemes import parse_targets
 
-from . import quant_module
+from . import mtp, quant_module
 from amct_ext.export.readback import exported_quant
 
 from .loading import apply_exported_activations, build_skeleton, empty_block, load_block, load_config, load_stem
@@ -158,6 +158,10 @@ class DeepseekV4Adapter(BaseModel):
 
     # ------------------------------------------------------------------ layers
     def block(self, layer_idx: int, sharded: bool = False, device: str | torch.device | None = None) -> Block:
+        if layer_idx >= self.num_layers and layer_idx in self.mtp_layer_ids():
+            # the MTP layer's decoder block (one device: it is one layer at the end of the run)
+            with _quiet_partial_loads():
+                return mtp.load_mtp_block(self.reader, self.config, layer_idx, self.dtype, device or self.device)
         if not 0 <= layer_idx < self.num_layers:
             raise ConfigError(f"layer index {layer_idx} is out of range: the model has {self.num_layers} layers")
         if not sharded:
@@ -256,6 +260,35 @@ class DeepseekV4Adapter(BaseModel):
 
     def set_quant_enabled(self, module: nn.Module, enabled: bool) -> None:
         quant_module.set_quant_enabled(module, enabled)
+
+    # ------------------------------------------------------------------ MTP (mtp.{j}.*)
+    def mtp_layer_ids(self) -> list[int]:
+        """Layer ids (n_layers + j) of the MTP layers whose block the checkpoint holds completely;
+        ``block(id)`` builds them. [] for an exported checkpoint (its MTP is evaluated as exported)."""
+        if getattr(self, "_mtp_ids", None) is None:
+            self._mtp_ids = [] if self.exported is not None else mtp.complete_mtp_ids(self.reader, self.config)
+        return list(self._mtp_ids)
+
+    def _mtp_projections(self, layer_idx: int) -> "mtp.MtpProjections":
+        cache = self.__dict__.setdefault("_mtp_proj", {})
+        if layer_idx not in cache:
+            with _quiet_partial_loads():
+                cache[layer_idx] = mtp.load_mtp_projections(self.reader, self.config, layer_idx, self.dtype,
+                                                            self.device)
+        return cache[layer_idx]
+
+    def mtp_block_inputs(self, layer_idx: int, hidden: Sequence[torch.Tensor],
+                         states: Sequence[dict[str, Any]]) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+        """The MTP block's inputs from the last main layer's outputs ``hidden`` (one per sample)
+        and the samples' tokens: position i combines h_i with embed(t_{i+1}) (models/deepseek_v4/mtp.py)."""
+        self.load_embed_state_dict()
+        return mtp.block_inputs(self._mtp_projections(layer_idx), self.empty_weights_model().embed, hidden, states)
+
+    @torch.no_grad()
+    def mtp_logits(self, layer_idx: int, y: torch.Tensor) -> torch.Tensor:
+        """The MTP block's output [B, S-1, hc, D] -> fp32 logits [B, S-1, V] predicting t_{i+2}."""
+        self.load_embed_state_dict()
+        return self._mtp_projections(layer_idx).logits(y.to(self.device), self.empty_weights_model().head)
 
     # ------------------------------------------------------------------ forward hooks
     @torch.no_grad()

@@ -87,4 +87,4 @@ class V4Binding(ModelBinding):
 V4_BINDING = register_model_binding(V4Binding())
 
 # the engine profiles (vLLM, vllm-ascend) register themselves with amct_ext.export.engine on import
-from . import serving  # noqa: E402,F401
+from . import serving, serving_ascend  # noqa: E402,F401
