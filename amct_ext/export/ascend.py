@@ -24,6 +24,7 @@ exporter follows leaf by leaf (``amct_ext.export.engine``); the scheme-level lim
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from ..errors import QuantConfigError
 from ..quant.schemes import LINEAR_TARGETS, QuantScheme, TensorSpec
 from ..quant.packing import pack_int4_rows
+from . import engine
 
 INDEX_NAME = "quant_model_weights.safetensors.index.json"
 SHARD_STEM = "quant_model_weights"
@@ -60,12 +62,15 @@ def weight_type(weight: TensorSpec, act: TensorSpec | None, where: str) -> str:
     return W8A8 if weight.bits == 8 else W4A8
 
 
-def _profile():
-    # the model's engine data (registered for this format by its module); imported here so this
-    # module stays importable without it
-    from models.deepseek_v4 import serving_ascend
-
-    return serving_ascend
+def _profile() -> SimpleNamespace:
+    """The facts the registered vllm-ascend profile quotes (the model supplies them, with their
+    source lines); without a registered profile only the format's own checks apply."""
+    prof = engine.profile_for("ascend")
+    facts = dict(prof.facts) if prof is not None else {}
+    return SimpleNamespace(ENGINE=facts.get("ENGINE", "vllm-ascend"),
+                           W4A8_PER_CHANNEL_ONLY=facts.get("W4A8_PER_CHANNEL_ONLY", "its W4A8 method"),
+                           DESCRIPTION_NEEDS=tuple(facts.get("DESCRIPTION_NEEDS", ())),
+                           CACHE_SOURCE=facts.get("CACHE_SOURCE", "its attention"))
 
 
 def check_scheme(scheme: QuantScheme, targets: list[str]) -> None:

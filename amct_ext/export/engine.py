@@ -88,6 +88,9 @@ class EngineProfile:
     #: further checks of a whole export, ``check(export_config, profile)``, raising a refusal
     checks: tuple[Callable[[Any, "EngineProfile"], None], ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: named facts with their engine source lines that a format module quotes in its own
+    #: refusals (e.g. "W4A8_PER_CHANNEL_ONLY": "methods/w4a8.py:114-127"); the model supplies them
+    facts: Mapping[str, Any] = field(default_factory=dict)
 
     def rule_for(self, leaf: str) -> LeafRule | None:
         return next((r for r in self.leaf_rules if r.matches(leaf)), None)

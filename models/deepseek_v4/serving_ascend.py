@@ -107,7 +107,9 @@ def vllm_ascend_profile() -> engine.EngineProfile:
         flag="pass --quant-target attn-linear (the modules vllm-ascend quantizes) and int8 weights where it "
              "has no int4 method",
         default_quantized=False,
-        notes=("FLOAT modules are listed as FLOAT in quant_model_description.json",))
+        notes=("FLOAT modules are listed as FLOAT in quant_model_description.json",),
+        facts={"ENGINE": ENGINE, "W4A8_PER_CHANNEL_ONLY": W4A8_PER_CHANNEL_ONLY,
+               "DESCRIPTION_NEEDS": DESCRIPTION_NEEDS, "CACHE_SOURCE": CACHE_SOURCE})
 
 
 engine.register_profile("ascend", vllm_ascend_profile)
