@@ -46,7 +46,6 @@ import math
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -471,6 +470,9 @@ def main(argv=None) -> int:
             if args.setup_only:
                 print(json.dumps({"venv": str(args.venv), "cpu": cpu}))
                 return 0
+            if not cpu.get("avx512"):   # said at once, not after the exports (see `blocked` below)
+                print(f"note: no AVX-512 on this CPU ({cpu.get('capability')}): vLLM-CPU cannot run DeepSeek-V4 "
+                      "here; this run proves vLLM's weight loading only and ends with an error", file=sys.stderr)
         cells = plan_cells(args.scheme_list, args.target_sets, bool(cpu.get("amx")))
         t0 = time.time()
         paths = make_exports(args, cells)
