@@ -244,7 +244,7 @@ def run(args, phases=None) -> int:
     from amct_ext.errors import DataError
     from amct_ext.export.job import write_layers_record
     from amct_ext.io.io_utils import atomic_write_json
-    from amct_ext.pipeline.job import build_job
+    from amct_ext.pipeline.job import build_job, check_request
     from amct_ext.pipeline.progress import PtqProgress, done_units, interactive
     from amct_ext.pipeline.summary import format_ppl, format_summary, summarize_units, write_error_plot
     from amct_ext.pipeline.workflow import (PARAMS_DIR, PtqRuntime, check_seq_len, layer_range, load_calib_windows,
@@ -270,6 +270,8 @@ def run(args, phases=None) -> int:
     threads = _default(args, "threads")
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads {threads}: must be >= 1 (omit it for torch's default)")
+    # flags, scheme, recipe, targets, output folder first: they need neither the model nor the text
+    check_request(job_request(args, Path(args.model_path or "."), calib_path, eval_path))
     # by content, before anything is trained or computed on it (also guards tokenizer training)
     refuse_test_split(calib_path, "calibration", [eval_path])
     model_path = resolve_model_path(args, calib_path)

@@ -274,18 +274,29 @@ def _check_smoothing_exportable(recipe, unexportable: dict[str, str], export: st
                               f"--algo {algo.name}:pairs={keep} (or drop --export)")
 
 
-def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> PtqJob:
-    """The checked plan (see the module docstring). ``check_resume(job) -> bool``: the caller's
-    fingerprint check of OUTPUT/ptq_params (True: a resume); it must read no tensor data."""
-    import time
+@dataclass
+class _Inputs:
+    """What :func:`check_request` settles without opening the model."""
 
+    scheme: Any
+    targets: list[str]
+    recipe: RecipePart
+    samples: int
+    batch: int
+    eval_batch: int
+    modes: list[str]
+    cap: float | None
+    hes: float | None
+
+
+def check_request(req: JobRequest) -> _Inputs:
+    """Every check that needs neither the model nor the data: flags, output folder, scheme,
+    recipe (and the job spec of a recipe file), targets. Cheap: run it before anything else."""
     from ..algorithms.recipe import RecipeError, default_recipe, parse_algo, recipe_from_data
     from ..quant.schemes import load_scheme, parse_targets
 
-    t0 = time.perf_counter()
     out = Path(req.output_dir)
     _check_output_dir(out)
-
     # ---- runtime and sizes (flags by name, never a dataclass field)
     threads = req.threads
     if threads is not None and threads < 1:
@@ -347,6 +358,20 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
     targets_text = _merge("--quant-target", req.quant_target, "targets", job_spec, where, "attn-linear,moe")
     targets = scheme.check_targets(parse_targets(targets_text))
 
+    return _Inputs(scheme, list(targets), RecipePart(recipe, propagate, float(holdout), guard, source),
+                   samples, batch, eval_batch, modes, cap, hes)
+
+
+def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> PtqJob:
+    """The checked plan (see the module docstring). ``check_resume(job) -> bool``: the caller's
+    fingerprint check of OUTPUT/ptq_params (True: a resume); it must read no tensor data."""
+    import time
+
+    t0 = time.perf_counter()
+    out = Path(req.output_dir)
+    inp = check_request(req)
+    scheme, targets, recipe, seq_len = inp.scheme, inp.targets, inp.recipe.recipe, req.seq_len
+
     # ---- data
     calib_path = Path(req.calib_path) if req.calib_path else None
     if calib_path is None or not calib_path.is_file():
@@ -389,11 +414,11 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
         model=ModelPart(spec.name, Path(req.model_path), config, n_layers),
         checkpoint=CheckpointPart(keys=ck.get("keys", 0), shards=ck.get("shards", 0)),
         scheme=SchemePart(scheme, list(targets), units),
-        recipe=RecipePart(recipe, propagate, float(holdout), guard, source),
-        calibration=CalibrationPart(calib_path, samples, seq_len, batch, req.seed),
-        evaluation=EvaluationPart(bool(req.eval_ppl), eval_path, req.eval_windows, eval_batch, modes,
+        recipe=inp.recipe,
+        calibration=CalibrationPart(calib_path, inp.samples, seq_len, inp.batch, req.seed),
+        evaluation=EvaluationPart(bool(req.eval_ppl), eval_path, req.eval_windows, inp.eval_batch, inp.modes,
                                   req.sharded_eval),
-        runtime=RuntimePart(req.device, req.dtype, threads, cap, hes, req.sharded_ptq),
+        runtime=RuntimePart(req.device, req.dtype, req.threads, inp.cap, inp.hes, req.sharded_ptq),
         output=OutputPart(out, layers, resume=False),
         export=export, ptq=not req.no_ptq)
     if check_resume is not None and job.ptq:
@@ -402,4 +427,4 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
     return job
 
 
-__all__ = ["JobRequest", "PtqJob", "ModelPlanSpec", "build_job", "load_job_spec", "JOB_KEYS", "PPL_MODES"]
+__all__ = ["JobRequest", "PtqJob", "ModelPlanSpec", "build_job", "check_request", "load_job_spec", "JOB_KEYS", "PPL_MODES"]
