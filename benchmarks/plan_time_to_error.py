@@ -63,6 +63,13 @@ def write_index_only_checkpoint(out: Path, like: str = "v4-flash", n_layers: int
     return out
 
 
+def _child_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -116,7 +123,13 @@ def main(argv=None) -> int:
                                                               "--output-dir", str(root / "other-run")]),
         ("--start-layer 40 --end-layer 50", ["--model-path", str(good), "--start-layer", "40", "--end-layer", "50", *o]),
     ]
-    rows = []
+    t, c = time.perf_counter(), _child_cpu()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    floor = {"refusal": "(floor: a process that imports torch and exits)", "seconds": round(time.perf_counter() - t, 2),
+             "cpu_s": round(_child_cpu() - c, 2), "in_process_s": None, "rc": 0, "one_line": True, "error": "",
+             "command": "python -c 'import torch'"}
+    print(f"{floor['seconds']:6.2f} s wall, {floor['cpu_s']:5.2f} s cpu: python -c 'import torch' (floor)", flush=True)
+    rows = [floor]
     import contextlib
     import io
 
@@ -125,9 +138,9 @@ def main(argv=None) -> int:
 
     for what, extra in cases:
         cmd = [sys.executable, str(REPO / "tools" / "run_ptq.py"), *base, *extra]
-        t = time.perf_counter()
+        t, c = time.perf_counter(), _child_cpu()
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
-        dt = time.perf_counter() - t
+        dt, cpu = time.perf_counter() - t, _child_cpu() - c
         lines = p.stderr.strip().splitlines()
         ok = p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "ppl[" not in p.stdout
         err = io.StringIO()
@@ -136,10 +149,10 @@ def main(argv=None) -> int:
             rc_in = run_ptq.main([*base, *extra])
         dt_in = time.perf_counter() - t
         ok = ok and rc_in == 2 and err.getvalue().strip() == lines[-1]
-        rows.append({"refusal": what, "seconds": round(dt, 2), "in_process_s": round(dt_in, 2),
+        rows.append({"refusal": what, "seconds": round(dt, 2), "cpu_s": round(cpu, 2), "in_process_s": round(dt_in, 2),
                      "rc": p.returncode, "one_line": ok,
                      "error": lines[-1] if lines else "", "command": "run_ptq.py " + " ".join(base + extra)})
-        print(f"{dt:6.2f} s ({dt_in:5.2f} s in-process)  rc {p.returncode}  {'ok ' if ok else 'BAD'}  {what}: {lines[-1] if lines else p.stdout[-200:]}",
+        print(f"{dt:6.2f} s wall, {cpu:5.2f} s cpu ({dt_in:5.2f} s in-process)  rc {p.returncode}  {'ok ' if ok else 'BAD'}  {what}: {lines[-1] if lines else p.stdout[-200:]}",
               flush=True)
     # the valid job: the plan alone, in-process (the run would go on to the tokenizer and the layers)
     from amct_ext.data import CALIB_DEFAULT, EVAL_DEFAULT

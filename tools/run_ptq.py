@@ -42,7 +42,14 @@ Outputs (OUTPUT = --output-dir)
   OUTPUT/ptq_params/meta.json          the run's fingerprint: scheme, targets, solver settings,
                                        dtype, device type, calibration hash, model, checkpoint
   OUTPUT/ptq_params/layer_{i}_{unit}.pt learned parameters of each unit (+ .json: its losses)
-  OUTPUT/report.json                   PPLs, per-unit losses, wall time, peak memory
+  OUTPUT/ptq_params/layers.json        the run's layer range and which layers are complete (the
+                                       export refuses incomplete layers unless --allow-partial)
+  OUTPUT/report.json                   PPLs, the summary per layer and unit kind, per-unit losses,
+                                       wall time, peak memory
+  OUTPUT/layer_errors.png              loss vs RTN per layer and unit kind (with matplotlib)
+The final summary prints one row per layer and unit kind (units, how many the guard kept at RTN,
+loss vs RTN, the worst unit) and the float / RTN / PTQ perplexities with their deltas. Progress:
+bars on a terminal, one plain line per finished layer in a log file.
 An interrupted run resumes: rerun the same command (finished units are skipped). An output
 folder holding parameters of another run (any fingerprint field differs) is refused with one
 line naming the field and both values.
@@ -54,8 +61,13 @@ the report. The parameters and PPLs are those of one process. If a rank dies the
 with one `error:` line (torchrun on its node; a heartbeat watchdog across nodes,
 AMCT_DIST_HEARTBEAT_S=120; collectives time out after AMCT_DIST_TIMEOUT_S=7200); rerun to resume.
 
-Errors in the input (missing checkpoint, bad config, impossible sequence length, unknown
-scheme or target, mismatched output folder) print one line `error: ...` and exit with code 2.
+The job plan (amct_ext/pipeline/job.py) checks every input before any work, reading no tensor
+data: flags, scheme, recipe (a JSON recipe file may also hold propagate, holdout, guard,
+targets), config.json's required fields, every layer's keys in the index and every shard file,
+the scheme against every targeted weight's shape, the export (format x scheme x targets, and
+smoothing that leaves state no format writes), the output folder and the resume fingerprint.
+Each refusal prints one line `error: ...` naming the flag or file and exits with code 2 within
+seconds, before any perplexity.
 """
 from __future__ import annotations
 
@@ -223,6 +235,7 @@ def _resume_check(job) -> bool:
     rm = recipe_meta(r.recipe, r.propagate, r.holdout, r.guard) or {}
     for key, value in rm.items():
         now[f"solver.{key}"], was[f"solver.{key}"] = value, (old.get("solver") or {}).get(key)
+    now, was = json.loads(json.dumps(now)), json.loads(json.dumps(was))   # as meta.json stores them
     for key in now:
         if now[key] != was[key]:
             shown = (old.get("scheme"), job.scheme.scheme.name) if key == "scheme" else (was[key], now[key])
