@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             rc_in = run_ptq.main([*base, *extra])
         dt_in = time.perf_counter() - t
-        ok = ok and rc_in == 2 and err.getvalue().strip() == lines[-1]
+        ok = ok and rc_in == 2 and err.getvalue().strip().splitlines()[-1:] == lines[-1:]
         rows.append({"refusal": what, "seconds": round(dt, 2), "cpu_s": round(cpu, 2), "in_process_s": round(dt_in, 2),
                      "rc": p.returncode, "one_line": ok,
                      "error": lines[-1] if lines else "", "command": "run_ptq.py " + " ".join(base + extra)})

@@ -83,6 +83,13 @@ def test_a_half_done_layer_is_refused_without_the_record(tiny_ckpt, finished_run
     (run / "ptq_params" / LAYERS_RECORD).unlink()
     with pytest.raises(ConfigError, match=r"layer 1: 9 of 10 units"):
         export_config(_request(tiny_ckpt, run, tmp_path / "E"))
+    said = []                       # --allow-partial: the half-done layer is exported float, not quantized
+    assert export_config(_request(tiny_ckpt, run, tmp_path / "E", allow_partial=True), say=said.append).layers == [0, 2, 3]
+    assert said == ["export: --allow-partial: layers 1 are incomplete and stay float"]
+    from amct_ext.export.job import export_run
+
+    report = export_run(_request(tiny_ckpt, run, tmp_path / "E", allow_partial=True), allow_distributed=False)
+    assert report["quantized_layers"] == [0, 2, 3]            # the exporter follows the checked layers
     # layers the run never began stay float, and it is said
     run2 = _copy_without(finished_run, tmp_path / "b", "layer_3_*.pt")
     (run2 / "ptq_params" / LAYERS_RECORD).unlink()

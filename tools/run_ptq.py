@@ -214,7 +214,7 @@ def job_request(args, model_path: Path, calib_path: Path, eval_path: Path):
         end_layer=args.end_layer, export=args.export, allow_partial=False)
 
 
-def _resume_check(job) -> bool:
+def _resume_check(out_dir: Path, scheme, targets, r, dtype: str) -> bool:
     """The fingerprint fields known before the model is opened (scheme, targets, recipe, dtype)
     against OUTPUT/ptq_params/meta.json; the full check (calibration windows, checkpoint) follows
     once the tokenizer ran, still before any perplexity."""
@@ -222,15 +222,14 @@ def _resume_check(job) -> bool:
 
     from amct_ext.pipeline.workflow import META_NAME, PARAMS_DIR, ParamsMismatchError, recipe_meta
 
-    meta_path = job.output.dir / PARAMS_DIR / META_NAME
+    meta_path = Path(out_dir) / PARAMS_DIR / META_NAME
     if not meta_path.is_file():
         return False
     try:
         old = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ParamsMismatchError(f"{meta_path}: unreadable ({e}); pass a fresh --output-dir") from None
-    r = job.recipe
-    now = {"scheme": job.scheme.scheme.fingerprint(), "targets": job.scheme.targets, "dtype": job.runtime.dtype}
+    now = {"scheme": scheme.fingerprint(), "targets": list(targets), "dtype": dtype}
     was = {"scheme": old.get("scheme_fingerprint"), "targets": old.get("targets"), "dtype": old.get("dtype")}
     rm = recipe_meta(r.recipe, r.propagate, r.holdout, r.guard) or {}
     for key, value in rm.items():
@@ -238,8 +237,8 @@ def _resume_check(job) -> bool:
     now, was = json.loads(json.dumps(now)), json.loads(json.dumps(was))   # as meta.json stores them
     for key in now:
         if now[key] != was[key]:
-            shown = (old.get("scheme"), job.scheme.scheme.name) if key == "scheme" else (was[key], now[key])
-            raise ParamsMismatchError(f"{job.output.dir / PARAMS_DIR} holds PTQ parameters of another run: {key}: "
+            shown = (old.get("scheme"), scheme.name) if key == "scheme" else (was[key], now[key])
+            raise ParamsMismatchError(f"{Path(out_dir) / PARAMS_DIR} holds PTQ parameters of another run: {key}: "
                                       f"{shown[0]!r} in the folder, {shown[1]!r} now; pass a fresh --output-dir "
                                       "or delete that folder")
     return True

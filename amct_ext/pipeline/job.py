@@ -363,14 +363,18 @@ def check_request(req: JobRequest) -> _Inputs:
 
 
 def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> PtqJob:
-    """The checked plan (see the module docstring). ``check_resume(job) -> bool``: the caller's
-    fingerprint check of OUTPUT/ptq_params (True: a resume); it must read no tensor data."""
+    """The checked plan (see the module docstring). ``check_resume(out_dir, scheme, targets,
+    recipe_part, dtype) -> bool``: the caller's fingerprint check of OUTPUT/ptq_params (True: a
+    resume), run before the model is opened; it must read no tensor data."""
     import time
 
     t0 = time.perf_counter()
     out = Path(req.output_dir)
     inp = check_request(req)
     scheme, targets, recipe, seq_len = inp.scheme, inp.targets, inp.recipe.recipe, req.seq_len
+    # the resume fingerprint's settled fields first: a mismatched folder costs no checkpoint scan
+    resume = bool(check_resume(out, scheme, targets, inp.recipe, req.dtype)) \
+        if check_resume is not None and not req.no_ptq else False
 
     # ---- data
     calib_path = Path(req.calib_path) if req.calib_path else None
@@ -421,8 +425,7 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
         runtime=RuntimePart(req.device, req.dtype, req.threads, inp.cap, inp.hes, req.sharded_ptq),
         output=OutputPart(out, layers, resume=False),
         export=export, ptq=not req.no_ptq)
-    if check_resume is not None and job.ptq:
-        job.output.resume = bool(check_resume(job))
+    job.output.resume = resume
     job.seconds = time.perf_counter() - t0
     return job
 
