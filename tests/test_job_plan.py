@@ -231,3 +231,28 @@ def test_the_tools_do_not_import_each_other():
             if isinstance(node, ast.Import):
                 assert all(a.name not in (f"tools.{other}", other) for a in node.names), tool
     assert "parse_args([" not in (REPO / "tools" / "run_ptq.py").read_text()
+
+
+def test_resume_precheck_names_the_field(tmp_path):
+    """The fingerprint fields settled before the model is opened are compared at plan time."""
+    from amct_ext.algorithms.recipe import parse_algo
+    from amct_ext.errors import AmctError
+    from amct_ext.pipeline.job import RecipePart
+    from amct_ext.pipeline.workflow import recipe_meta
+    from amct_ext.quant.schemes import load_scheme
+
+    w8, targets = load_scheme("w8a8"), ["attn-linear", "moe"]
+    part = RecipePart(parse_algo("rtn"), "float", 0.25, True, "--algo")
+    pdir = tmp_path / "ptq_params"
+    pdir.mkdir()
+    (pdir / "meta.json").write_text(json.dumps({"version": 2, "scheme": "w8a8", "scheme_fingerprint": w8.fingerprint(),
+                                                "targets": targets, "dtype": "fp32",
+                                                "solver": {"epochs": 2, **recipe_meta(part.recipe, "float", 0.25, True)}}))
+    assert not run_ptq._resume_check(tmp_path / "fresh", w8, targets, part, "fp32")
+    assert run_ptq._resume_check(tmp_path, w8, targets, part, "fp32")
+    with pytest.raises(AmctError, match=r"scheme: 'w8a8' in the folder, 'fp8' now"):
+        run_ptq._resume_check(tmp_path, load_scheme("fp8"), targets, part, "fp32")
+    with pytest.raises(AmctError, match=r"dtype: 'fp32' in the folder, 'bf16' now"):
+        run_ptq._resume_check(tmp_path, w8, targets, part, "bf16")
+    with pytest.raises(AmctError, match=r"solver.holdout: 0.25 in the folder, 0.5 now"):
+        run_ptq._resume_check(tmp_path, w8, targets, RecipePart(part.recipe, "float", 0.5, True, "--algo"), "fp32")
