@@ -390,15 +390,12 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
     max_len = getattr(config, "max_seq_len", None)
     if isinstance(max_len, int) and seq_len > max_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings={max_len}")
-    ck = spec.check_checkpoint(Path(req.model_path), config)
     start = 0 if req.start_layer is None else req.start_layer
     stop = n_layers if req.end_layer is None else req.end_layer
     if not 0 <= start < stop <= n_layers:
         raise ConfigError(f"--start-layer {start} / --end-layer {stop}: the layer range must satisfy "
                           f"0 <= start < end <= {n_layers}")
     layers = range(start, stop)
-    units = spec.check_scheme(config, scheme, targets, list(layers))
-
     # ---- export: format x scheme x targets (the exporter's own check), smoothing state
     export = None
     if req.export:
@@ -413,6 +410,10 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
             raise type(e)(f"--export {req.export}: {e}") from None
         _check_smoothing_exportable(recipe, spec.unexportable_smoothing(config, targets), req.export)
         export = ExportPart(format=req.export, out_dir=ecfg.out_dir, allow_partial=req.allow_partial)
+
+    # ---- the index (every layer's keys, every shard) and the scheme against every targeted shape
+    ck = spec.check_checkpoint(Path(req.model_path), config)
+    units = spec.check_scheme(config, scheme, targets, list(layers))
 
     job = PtqJob(
         model=ModelPart(spec.name, Path(req.model_path), config, n_layers),
