@@ -404,8 +404,9 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
         ecfg = ExportConfig(model_path=Path(req.model_path), out_dir=out / f"export-{req.export}",
                             format=req.export, scheme=scheme, targets=list(targets),
                             params_dir=out / "ptq_params")
+        planned = spec.planned_params(config, targets, recipe) if hasattr(spec, "planned_params") else ()
         try:
-            ecfg.check()
+            ecfg.check(planned_params=planned)
         except AmctError as e:
             raise type(e)(f"--export {req.export}: {e}") from None
         _check_smoothing_exportable(recipe, spec.unexportable_smoothing(config, targets), req.export)

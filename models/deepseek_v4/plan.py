@@ -167,3 +167,18 @@ class DeepseekV4PlanSpec:
             return {"w3": f"a per-channel SwiGLU limit (up_limit) on every expert instead of the scalar "
                           f"swiglu_limit {config.swiglu_limit:g}"}
         return {}
+
+    def planned_params(self, config, targets: Sequence[str], recipe) -> list[str]:
+        """Unit parameter names the recipe will save that an export may not represent, for the
+        exporter's own ``ExportConfig.check(planned_params)`` (``serving.PAIR_PARAMS``)."""
+        from amct_ext.algorithms.smoothing import pair_names
+
+        from .serving import PAIR_PARAMS
+
+        risky = self.unexportable_smoothing(config, targets)
+        out: list[str] = []
+        for algo in (recipe.algorithms if recipe is not None else []):
+            pairs = getattr(algo, "pairs", None)
+            if isinstance(pairs, str):
+                out += [PAIR_PARAMS[p] for p in pair_names(pairs) if p in PAIR_PARAMS and p in risky]
+        return sorted(set(out))
