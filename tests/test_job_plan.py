@@ -75,8 +75,8 @@ def test_every_refusal_is_one_line_before_any_ppl(tiny_ckpt, broken, tmp_path, c
             f"shard file {shard!r}", out)
     refused(capsys, [*tiny, "--scheme", str(broken["g48"])], "does not fit layers.0.attn.wq_a.weight [32, 64]", out)
     refused(capsys, [*tiny, "--scheme", "w4a16", "--export", "ascend"], "--export ascend: ascend export", out)
-    refused(capsys, [*tiny, "--algo", "awq", "--export", "compressed-tensors"],
-            "awq pairs=all smooths the w3 pair", out)
+    line = refused(capsys, [*tiny, "--algo", "awq", "--export", "compressed-tensors"], "'up_limit'", out)
+    assert "leave smoothing pair 'w3' out" in line and "awq:pairs=attn_norm+q_norm+wo_a" in line
     refused(capsys, [*tiny, "--holdout", "1.5"], "--holdout 1.5", out)
     refused(capsys, [*tiny, "--ppl-modes", "float,bogus"], "--ppl-modes: 'bogus'", out)
     refused(capsys, [*tiny, "--calib-samples", "0"], "--calib-samples 0", out)

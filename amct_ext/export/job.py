@@ -4,8 +4,7 @@ tools/run_ptq.py --export both call it; neither builds the other's argv).
 Before any layer is written it checks:
 - the run folder (``--from``): scheme, targets, model (``exporter.resolve_run``);
 - format x scheme x targets (``ExportConfig.check``, the exporter's own rules);
-- smoothing state the formats cannot write (the run's recipe in meta.json, e.g. AWQ's w3 pair
-  and its per-channel SwiGLU limit);
+- what the format's engine cannot serve, saved unit parameters included (``up_limit``);
 - that the run's layers are complete (issue 25.2): a layer counts as done when every unit of it
   has its parameter file, not when any has. The run's layer range is read from
   ``ptq_params/layers.json`` (written by tools/run_ptq.py); a layer of that range that is not
@@ -111,19 +110,6 @@ def check_run_layers(params_dir: Path, n_layers: int, stems_of: Callable[[Sequen
     return complete
 
 
-def _unexportable_recipe(meta: dict[str, Any], unexportable: dict[str, str]) -> None:
-    from ..algorithms.smoothing import pair_names
-
-    for entry in (meta.get("solver") or {}).get("recipe") or []:
-        pairs = entry.get("pairs") if isinstance(entry, dict) else None
-        if isinstance(pairs, str):
-            hit = [p for p in pair_names(pairs) if p in unexportable]
-            if hit:
-                raise ConfigError(f"--from: the run's {entry.get('name')} smoothed the {hit[0]} pair, which left "
-                                  f"{unexportable[hit[0]]}; no export format can write it (rerun with "
-                                  f"pairs= leaving {hit[0]} out)")
-
-
 # ----------------------------------------------------------------------------- the export
 def export_config(req: ExportRequest, say: Callable[[str], None] = print):
     """The checked ``ExportConfig`` of ``req`` (nothing written)."""
@@ -151,8 +137,7 @@ def export_config(req: ExportRequest, say: Callable[[str], None] = print):
                        overwrite=req.overwrite, device=req.device,
                        dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name], progress=req.progress)
     cfg.check()
-    if pdir is not None:
-        _unexportable_recipe(meta, spec.unexportable_smoothing(config, cfg.targets))
+    if pdir is not None:   # (saved parameters an engine cannot represent: ExportConfig.check)
         layers = check_run_layers(pdir, spec.n_layers(config),
                                   lambda ls: spec.unit_stems(config, scheme, cfg.targets, ls),
                                   req.allow_partial, say)

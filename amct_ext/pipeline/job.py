@@ -255,25 +255,6 @@ def _check_output_dir(out: Path) -> None:
         raise ConfigError(f"--output-dir {out}: {probe} is a file, not a folder")
 
 
-def _check_smoothing_exportable(recipe, unexportable: dict[str, str], export: str) -> None:
-    """A smoothing pair whose result no export format writes (V4: the experts' w3 -> w2 pair
-    leaves a per-channel SwiGLU limit) is refused when an export is asked for (issue 25.2)."""
-    if recipe is None or not unexportable:
-        return
-    from ..algorithms.smoothing import KNOWN_PAIRS, pair_names
-
-    for algo in recipe.algorithms:
-        pairs = getattr(algo, "pairs", None)
-        if not isinstance(pairs, str):
-            continue
-        hit = [p for p in pair_names(pairs) if p in unexportable]
-        if hit:
-            keep = "+".join(p for p in KNOWN_PAIRS if p not in unexportable)
-            raise ConfigError(f"--export {export}: {algo.name} pairs={pairs} smooths the {hit[0]} pair, which leaves "
-                              f"{unexportable[hit[0]]}; no export format can write it. Pass "
-                              f"--algo {algo.name}:pairs={keep} (or drop --export)")
-
-
 @dataclass
 class _Inputs:
     """What :func:`check_request` settles without opening the model."""
@@ -396,7 +377,8 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
         raise ConfigError(f"--start-layer {start} / --end-layer {stop}: the layer range must satisfy "
                           f"0 <= start < end <= {n_layers}")
     layers = range(start, stop)
-    # ---- export: format x scheme x targets (the exporter's own check), smoothing state
+    # ---- export: format x scheme x targets x engine (the exporter's own check), with the unit
+    # parameters the recipe will save that the engine may not represent (the w3 pair's up_limit)
     export = None
     if req.export:
         from ..export.exporter import ExportConfig
@@ -409,7 +391,6 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
             ecfg.check(planned_params=planned)
         except AmctError as e:
             raise type(e)(f"--export {req.export}: {e}") from None
-        _check_smoothing_exportable(recipe, spec.unexportable_smoothing(config, targets), req.export)
         export = ExportPart(format=req.export, out_dir=ecfg.out_dir, allow_partial=req.allow_partial)
 
     # ---- the index (every layer's keys, every shard) and the scheme against every targeted shape

@@ -10,7 +10,8 @@ The framework asks; this module answers (``DeepseekV4PlanSpec``):
 - ``check_scheme``: every targeted weight's shape against the scheme (group size divides...),
   the error naming the module;
 - ``unit_stems``: the parameter files a finished layer has (export refuses incomplete layers);
-- ``unexportable_smoothing``: smoothing pairs whose result no export format can write.
+- ``unexportable_smoothing`` / ``planned_params``: smoothing pairs whose result (``up_limit``) the
+  serving engines cannot represent, as the unit parameters the exporter's check refuses.
 
 Layers of one kind (compress ratio, hash or score routing) share their structure, so one meta
 skeleton per kind serves every layer of that kind (V4-Flash: 43 layers, 4 kinds, ~1 s).
