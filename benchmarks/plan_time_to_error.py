@@ -113,7 +113,9 @@ def main(argv=None) -> int:
         ("--scheme w4a16-g128 --export ascend", ["--model-path", str(good), "--scheme", "w4a16-g128",
                                                  "--export", "ascend", *o]),
         ("--algo awq --export compressed-tensors (w3 pair: up_limit)",
-         ["--model-path", str(good), "--algo", "awq", "--export", "compressed-tensors", *o]),
+         ["--model-path", str(good), "--algo", "awq", "--export", "compressed-tensors", "--dequantize-rest", *o]),
+        ("--export compressed-tensors of the FP8 release without --dequantize-rest (engine profile)",
+         ["--model-path", str(good), "--export", "compressed-tensors", *o]),
         ("--holdout 1.5", ["--model-path", str(good), "--holdout", "1.5", *o]),
         ("--ppl-modes float,bogus", ["--model-path", str(good), "--ppl-modes", "float,bogus", *o]),
         ("--calib-samples 0", ["--model-path", str(good), "--calib-samples", "0", *o]),
@@ -162,10 +164,11 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     job = build_job(JobRequest(model_path=good, output_dir=str(root / "o"), scheme="w4a16-g128", calib_path=CALIB_DEFAULT,
                                calib_samples=128, seq_len=2048, batch_size=1, eval_path=EVAL_DEFAULT,
-                               eval_batch_size=1, export="compressed-tensors"), DeepseekV4PlanSpec())
+                               eval_batch_size=1, export="compressed-tensors", dequantize_rest=True),
+                    DeepseekV4PlanSpec())
     dt = time.perf_counter() - t
     print(f"{dt:6.2f} s  valid plan (in-process, imports warm): {job.scheme.n_units} units", flush=True)
-    rows.append({"refusal": "(none: the valid w4a16-g128 + compressed-tensors plan, in-process)",
+    rows.append({"refusal": "(none: the valid w4a16-g128 + compressed-tensors --dequantize-rest plan, in-process)",
                  "seconds": None, "in_process_s": round(dt, 2), "rc": 0, "one_line": True, "error": "", "command": "build_job(...)"})
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     oe.add_argument("--export", choices=("compressed-tensors", "ascend"), default=None,
                     help="after the run, export the quantized model into OUTPUT/export-FORMAT (checked "
                          "against the scheme, targets and recipe before any work)")
+    oe.add_argument("--dequantize-rest", action="store_true",
+                    help="with --export: store the tensors left as released (FP8 / FP4) in bf16 (vLLM's "
+                         "compressed-tensors loader needs it for an FP8 release)")
     oe.add_argument("--quiet", action="store_true", help="no progress display")
     return ap
 
@@ -211,7 +214,7 @@ def job_request(args, model_path: Path, calib_path: Path, eval_path: Path):
         device=args.device, dtype=_default(args, "dtype"), threads=_default(args, "threads"),
         capture_memory_gb=_default(args, "capture_memory_gb"), hessian_memory_gb=args.hessian_memory_gb,
         sharded_ptq=args.sharded_ptq, sharded_eval=args.sharded_eval, start_layer=args.start_layer,
-        end_layer=args.end_layer, export=args.export, allow_partial=False)
+        end_layer=args.end_layer, export=args.export, dequantize_rest=args.dequantize_rest, allow_partial=False)
 
 
 def _resume_check(out_dir: Path, scheme, targets, r, dtype: str) -> bool:
@@ -448,6 +451,7 @@ def run(args, phases=None) -> int:
                                                        "quant_model_weights.safetensors.index.json"))
         ereq = ExportRequest(model_path=model_path, format=job.export.format, out_dir=eout, from_dir=out,
                              scheme=args.scheme, device=args.device, dtype=dtype_name, overwrite=complete,
+                             dequantize_rest=job.export.dequantize_rest,
                              progress=not args.quiet)
         # rank 0 alone (the other ranks have returned): the export must not start a group
         report["export"] = {k: v for k, v in export_run(ereq, allow_distributed=False).items()

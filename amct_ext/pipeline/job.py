@@ -87,6 +87,7 @@ class JobRequest:
     start_layer: int | None = None
     end_layer: int | None = None
     export: str | None = None
+    dequantize_rest: bool = False
     allow_partial: bool = False
 
 
@@ -168,6 +169,7 @@ class ExportPart:
     format: str
     out_dir: Path
     allow_partial: bool
+    dequantize_rest: bool = False
 
 
 @dataclass
@@ -385,13 +387,14 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
 
         ecfg = ExportConfig(model_path=Path(req.model_path), out_dir=out / f"export-{req.export}",
                             format=req.export, scheme=scheme, targets=list(targets),
-                            params_dir=out / "ptq_params")
+                            params_dir=out / "ptq_params", dequantize_rest=req.dequantize_rest)
         planned = spec.planned_params(config, targets, recipe) if hasattr(spec, "planned_params") else ()
         try:
             ecfg.check(planned_params=planned)
         except AmctError as e:
             raise type(e)(f"--export {req.export}: {e}") from None
-        export = ExportPart(format=req.export, out_dir=ecfg.out_dir, allow_partial=req.allow_partial)
+        export = ExportPart(format=req.export, out_dir=ecfg.out_dir, allow_partial=req.allow_partial,
+                            dequantize_rest=req.dequantize_rest)
 
     # ---- the index (every layer's keys, every shard) and the scheme against every targeted shape
     ck = spec.check_checkpoint(Path(req.model_path), config)
