@@ -190,7 +190,7 @@ def test_per_channel_up_limit_refused(tmp_path):
     torch.save({"wq_a.weight_quantizer.clip": torch.ones(3)}, params / "layer_0_attn.pt")
     msg = _refused(_cfg(tmp_path / "o", "w4a16-g128", ["attn-linear", "moe"], params_dir=params),
                    r"layer_1_ffn_experts_0\.pt: parameter 'up_limit': vLLM .*swiglu_limit")
-    assert "pairs=attn_norm,q_norm,wo_a" in msg
+    assert "pairs=attn_norm+q_norm+wo_a" in msg
 
 
 def test_release_fp8_storage_left_behind_refused(tiny_ckpt_fp8, tmp_path):

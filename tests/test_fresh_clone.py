@@ -70,7 +70,7 @@ def test_readme_command_1_in_a_bare_copy(tmp_path_factory):
     assert report["unobserved_static_quantizers"] == {"rtn": 0, "ptq_calibration": 0, "ptq": 0}
     assert report["wall_s"] > 0 and report["peak_memory_bytes"] > 0
     assert (proj / "runs" / "tiny" / "ptq_params" / "layer_1_ffn_shared_experts.pt").is_file()
-    assert "loss_before" in proc.stdout   # the summary table
+    assert "loss vs RTN" in proc.stdout and "ppl float" in proc.stdout   # the summary per layer and unit kind
     from models.deepseek_v4.tiny import tiny_cache_key
 
     assert [p.name for p in cache.iterdir()] == [f"tiny-v4-{tiny_cache_key()}"]

@@ -152,7 +152,7 @@ def test_refuses_output_dir_of_another_scheme(tiny_ckpt, tmp_path, capsys):
         prepare_params_dir(a, out, PtqSpec(load_scheme("w8a8"), ["attn-linear", "moe"], PtqConfig()))
     meta = (out / "ptq_params" / "meta.json").read_text()
     expect_error(capsys, ["--model", "tiny", "--model-path", str(tiny_ckpt), "--output-dir", str(out),
-                          "--scheme", "w4a8", "--quiet"], "fresh --output-dir", out)
+                          "--scheme", "fp8", "--quiet"], "fresh --output-dir", out)
     assert (out / "ptq_params" / "meta.json").read_text() == meta
     assert sorted(p.name for p in (out / "ptq_params").iterdir()) == ["meta.json"]
 

@@ -268,6 +268,26 @@ DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
 DEFAULT_FALLBACK = ("clip", "float")
 
 
-def default_recipe(scheme_name: str) -> tuple[str, str]:
-    """(algo string, propagate) for a scheme name."""
-    return DEFAULT_RECIPES.get(scheme_name, DEFAULT_FALLBACK)
+def default_recipe(scheme) -> tuple[str, str]:
+    """(algo string, propagate) for a scheme, looked up by what the scheme *does* (its
+    fingerprint), never by its name: a user's 3-bit scheme file named "w8a8" is not w8a8 and gets
+    DEFAULT_FALLBACK, a renamed copy of a built-in scheme gets that scheme's default. A string is
+    loaded as a scheme name or file first."""
+    from ..quant.schemes import QuantScheme, load_scheme
+
+    if not isinstance(scheme, QuantScheme):
+        scheme = load_scheme(scheme)
+    return DEFAULT_RECIPES.get(builtin_scheme_named(scheme) or "", DEFAULT_FALLBACK)
+
+
+def builtin_scheme_named(scheme) -> str | None:
+    """The built-in scheme with the same content as ``scheme`` (None: none has)."""
+    from ..quant.schemes import builtin_schemes, load_scheme
+
+    fp = scheme.fingerprint()
+    if scheme.name in builtin_schemes() and load_scheme(scheme.name).fingerprint() == fp:
+        return scheme.name
+    for name in builtin_schemes():
+        if load_scheme(name).fingerprint() == fp:
+            return name
+    return None

@@ -240,16 +240,29 @@ def _pairs(unit_module: nn.Module, wanted: str) -> list:
     pairs = get()
     if wanted.strip() == "all":
         return pairs
-    names = {w.strip() for w in wanted.split(",") if w.strip()}
+    names = set(pair_names(wanted))
     return [p for p in pairs if p.name in names]
 
 
+#: the pairs the V4 units offer (``smoothing_subgraphs``)
+KNOWN_PAIRS = ("attn_norm", "q_norm", "wo_a", "w3")
+
+
+def pair_names(pairs: str) -> list[str]:
+    """``pairs`` as a list of names: 'all', or names joined by '+' (typeable inside --algo, where
+    ',' separates algorithms: ``--algo awq:pairs=attn_norm+q_norm``); ',' is accepted too, for
+    recipe files."""
+    if pairs.strip() == "all":
+        return list(KNOWN_PAIRS)
+    return [w.strip() for w in pairs.replace(",", "+").split("+") if w.strip()]
+
+
 def _check_pairs(pairs: str) -> None:
-    known = {"attn_norm", "q_norm", "wo_a", "w3"}
     if pairs.strip() != "all":
-        bad = sorted({w.strip() for w in pairs.split(",") if w.strip()} - known)
+        bad = sorted(set(pair_names(pairs)) - set(KNOWN_PAIRS))
         if bad or not pairs.strip():
-            raise ConfigError(f"pairs={pairs!r}: expected 'all' or a comma list of {', '.join(sorted(known))}")
+            raise ConfigError(f"pairs={pairs!r}: expected 'all' or names joined by '+' from "
+                              f"{', '.join(KNOWN_PAIRS)} (e.g. pairs=attn_norm+q_norm)")
 
 
 def smooth_unit(unit_module: nn.Module, data: UnitData, device: torch.device, pairs: str,

@@ -72,6 +72,9 @@ class ExportConfig:
     #: are written float, what it cannot serve is refused. False writes what the run did
     #: regardless (storage / this tool's own read-back only; recorded in config.json)
     serve_check: bool = True
+    #: with params_dir: the decoder layers exported quantized, as checked complete by
+    #: ``export.job.check_run_layers`` (None: every layer with any parameter file)
+    layers: list[int] | None = None
 
     def engine_profile(self) -> engine.EngineProfile | None:
         """The profile of the engine that serves ``format``, or None (no profile / serve_check off)."""
@@ -355,6 +358,8 @@ class _Exporter:
         n = int(self.config.n_layers)
         if self.cfg.params_dir is None:
             return list(range(n))
+        if self.cfg.layers is not None:
+            return [i for i in range(n) if i in set(self.cfg.layers)]
         stems = {p.name for p in Path(self.cfg.params_dir).glob("layer_*.pt")}
         return [i for i in range(n) if any(s.startswith(f"layer_{i}_") for s in stems)]
 
@@ -445,8 +450,9 @@ class _Exporter:
                 raise
             report.groups_written.append(group)
             devmod.empty_cache(self.device)
-            if cfg.progress:
-                print(f"export: {group} done", flush=True)
+            if cfg.progress:   # plain lines: readable in a log file
+                print(f"export: {group} done ({len(report.groups_written) + len(report.groups_resumed)}/"
+                      f"{len(by_group)} groups, {time.perf_counter() - t0:.1f} s)", flush=True)
         if only_groups is not None:   # one rank's share: the coordinating rank finishes
             report.seconds = time.perf_counter() - t0
             report.peak_host_rss_bytes = devmod.peak_memory_bytes("cpu")

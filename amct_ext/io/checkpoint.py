@@ -143,10 +143,13 @@ class CheckpointReader:
         wm = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wm, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object")
+        checked: set[str] = set()
         for key, shard in wm.items():
             if not isinstance(shard, str) or not shard:
                 raise CheckpointError(f"{index}: entry {key!r} has a bad shard name {shard!r}")
-            self._check_entry(key, shard)
+            if shard not in checked:   # once per shard: a real-size index has ~100k keys, ~50 shards
+                self._check_entry(key, shard)
+                checked.add(shard)
         return dict(wm)
 
     def _check_entry(self, key: str, shard: str) -> None:

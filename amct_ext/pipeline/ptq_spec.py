@@ -49,7 +49,7 @@ class PtqSpec:
 
         self.calibration.check()
         targets = tuple(self.scheme.check_targets(parse_targets(self.targets)))
-        d_algo, d_propagate = default_recipe(self.scheme.name)
+        d_algo, d_propagate = default_recipe(self.scheme)   # by content, not by name
         recipe = self.recipe
         if recipe is None:
             recipe = parse_algo(d_algo, "default recipe")

@@ -1,15 +1,24 @@
 """DeepSeek-V4 for amct_ext: config, float reference, checkpoint loading, quant wrappers, adapter.
 
 Nothing here registers with transformers' Auto classes: transformers >= 5.10 owns the model_type
-``deepseek_v4`` (see casebook/deepseek-v4.md, "two DeepseekV4 classes")."""
-from .configuration import DeepseekV4Config
-from .modeling import DeepseekV4ForCausalLM
-from .binding import V4_BINDING  # noqa: F401  (registers V4 with amct_ext.base.model_binding)
+``deepseek_v4`` (see casebook/deepseek-v4.md, "two DeepseekV4 classes").
+
+Every name is imported on first use: importing a light submodule (``models.deepseek_v4.cli``,
+which a CLI imports to print an error) must not pay for transformers (~3 s)."""
+from .binding import V4_BINDING  # noqa: E402,F401  (registers V4 with amct_ext.base.model_binding; no transformers import)
 
 __all__ = ["DeepseekV4Config", "DeepseekV4ForCausalLM", "load_checkpoint_model"]
 
 
 def __getattr__(name):
+    if name == "DeepseekV4Config":
+        from .configuration import DeepseekV4Config
+
+        return DeepseekV4Config
+    if name == "DeepseekV4ForCausalLM":
+        from .modeling import DeepseekV4ForCausalLM
+
+        return DeepseekV4ForCausalLM
     # loading pulls in the checkpoint reader; import it on first use
     if name == "load_checkpoint_model":
         from .loading import load_checkpoint_model

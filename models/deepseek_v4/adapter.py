@@ -52,7 +52,10 @@ from .modeling import Block, RotaryTable
 log = logging.getLogger(__name__)
 
 #: config.json fields without which the defaults would silently describe another model
-#: (official name, runtime name); either spelling is accepted.
+#: (official name, runtime name(s)); any spelling is accepted. Every field the computation reads
+#: whose default is V4-Flash's value is here: a missing one is refused (issue 25.1), never filled
+#: from another model (a missing sliding_window moved tiny-trained's RTN PPL 274.23 -> 290.63; a
+#: Pro config without routed_scaling_factor would have got Flash's 1.5 instead of 2.5).
 REQUIRED_CONFIG_FIELDS = (
     ("vocab_size", "vocab_size"),
     ("hidden_size", "dim"),
@@ -62,6 +65,28 @@ REQUIRED_CONFIG_FIELDS = (
     ("n_routed_experts", "n_routed_experts"),
     ("num_experts_per_tok", "n_activated_experts"),
     ("compress_ratios", "compress_ratios"),
+    ("sliding_window", "window_size"),
+    ("rope_scaling", "rope_parameters", "rope_factor"),
+    ("routed_scaling_factor", "route_scale"),
+    ("rope_theta", "rope_theta"),
+    ("compress_rope_theta", "compress_rope_theta"),
+    ("qk_rope_head_dim", "rope_head_dim"),
+    ("head_dim", "head_dim"),
+    ("q_lora_rank", "q_lora_rank"),
+    ("o_lora_rank", "o_lora_rank"),
+    ("o_groups", "o_groups"),
+    ("index_n_heads", "index_n_heads"),
+    ("index_head_dim", "index_head_dim"),
+    ("index_topk", "index_topk"),
+    ("hc_mult", "hc_mult"),
+    ("hc_sinkhorn_iters", "hc_sinkhorn_iters"),
+    ("hc_eps", "hc_eps"),
+    ("n_shared_experts", "n_shared_experts"),
+    ("scoring_func", "score_func"),
+    ("num_hash_layers", "n_hash_layers"),
+    ("swiglu_limit", "swiglu_limit"),
+    ("rms_norm_eps", "norm_eps"),
+    ("max_position_embeddings", "max_seq_len"),
 )
 
 # attribute set on a sharded block: the devices its map was built over (for re-dispatch)
@@ -86,10 +111,12 @@ def check_config_fields(model_path) -> None:
         raise ConfigError(f"{cfg}: cannot read JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{cfg}: expected a JSON object at the top level")
-    for hf, runtime in REQUIRED_CONFIG_FIELDS:
-        if hf not in raw and runtime not in raw:
-            alt = f" (or {runtime!r})" if runtime != hf else ""
-            raise ConfigError(f"{cfg}: required field {hf!r}{alt} is missing")
+    for names in REQUIRED_CONFIG_FIELDS:
+        if not any(n in raw for n in names):
+            alts = [n for n in dict.fromkeys(names[1:]) if n != names[0]]
+            alt = f" (or {' / '.join(map(repr, alts))})" if alts else ""
+            raise ConfigError(f"{cfg}: required field {names[0]!r}{alt} is missing (its default would be "
+                              "another model's value)")
 
 
 class _DropPartialLoadWarnings(logging.Filter):

@@ -53,8 +53,8 @@ WIDER_ATTN_LEAVES = ("wo_a", "compressor.wkv", "compressor.wgate", "indexer.weig
                      "indexer.compressor.wkv", "indexer.compressor.wgate")
 #: the smoothing pair whose fold leaves a per-channel SwiGLU limit (quant_module.QuantV4Expert)
 PER_CHANNEL_LIMIT_PAIR = "w3"
-AVOID_LIMIT_FLAG = (f"leave smoothing pair '{PER_CHANNEL_LIMIT_PAIR}' out (smoothing option "
-                    "pairs=attn_norm,q_norm,wo_a)")
+AVOID_LIMIT_FLAG = (f"leave smoothing pair '{PER_CHANNEL_LIMIT_PAIR}' out (e.g. --algo "
+                    "awq:pairs=attn_norm+q_norm+wo_a; pair names are joined by '+')")
 
 
 def wo_a_fp8_block(weight: TensorSpec, act: TensorSpec | None) -> str | None:

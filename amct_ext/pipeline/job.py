@@ -1,0 +1,419 @@
+"""The job plan: every input of a PTQ run checked before any work (issue 25.1).
+
+``build_job(request, spec)`` turns a :class:`JobRequest` (what the user asked for: the flags
+of tools/run_ptq.py, by the same names) into a :class:`PtqJob` -- small explicit parts for the
+model, checkpoint, scheme and targets, recipe, calibration, evaluation, runtime, output and
+export -- or raises one :class:`~amct_ext.errors.AmctError` naming the flag or file at fault.
+No tensor data is read: the checkpoint is checked through its index, shapes through
+meta-device skeletons, the export through the exporter's own check. On V4-Flash-sized inputs
+the whole plan takes seconds (benchmarks/RESULTS.md, "time to error").
+
+The model-specific questions (which config fields are required, which keys a layer has,
+which weights a target covers, which smoothing pairs no export can write) are answered by the
+model's plan spec (``models/deepseek_v4/plan.py``); this module only asks them.
+
+A recipe file may hold the whole job spec, as an llm-compressor recipe does::
+
+    {"recipe": [{"algo": "clip"}, {"algo": "gptq"}],
+     "propagate": "quant", "holdout": 0.25, "guard": true, "targets": "attn-linear,moe"}
+
+A flag given on the command line and a different value in the file is refused (never one of
+them silently).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from ..errors import AmctError, ConfigError, DataError, QuantConfigError
+
+PPL_MODES = ("float", "rtn")
+PROPAGATE = ("float", "quant")
+#: job-spec keys a recipe file may carry beside its algorithm list
+JOB_KEYS = ("propagate", "holdout", "guard", "targets")
+
+
+class ModelPlanSpec(Protocol):
+    """What the plan asks the model (implemented by ``models.deepseek_v4.plan.DeepseekV4PlanSpec``)."""
+
+    name: str
+
+    def read_config(self, model_path: Path) -> Any: ...
+    def n_layers(self, config: Any) -> int: ...
+    def check_checkpoint(self, model_path: Path, config: Any) -> dict[str, Any]: ...
+    def check_scheme(self, config: Any, scheme, targets: Sequence[str], layers: Sequence[int]) -> dict[int, int]: ...
+    def unit_stems(self, config: Any, scheme, targets: Sequence[str], layers: Sequence[int]) -> dict[int, list[str]]: ...
+    def unexportable_smoothing(self, config: Any, targets: Sequence[str]) -> dict[str, str]: ...
+
+
+@dataclass
+class JobRequest:
+    """What was asked, unchecked (None: not given, the default applies). Field names follow
+    the flags of tools/run_ptq.py (``calib_samples`` is ``--calib-samples``)."""
+
+    model_path: Path
+    output_dir: str
+    scheme: str = "w8a8"
+    quant_target: str | None = None
+    algo: str | None = None
+    recipe: str | None = None
+    propagate: str | None = None
+    holdout: float | None = None
+    no_guard: bool = False
+    legacy_solver: bool = False
+    calib_path: Path | None = None
+    calib_samples: int | None = None
+    seq_len: int | None = None
+    batch_size: int | None = None
+    seed: int = 0
+    epochs: int | None = None
+    lr: float | None = None
+    eval_path: Path | None = None
+    eval_ppl: bool = False
+    eval_windows: int | None = None
+    eval_batch_size: int | None = None
+    ppl_modes: str = "float,rtn"
+    no_ptq: bool = False
+    device: str = "auto"
+    dtype: str = "bf16"
+    threads: int | None = None
+    capture_memory_gb: float | None = None
+    hessian_memory_gb: float | None = None
+    sharded_ptq: bool = False
+    sharded_eval: bool = False
+    start_layer: int | None = None
+    end_layer: int | None = None
+    export: str | None = None
+    dequantize_rest: bool = False
+    allow_partial: bool = False
+
+
+# ----------------------------------------------------------------------------- the plan's parts
+@dataclass
+class ModelPart:
+    name: str
+    path: Path
+    config: Any = field(repr=False)
+    n_layers: int
+
+
+@dataclass
+class CheckpointPart:
+    keys: int
+    shards: int
+
+
+@dataclass
+class SchemePart:
+    scheme: Any
+    targets: list[str]
+    units_per_layer: dict[int, int]
+
+    @property
+    def n_units(self) -> int:
+        return sum(self.units_per_layer.values())
+
+
+@dataclass
+class RecipePart:
+    """``recipe`` None: the legacy learned-clip solver."""
+
+    recipe: Any
+    propagate: str
+    holdout: float
+    guard: bool
+    source: str                       # "--algo", a file, or "default for <scheme>"
+
+
+@dataclass
+class CalibrationPart:
+    path: Path
+    samples: int
+    seq_len: int
+    batch_size: int
+    seed: int
+
+
+@dataclass
+class EvaluationPart:
+    enabled: bool
+    path: Path | None
+    windows: int | None
+    batch_size: int
+    modes: list[str]
+    sharded: bool
+
+
+@dataclass
+class RuntimePart:
+    device: str
+    dtype: str
+    threads: int | None
+    capture_memory_gb: float | None
+    hessian_memory_gb: float | None
+    sharded_ptq: bool
+
+
+@dataclass
+class OutputPart:
+    dir: Path
+    layers: range
+    resume: bool                      # OUTPUT/ptq_params already holds this run's parameters
+
+
+@dataclass
+class ExportPart:
+    format: str
+    out_dir: Path
+    allow_partial: bool
+    dequantize_rest: bool = False
+
+
+@dataclass
+class PtqJob:
+    model: ModelPart
+    checkpoint: CheckpointPart
+    scheme: SchemePart
+    recipe: RecipePart
+    calibration: CalibrationPart
+    evaluation: EvaluationPart
+    runtime: RuntimePart
+    output: OutputPart
+    export: ExportPart | None
+    ptq: bool = True
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        """Two lines for the log: what will run."""
+        r = self.recipe
+        how = "legacy learned clip" if r.recipe is None else f"{r.recipe} ({r.source})"
+        lines = [f"plan: {self.model.name} {self.model.path} ({self.model.n_layers} layers), scheme "
+                 f"{self.scheme.scheme.name} on {','.join(self.scheme.targets)}, layers "
+                 f"[{self.output.layers.start}, {self.output.layers.stop}) = {self.scheme.n_units} units",
+                 f"plan: recipe {how}, propagate {r.propagate}, holdout {r.holdout:g}, guard "
+                 f"{'on' if r.guard else 'off'}; calibration {self.calibration.samples} x {self.calibration.seq_len}"
+                 + (f"; ppl {','.join(self.evaluation.modes) or '-'}+ptq" if self.evaluation.enabled else "")
+                 + (f"; export {self.export.format}" if self.export else "")
+                 + (" (resumed)" if self.output.resume else "")
+                 + f"  [checked in {self.seconds:.1f} s]"]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- recipe file = job spec
+def load_job_spec(path: str | Path) -> tuple[Any, dict[str, Any]]:
+    """(Recipe, job keys) from a recipe file; the job keys are those of :data:`JOB_KEYS` it holds."""
+    from ..algorithms.recipe import RecipeError, load_recipe_file, recipe_from_data
+
+    p = Path(path)
+    if p.suffix.lower() in (".yaml", ".yml"):
+        return load_recipe_file(p), {}   # YAML: the algorithm list only (load_recipe_file's rules)
+    if not p.is_file():
+        raise RecipeError(f"--recipe {p}: file not found")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RecipeError(f"--recipe {p}: invalid JSON ({e})") from None
+    job = {}
+    if isinstance(data, dict):
+        job = {k: data[k] for k in JOB_KEYS if k in data}
+        data = {k: v for k, v in data.items() if k not in JOB_KEYS}
+    return recipe_from_data(data, str(p)), job
+
+
+def _merge(flag: str, given: Any, key: str, spec: dict[str, Any], source: str, default: Any) -> Any:
+    if key not in spec:
+        return default if given is None else given
+    value = spec[key]
+    if given is not None and given != value:
+        raise ConfigError(f"{flag} {given} conflicts with {key}={value!r} in recipe file {source}; "
+                          "give it in one place")
+    return value
+
+
+# ----------------------------------------------------------------------------- checks
+def _positive_int(flag: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{flag} {value}: must be a positive integer")
+    return value
+
+
+def _memory_gb(flag: str, value: float | None) -> float | None:
+    if value is not None and (not math.isfinite(value) or value < 0):
+        raise ConfigError(f"{flag} {value:g}: must be a number of GiB >= 0")
+    return value
+
+
+def _check_output_dir(out: Path) -> None:
+    """--output-dir: a folder (or nothing yet) whose parent is a folder we can write into."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output-dir {out}: exists and is not a folder")
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"--output-dir {out}: {probe} is a file, not a folder")
+
+
+@dataclass
+class _Inputs:
+    """What :func:`check_request` settles without opening the model."""
+
+    scheme: Any
+    targets: list[str]
+    recipe: RecipePart
+    samples: int
+    batch: int
+    eval_batch: int
+    modes: list[str]
+    cap: float | None
+    hes: float | None
+
+
+def check_request(req: JobRequest) -> _Inputs:
+    """Every check that needs neither the model nor the data: flags, output folder, scheme,
+    recipe (and the job spec of a recipe file), targets. Cheap: run it before anything else."""
+    from ..algorithms.recipe import RecipeError, default_recipe, parse_algo, recipe_from_data
+    from ..quant.schemes import load_scheme, parse_targets
+
+    out = Path(req.output_dir)
+    _check_output_dir(out)
+    # ---- runtime and sizes (flags by name, never a dataclass field)
+    threads = req.threads
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads {threads}: must be >= 1 (omit it for torch's default)")
+    samples = _positive_int("--calib-samples", req.calib_samples)
+    seq_len = req.seq_len
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise ConfigError(f"--seq-len {seq_len}: must be >= 2 (a window needs a token and its successor)")
+    batch = _positive_int("--batch-size", req.batch_size)
+    eval_batch = _positive_int("--eval-batch-size", req.eval_batch_size)
+    if req.eval_windows is not None:
+        _positive_int("--eval-windows", req.eval_windows)
+    if req.epochs is not None:
+        _positive_int("--epochs", req.epochs)
+    if req.lr is not None and not (math.isfinite(req.lr) and req.lr > 0):
+        raise ConfigError(f"--lr {req.lr:g}: must be a positive number")
+    cap = _memory_gb("--capture-memory-gb", req.capture_memory_gb)
+    hes = _memory_gb("--hessian-memory-gb", req.hessian_memory_gb)
+    if req.hessian_memory_gb is not None and req.hessian_memory_gb == 0:
+        raise ConfigError("--hessian-memory-gb 0: must be > 0 (omit it for 35% of the accelerator's memory)")
+    modes = [m.strip() for m in (req.ppl_modes or "").split(",") if m.strip()]
+    for m in modes:
+        if m not in PPL_MODES:
+            raise ConfigError(f"--ppl-modes: {m!r} is not one of {', '.join(PPL_MODES)}")
+    if req.export and req.no_ptq:
+        raise ConfigError("--export needs learned parameters: drop --no-ptq (or use tools/export.py --scheme for RTN)")
+
+    # ---- scheme and recipe (the recipe file may hold the job spec)
+    scheme = load_scheme(req.scheme)
+    if req.legacy_solver and (req.algo or req.recipe):
+        raise ConfigError("--legacy-solver runs the learned-clip solver alone: drop --algo / --recipe")
+    if req.algo and req.recipe:
+        raise RecipeError("pass either --algo or --recipe, not both")
+    job_spec: dict[str, Any] = {}
+    d_algo, d_prop = default_recipe(scheme)
+    recipe, source = None, "legacy"
+    if req.recipe:
+        recipe, job_spec = load_job_spec(req.recipe)
+        source = str(req.recipe)
+    elif req.algo:
+        recipe, source = parse_algo(req.algo), "--algo"
+    elif not req.legacy_solver:
+        recipe = parse_algo(d_algo, "default recipe") if isinstance(d_algo, str) else \
+            recipe_from_data(list(d_algo), "default recipe")
+        source = f"default for {scheme.name}'s content"
+    where = source
+    propagate = _merge("--propagate", req.propagate, "propagate", job_spec, where,
+                       d_prop if recipe is not None and not (req.algo or req.recipe) else "float")
+    if propagate not in PROPAGATE:
+        raise ConfigError(f"propagate={propagate!r} ({where}): must be one of {', '.join(PROPAGATE)}")
+    holdout = _merge("--holdout", req.holdout, "holdout", job_spec, where, 0.25)
+    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
+        raise ConfigError(f"--holdout {holdout}: the held-out share of each unit's calls must lie in [0, 1)")
+    guard = _merge("--no-guard", False if req.no_guard else None, "guard", job_spec, where, True)
+    if req.no_guard and job_spec.get("guard") is True:
+        raise ConfigError(f"--no-guard conflicts with guard=true in recipe file {where}; give it in one place")
+    if not isinstance(guard, bool):
+        raise ConfigError(f"guard={guard!r} in recipe file {where}: must be true or false")
+    targets_text = _merge("--quant-target", req.quant_target, "targets", job_spec, where, "attn-linear,moe")
+    targets = scheme.check_targets(parse_targets(targets_text))
+
+    return _Inputs(scheme, list(targets), RecipePart(recipe, propagate, float(holdout), guard, source),
+                   samples, batch, eval_batch, modes, cap, hes)
+
+
+def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> PtqJob:
+    """The checked plan (see the module docstring). ``check_resume(out_dir, scheme, targets,
+    recipe_part, dtype) -> bool``: the caller's fingerprint check of OUTPUT/ptq_params (True: a
+    resume), run before the model is opened; it must read no tensor data."""
+    import time
+
+    t0 = time.perf_counter()
+    out = Path(req.output_dir)
+    inp = check_request(req)
+    scheme, targets, recipe, seq_len = inp.scheme, inp.targets, inp.recipe.recipe, req.seq_len
+    # the resume fingerprint's settled fields first: a mismatched folder costs no checkpoint scan
+    resume = bool(check_resume(out, scheme, targets, inp.recipe, req.dtype)) \
+        if check_resume is not None and not req.no_ptq else False
+
+    # ---- data
+    calib_path = Path(req.calib_path) if req.calib_path else None
+    if calib_path is None or not calib_path.is_file():
+        raise DataError(f"calibration text not found: {calib_path} (pass --calib-data FILE)")
+    eval_path = Path(req.eval_path) if req.eval_path else None
+    if req.eval_ppl and (eval_path is None or not eval_path.is_file()):
+        raise DataError(f"evaluation text not found: {eval_path} (pass --eval-data wiki.test.raw)")
+
+    # ---- model: config, checkpoint index, layers, scheme x shapes
+    config = spec.read_config(Path(req.model_path))
+    n_layers = spec.n_layers(config)
+    max_len = getattr(config, "max_seq_len", None)
+    if isinstance(max_len, int) and seq_len > max_len:
+        raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings={max_len}")
+    start = 0 if req.start_layer is None else req.start_layer
+    stop = n_layers if req.end_layer is None else req.end_layer
+    if not 0 <= start < stop <= n_layers:
+        raise ConfigError(f"--start-layer {start} / --end-layer {stop}: the layer range must satisfy "
+                          f"0 <= start < end <= {n_layers}")
+    layers = range(start, stop)
+    # ---- export: format x scheme x targets x engine (the exporter's own check), with the unit
+    # parameters the recipe will save that the engine may not represent (the w3 pair's up_limit)
+    export = None
+    if req.export:
+        from ..export.exporter import ExportConfig
+
+        ecfg = ExportConfig(model_path=Path(req.model_path), out_dir=out / f"export-{req.export}",
+                            format=req.export, scheme=scheme, targets=list(targets),
+                            params_dir=out / "ptq_params", dequantize_rest=req.dequantize_rest)
+        planned = spec.planned_params(config, targets, recipe) if hasattr(spec, "planned_params") else ()
+        try:
+            ecfg.check(planned_params=planned)
+        except AmctError as e:
+            raise type(e)(f"--export {req.export}: {e}") from None
+        export = ExportPart(format=req.export, out_dir=ecfg.out_dir, allow_partial=req.allow_partial,
+                            dequantize_rest=req.dequantize_rest)
+
+    # ---- the index (every layer's keys, every shard) and the scheme against every targeted shape
+    ck = spec.check_checkpoint(Path(req.model_path), config)
+    units = spec.check_scheme(config, scheme, targets, list(layers))
+
+    job = PtqJob(
+        model=ModelPart(spec.name, Path(req.model_path), config, n_layers),
+        checkpoint=CheckpointPart(keys=ck.get("keys", 0), shards=ck.get("shards", 0)),
+        scheme=SchemePart(scheme, list(targets), units),
+        recipe=inp.recipe,
+        calibration=CalibrationPart(calib_path, inp.samples, seq_len, inp.batch, req.seed),
+        evaluation=EvaluationPart(bool(req.eval_ppl), eval_path, req.eval_windows, inp.eval_batch, inp.modes,
+                                  req.sharded_eval),
+        runtime=RuntimePart(req.device, req.dtype, req.threads, inp.cap, inp.hes, req.sharded_ptq),
+        output=OutputPart(out, layers, resume=False),
+        export=export, ptq=not req.no_ptq)
+    job.output.resume = resume
+    job.seconds = time.perf_counter() - t0
+    return job
+
+
+__all__ = ["JobRequest", "PtqJob", "ModelPlanSpec", "build_job", "check_request", "load_job_spec", "JOB_KEYS", "PPL_MODES"]

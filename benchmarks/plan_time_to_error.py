@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""Time to error of every plan refusal (issue 25.1) on V4-Flash-sized inputs.
+
+Writes a V4-Flash checkpoint folder of config.json + model.safetensors.index.json only (43
+layers, every key of the release layout; the shard files are empty placeholders: the plan reads
+no tensor data), then runs ``tools/run_ptq.py --model v4-flash`` once per bad input as a new
+process and records the wall time until it exits with one ``error:`` line (exit 2), and the
+plan of the valid job (``build_job``) in-process.
+
+    PYTHONPATH=$PWD python benchmarks/plan_time_to_error.py --out /tmp/plan-tte [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def write_index_only_checkpoint(out: Path, like: str = "v4-flash", n_layers: int | None = None,
+                                drop_keys=(), config_drop=()) -> Path:
+    """config.json + index of a ``like`` checkpoint (release key layout), empty shard files."""
+    import torch
+
+    from models.deepseek_v4.configuration import DeepseekV4Config
+    from models.deepseek_v4.loading import empty_block
+    from models.deepseek_v4.modeling import DeepseekV4ForCausalLM
+    from models.deepseek_v4.synthetic import base_config_dict, expected_release_layout, synthetic_config_dict
+    from amct_ext.runtime.empty import empty_weights
+
+    n = n_layers or int(base_config_dict(like)["num_hidden_layers"])
+    cfg_dict = synthetic_config_dict(like, n)
+    config = DeepseekV4Config(**json.loads(json.dumps(cfg_dict)))
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    one = DeepseekV4Config(**json.loads(json.dumps(synthetic_config_dict(like, 1))))
+    with empty_weights():
+        stem = [k for k in DeepseekV4ForCausalLM(one, dtype=torch.bfloat16).state_dict() if not k.startswith("layers.")]
+    for k in stem:
+        weight_map[k] = "model-00000.safetensors"
+    layouts = {}
+    for i in range(n):
+        kind = (config.compress_ratios[i], i < config.n_hash_layers)
+        if kind not in layouts:
+            layouts[kind] = (i, expected_release_layout(config, i))
+        rep, lay = layouts[kind]
+        for k in lay:
+            weight_map[f"layers.{i}." + k[len(f"layers.{rep}."):]] = f"model-{i + 1:05d}.safetensors"
+    del empty_block
+    for k in drop_keys:
+        weight_map.pop(k)
+    for name in set(weight_map.values()):
+        (out / name).touch()
+    for k in config_drop:
+        cfg_dict.pop(k)
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=1))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+def _child_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    root = Path(args.out)
+    import shutil
+
+    if root.exists():
+        shutil.rmtree(root)
+    t0 = time.perf_counter()
+    good = write_index_only_checkpoint(root / "flash")
+    print(f"index-only V4-Flash: {len(json.loads((good / 'model.safetensors.index.json').read_text())['weight_map'])} "
+          f"keys, written in {time.perf_counter() - t0:.1f} s", flush=True)
+    write_index_only_checkpoint(root / "nokey", drop_keys=["layers.42.attn.attn_sink"])
+    for field in ("sliding_window", "rope_scaling", "routed_scaling_factor"):
+        write_index_only_checkpoint(root / f"no-{field}", config_drop=[field])
+    noshard = root / "noshard"
+    shutil.copytree(good, noshard)
+    (noshard / "model-00043.safetensors").unlink()
+    (root / "a-file").write_text("x")
+    g96 = root / "w4-g96.json"
+    g96.write_text(json.dumps({"name": "w4-g96", "weight": {"format": "int", "bits": 4, "symmetric": False,
+                                                            "granularity": "group", "group_size": 96}}))
+    other = root / "other-run" / "ptq_params"
+    other.mkdir(parents=True)
+    from amct_ext.quant.schemes import load_scheme
+
+    (other / "meta.json").write_text(json.dumps({"version": 1, "scheme": "w4a16-g128",
+                                                 "scheme_fingerprint": load_scheme("w4a16-g128").fingerprint(),
+                                                 "targets": ["attn-linear", "moe"], "dtype": "bf16"}))
+    base = ["--model", "v4-flash", "--device", "cpu", "--quiet"]
+    o = ["--output-dir", str(root / "o")]
+    cases = [
+        ("layer key missing from the index (layers.42.attn.attn_sink)", ["--model-path", str(root / "nokey"), *o]),
+        ("shard file missing (model-00043)", ["--model-path", str(noshard), *o]),
+        ("config without sliding_window", ["--model-path", str(root / "no-sliding_window"), *o]),
+        ("config without rope_scaling", ["--model-path", str(root / "no-rope_scaling"), *o]),
+        ("config without routed_scaling_factor", ["--model-path", str(root / "no-routed_scaling_factor"), *o]),
+        ("group size 96 does not divide a weight", ["--model-path", str(good), "--scheme", str(g96), *o]),
+        ("--scheme w4a16-g128 --export ascend", ["--model-path", str(good), "--scheme", "w4a16-g128",
+                                                 "--export", "ascend", *o]),
+        ("--algo awq --export compressed-tensors (w3 pair: up_limit)",
+         ["--model-path", str(good), "--algo", "awq", "--export", "compressed-tensors", "--dequantize-rest", *o]),
+        ("--export compressed-tensors of the FP8 release without --dequantize-rest (engine profile)",
+         ["--model-path", str(good), "--export", "compressed-tensors", *o]),
+        ("--holdout 1.5", ["--model-path", str(good), "--holdout", "1.5", *o]),
+        ("--ppl-modes float,bogus", ["--model-path", str(good), "--ppl-modes", "float,bogus", *o]),
+        ("--calib-samples 0", ["--model-path", str(good), "--calib-samples", "0", *o]),
+        ("--capture-memory-gb -1", ["--model-path", str(good), "--capture-memory-gb", "-1", *o]),
+        ("--output-dir is a file", ["--model-path", str(good), "--output-dir", str(root / "a-file")]),
+        ("--output-dir of another run (scheme fingerprint)", ["--model-path", str(good), "--scheme", "w8a8",
+                                                              "--output-dir", str(root / "other-run")]),
+        ("--start-layer 40 --end-layer 50", ["--model-path", str(good), "--start-layer", "40", "--end-layer", "50", *o]),
+    ]
+    t, c = time.perf_counter(), _child_cpu()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    floor = {"refusal": "(floor: a process that imports torch and exits)", "seconds": round(time.perf_counter() - t, 2),
+             "cpu_s": round(_child_cpu() - c, 2), "in_process_s": None, "rc": 0, "one_line": True, "error": "",
+             "command": "python -c 'import torch'"}
+    print(f"{floor['seconds']:6.2f} s wall, {floor['cpu_s']:5.2f} s cpu: python -c 'import torch' (floor)", flush=True)
+    rows = [floor]
+    import contextlib
+    import io
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import run_ptq  # noqa: E402  (in-process: the plan's own time, imports warm)
+
+    for what, extra in cases:
+        cmd = [sys.executable, str(REPO / "tools" / "run_ptq.py"), *base, *extra]
+        t, c = time.perf_counter(), _child_cpu()
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+        dt, cpu = time.perf_counter() - t, _child_cpu() - c
+        lines = p.stderr.strip().splitlines()
+        ok = p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "ppl[" not in p.stdout
+        err = io.StringIO()
+        t = time.perf_counter()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc_in = run_ptq.main([*base, *extra])
+        dt_in = time.perf_counter() - t
+        ok = ok and rc_in == 2 and err.getvalue().strip().splitlines()[-1:] == lines[-1:]
+        rows.append({"refusal": what, "seconds": round(dt, 2), "cpu_s": round(cpu, 2), "in_process_s": round(dt_in, 2),
+                     "rc": p.returncode, "one_line": ok,
+                     "error": lines[-1] if lines else "", "command": "run_ptq.py " + " ".join(base + extra)})
+        print(f"{dt:6.2f} s wall, {cpu:5.2f} s cpu ({dt_in:5.2f} s in-process)  rc {p.returncode}  {'ok ' if ok else 'BAD'}  {what}: {lines[-1] if lines else p.stdout[-200:]}",
+              flush=True)
+    # the valid job: the plan alone, in-process (the run would go on to the tokenizer and the layers)
+    from amct_ext.data import CALIB_DEFAULT, EVAL_DEFAULT
+    from amct_ext.pipeline.job import JobRequest, build_job
+    from models.deepseek_v4.plan import DeepseekV4PlanSpec
+
+    t = time.perf_counter()
+    job = build_job(JobRequest(model_path=good, output_dir=str(root / "o"), scheme="w4a16-g128", calib_path=CALIB_DEFAULT,
+                               calib_samples=128, seq_len=2048, batch_size=1, eval_path=EVAL_DEFAULT,
+                               eval_batch_size=1, export="compressed-tensors", dequantize_rest=True),
+                    DeepseekV4PlanSpec())
+    dt = time.perf_counter() - t
+    print(f"{dt:6.2f} s  valid plan (in-process, imports warm): {job.scheme.n_units} units", flush=True)
+    rows.append({"refusal": "(none: the valid w4a16-g128 + compressed-tensors --dequantize-rest plan, in-process)",
+                 "seconds": None, "in_process_s": round(dt, 2), "rc": 0, "one_line": True, "error": "", "command": "build_job(...)"})
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["one_line"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

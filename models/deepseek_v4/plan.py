@@ -1,0 +1,185 @@
+"""What the job plan (``amct_ext.pipeline.job``) needs to know about DeepSeek-V4, answered from
+config.json, the checkpoint index and meta-device skeletons -- no tensor data is read.
+
+The framework asks; this module answers (``DeepseekV4PlanSpec``):
+- ``read_config``: config.json with every field that changes the computation present
+  (``adapter.REQUIRED_CONFIG_FIELDS``: a missing one is refused, never filled with another
+  model's value);
+- ``check_checkpoint``: every key of every layer and of the stem in the index, every shard
+  file present;
+- ``check_scheme``: every targeted weight's shape against the scheme (group size divides...),
+  the error naming the module;
+- ``unit_stems``: the parameter files a finished layer has (export refuses incomplete layers);
+- ``unexportable_smoothing`` / ``planned_params``: smoothing pairs whose result (``up_limit``) the
+  serving engines cannot represent, as the unit parameters the exporter's check refuses.
+
+Layers of one kind (compress ratio, hash or score routing) share their structure, so one meta
+skeleton per kind serves every layer of that kind (V4-Flash: 43 layers, 4 kinds, ~1 s).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from amct_ext.errors import AmctError, CheckpointError, QuantConfigError
+
+
+def _kind(config, i: int) -> tuple[int, bool]:
+    """Layers of one kind have the same tensors (names relative to the layer) and shapes."""
+    return int(config.compress_ratios[i]), i < int(config.n_hash_layers)
+
+
+class DeepseekV4PlanSpec:
+    """The DeepSeek-V4 answers to the plan's questions (see the module docstring)."""
+
+    name = "DeepSeek-V4"
+
+    def __init__(self) -> None:
+        self._keys_of_kind: dict[tuple[int, bool], list[str]] = {}
+
+    # ------------------------------------------------------------------ config
+    def read_config(self, model_path: Path):
+        from .adapter import check_config_fields
+        from .loading import load_config
+
+        check_config_fields(model_path)
+        return load_config(model_path)
+
+    def n_layers(self, config) -> int:
+        return int(config.n_layers)
+
+    # ------------------------------------------------------------------ meta skeletons
+    def _representatives(self, config, layers: Sequence[int]) -> dict[tuple[int, bool], int]:
+        reps: dict[tuple[int, bool], int] = {}
+        for i in layers:
+            reps.setdefault(_kind(config, i), i)
+        return reps
+
+    def _keys(self, config, i: int) -> list[str]:
+        """Checkpoint names of layer ``i``'s tensors (relative to ``layers.{i}.``)."""
+        from .loading import empty_block
+
+        kind = _kind(config, i)
+        if kind not in self._keys_of_kind:
+            self._keys_of_kind[kind] = list(empty_block(config, i, torch.bfloat16).state_dict())
+        return self._keys_of_kind[kind]
+
+    def _quantized_meta_block(self, config, i: int, scheme, targets: Sequence[str]):
+        from . import quant_module
+        from .loading import empty_block
+
+        block = empty_block(config, i, torch.bfloat16)
+        quant_module.quantize_block(block, scheme, list(targets))
+        return block
+
+    # ------------------------------------------------------------------ checkpoint
+    def check_checkpoint(self, model_path: Path, config) -> dict[str, Any]:
+        """Index against the skeleton: every layer's and the stem's keys, every shard present."""
+        from amct_ext.export.readback import group_parts
+        from amct_ext.io.checkpoint import CheckpointReader
+
+        from .loading import TOP_LEVEL_PREFIXES
+
+        reader = CheckpointReader(model_path)   # the index only (single-file: its header)
+        try:
+            keys = reader.keys()
+            where = reader.index_path or (Path(model_path) / "model.safetensors")
+            logical = set(keys) | set(group_parts(keys))
+            for shard in sorted(set(reader.weight_map.values())):
+                if not (reader.root / shard).is_file():
+                    key = next(k for k, s in reader.weight_map.items() if s == shard)
+                    raise CheckpointError(f"{where}: shard file {shard!r} (holding {key!r} and others) is missing")
+            for prefix in TOP_LEVEL_PREFIXES:
+                if not any(k.startswith(prefix) for k in keys):
+                    raise CheckpointError(f"{where}: no key under {prefix!r} (the embedding / head / final norm)")
+            n = self.n_layers(config)
+            for i in range(n):
+                missing = [f"layers.{i}.{k}" for k in self._keys(config, i) if f"layers.{i}.{k}" not in logical]
+                if missing:
+                    more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+                    raise CheckpointError(f"{where}: layer {i} lacks key {missing[0]!r}{more}; the checkpoint is "
+                                          "incomplete (re-download it)")
+            return {"keys": len(keys), "shards": len(set(reader.weight_map.values())), "layers": n}
+        finally:
+            reader.close()
+
+    # ------------------------------------------------------------------ scheme x shapes
+    def check_scheme(self, config, scheme, targets: Sequence[str], layers: Sequence[int]) -> dict[int, int]:
+        """Every targeted weight of one layer per kind against the scheme; returns
+        {layer: units} for ``layers``."""
+        from . import quant_module
+
+        units_of_kind: dict[tuple[int, bool], int] = {}
+        for kind, i in self._representatives(config, layers).items():
+            try:
+                block = self._quantized_meta_block(config, i, scheme, targets)
+            except AmctError as e:
+                raise QuantConfigError(self._shape_misfit(config, i, scheme, targets) or f"--scheme {scheme.name}: {e}"
+                                       ) from None
+            units_of_kind[kind] = len(list(quant_module.iter_block_ptq_units(block, i, list(targets))))
+        return {i: units_of_kind[_kind(config, i)] for i in layers}
+
+    @staticmethod
+    def _shape_misfit(config, i: int, scheme, targets: Sequence[str]) -> str | None:
+        """The first targeted linear of layer ``i`` whose weight shape the scheme cannot take,
+        as one line naming it (quantize_block's own error names no module)."""
+        from amct_ext.quant import formats
+
+        from .loading import empty_block
+
+        block = empty_block(config, i, torch.bfloat16)
+        owners = {"attn-linear": "attn.", "moe": "ffn."}
+        for target, prefix in owners.items():
+            ts = scheme.target(target) if target in targets else None
+            spec = ts.weight if ts is not None else None
+            if spec is None:
+                continue
+            for name, mod in block.named_modules():
+                if name.startswith(prefix) and isinstance(mod, torch.nn.Linear):
+                    try:
+                        formats.scale_shape(mod.weight.shape, spec)
+                    except AmctError as e:
+                        return (f"--scheme {scheme.name} (target {target}) does not fit "
+                                f"layers.{i}.{name}.weight {list(mod.weight.shape)}: {e}")
+        return None
+
+    def unit_stems(self, config, scheme, targets: Sequence[str], layers: Sequence[int]) -> dict[int, list[str]]:
+        """{layer: the file stems of its units} (``ptq_params/{stem}.pt``)."""
+        from . import quant_module
+
+        by_kind: dict[tuple[int, bool], tuple[int, list[str]]] = {}
+        out = {}
+        for i in layers:
+            kind = _kind(config, i)
+            if kind not in by_kind:
+                block = self._quantized_meta_block(config, i, scheme, targets)
+                by_kind[kind] = (i, [u.file_stem for u in quant_module.iter_block_ptq_units(block, i, list(targets))])
+            rep, stems = by_kind[kind]
+            old, new = f"layer_{rep}_", f"layer_{i}_"
+            out[i] = [new + s[len(old):] for s in stems]
+        return out
+
+    # ------------------------------------------------------------------ smoothing
+    def unexportable_smoothing(self, config, targets: Sequence[str]) -> dict[str, str]:
+        """{pair name: what it leaves behind} for smoothing pairs no export format writes."""
+        if "moe" in targets and float(config.swiglu_limit) > 0:
+            return {"w3": f"a per-channel SwiGLU limit (up_limit) on every expert instead of the scalar "
+                          f"swiglu_limit {config.swiglu_limit:g}"}
+        return {}
+
+    def planned_params(self, config, targets: Sequence[str], recipe) -> list[str]:
+        """Unit parameter names the recipe will save that an export may not represent, for the
+        exporter's own ``ExportConfig.check(planned_params)`` (``serving.PAIR_PARAMS``)."""
+        from amct_ext.algorithms.smoothing import pair_names
+
+        from .serving import PAIR_PARAMS
+
+        risky = self.unexportable_smoothing(config, targets)
+        out: list[str] = []
+        for algo in (recipe.algorithms if recipe is not None else []):
+            pairs = getattr(algo, "pairs", None)
+            if isinstance(pairs, str):
+                out += [PAIR_PARAMS[p] for p in pair_names(pairs) if p in PAIR_PARAMS and p in risky]
+        return sorted(set(out))
