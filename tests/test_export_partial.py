@@ -18,6 +18,7 @@ def finished_run(tiny_ckpt, tmp_path_factory, one_thread):
     from amct_ext.algorithms.recipe import parse_algo
     from amct_ext.base import PtqConfig, RunConfig
     from amct_ext.export.job import write_layers_record
+    from amct_ext.pipeline.ptq_spec import PtqSpec
     from amct_ext.pipeline.workflow import PARAMS_DIR, run_blockwise_ptq
     from amct_ext.quant.schemes import load_scheme
     from models.deepseek_v4.adapter import DeepseekV4Adapter
@@ -26,7 +27,7 @@ def finished_run(tiny_ckpt, tmp_path_factory, one_thread):
     run = tmp_path_factory.mktemp("run")
     scheme, targets = load_scheme("w8a8"), ["attn-linear", "moe"]
     with DeepseekV4Adapter(RunConfig(tiny_ckpt, device="cpu", dtype=torch.float32, progress=False)) as a:
-        run_blockwise_ptq(a, scheme, targets, PtqConfig(n_samples=1, seq_len=32), run, recipe=parse_algo("rtn"))
+        run_blockwise_ptq(a, PtqSpec(scheme, targets, PtqConfig(n_samples=1, seq_len=32), recipe=parse_algo("rtn")), run)
         stems = DeepseekV4PlanSpec().unit_stems(a.config, scheme, targets, range(4))
     write_layers_record(run / PARAMS_DIR, range(0, 4), stems)
     return run

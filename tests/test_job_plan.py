@@ -167,7 +167,7 @@ def test_default_recipe_follows_the_scheme_content(tmp_path):
 
 
 def _unit(layer, kind, i, before, after, reverted=False, resumed=False):
-    from amct_ext.pipeline.solver import UnitResult
+    from amct_ext.pipeline.ptq_units import UnitResult
 
     return UnitResult(name=f"layers.{layer}.{kind}.{i}", kind=kind, layer=layer, loss_before=before,
                       loss_after=after, seconds=0.5, n_calls=4, n_params=0, best_epoch=0, resumed=resumed,
@@ -238,7 +238,8 @@ def test_resume_precheck_names_the_field(tmp_path):
     from amct_ext.algorithms.recipe import parse_algo
     from amct_ext.errors import AmctError
     from amct_ext.pipeline.job import RecipePart
-    from amct_ext.pipeline.workflow import recipe_meta
+    from amct_ext.base import PtqConfig
+    from amct_ext.pipeline.ptq_spec import PtqSpec
     from amct_ext.quant.schemes import load_scheme
 
     w8, targets = load_scheme("w8a8"), ["attn-linear", "moe"]
@@ -247,7 +248,9 @@ def test_resume_precheck_names_the_field(tmp_path):
     pdir.mkdir()
     (pdir / "meta.json").write_text(json.dumps({"version": 2, "scheme": "w8a8", "scheme_fingerprint": w8.fingerprint(),
                                                 "targets": targets, "dtype": "fp32",
-                                                "solver": {"epochs": 2, **recipe_meta(part.recipe, "float", 0.25, True)}}))
+                                                # the "solver" entry a run writes (PtqSpec.solver_meta)
+                                                "solver": PtqSpec(w8, targets, PtqConfig(), recipe=part.recipe,
+                                                                  propagate="float").solver_meta()}))
     assert not run_ptq._resume_check(tmp_path / "fresh", w8, targets, part, "fp32")
     assert run_ptq._resume_check(tmp_path, w8, targets, part, "fp32")
     with pytest.raises(AmctError, match=r"scheme: 'w8a8' in the folder, 'fp8' now"):

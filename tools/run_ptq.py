@@ -229,7 +229,7 @@ def _resume_check(out_dir: Path, scheme, targets, r, dtype: str) -> bool:
     once the tokenizer ran, still before any perplexity."""
     import json
 
-    from amct_ext.pipeline.workflow import META_NAME, PARAMS_DIR, ParamsMismatchError, recipe_meta
+    from amct_ext.pipeline.workflow import META_NAME, PARAMS_DIR, ParamsMismatchError
 
     meta_path = Path(out_dir) / PARAMS_DIR / META_NAME
     if not meta_path.is_file():
@@ -240,7 +240,10 @@ def _resume_check(out_dir: Path, scheme, targets, r, dtype: str) -> bool:
         raise ParamsMismatchError(f"{meta_path}: unreadable ({e}); pass a fresh --output-dir") from None
     now = {"scheme": scheme.fingerprint(), "targets": list(targets), "dtype": dtype}
     was = {"scheme": old.get("scheme_fingerprint"), "targets": old.get("targets"), "dtype": old.get("dtype")}
-    rm = recipe_meta(r.recipe, r.propagate, r.holdout, r.guard) or {}
+    # the recipe part of meta.json's "solver" entry (PtqSpec.solver_meta); --legacy-solver's
+    # learned_clip settings are compared by the full check (prepare_params_dir) that follows
+    rm = {} if r.recipe is None else {"recipe": r.recipe.settings(), "propagate": r.propagate,
+                                      "holdout": r.holdout, "guard": r.guard}
     for key, value in rm.items():
         now[f"solver.{key}"], was[f"solver.{key}"] = value, (old.get("solver") or {}).get(key)
     now, was = json.loads(json.dumps(now)), json.loads(json.dumps(was))   # as meta.json stores them
