@@ -259,3 +259,18 @@ def test_resume_precheck_names_the_field(tmp_path):
         run_ptq._resume_check(tmp_path, w8, targets, part, "bf16")
     with pytest.raises(AmctError, match=r"solver.holdout: 0.25 in the folder, 0.5 now"):
         run_ptq._resume_check(tmp_path, w8, targets, RecipePart(part.recipe, "float", 0.5, True, "--algo"), "fp32")
+
+
+def test_library_spec_takes_the_default_recipe_by_content_too(tmp_path):
+    """The library path (PtqSpec.resolved, what run_blockwise_ptq calls) must pick the same default
+    as the plan: by the scheme's content, not its name (a 3-bit file named "w8a8" is not RTN's)."""
+    from amct_ext.algorithms.recipe import DEFAULT_RECIPES, parse_algo
+    from amct_ext.pipeline.ptq_spec import PtqSpec
+    from amct_ext.quant.schemes import load_scheme
+
+    lying = tmp_path / "w8a8.json"
+    lying.write_text(json.dumps({**load_scheme("w3a16-g128").to_dict(), "name": "w8a8"}))
+    spec = PtqSpec(load_scheme(str(lying)), ["attn-linear", "moe"]).resolved()
+    algo, propagate = DEFAULT_RECIPES["w3a16-g128"]
+    assert spec.recipe.settings() == parse_algo(algo, "default recipe").settings()
+    assert spec.propagate == propagate
