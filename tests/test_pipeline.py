@@ -80,10 +80,54 @@ def test_evaluation_builds_layers_on_the_compute_device(adapter, windows, eval_c
     assert asked == [adapter.device] * adapter.num_layers
 
 
-def test_rtn_changes_ppl_a_little(adapter, windows, eval_cfg):
+def _quantized_names(adapter, scheme, targets, layer):
+    """Which linears of a layer the scheme quantizes (the wrapper's choice; the arithmetic of the
+    oracle below is computed independently of it), and whether wo_a is among them."""
+    from amct_ext.quant.quant_linear import QuantLinear
+
+    block = adapter.quantize_block(adapter.block(layer), scheme, targets)
+    names = [n for n, m in block.named_modules() if isinstance(m, QuantLinear)]
+    return names, any(n.endswith("wo_a_quant") for n, _ in block.named_modules())
+
+
+def _int8_absmax(x, dim):
+    """Symmetric int8 round-to-nearest with the absmax scale along ``dim``, written out by hand."""
+    s = x.abs().amax(dim, keepdim=True).clamp_min(1e-30) / 127.0
+    return torch.round(x / s).clamp(-127, 127) * s
+
+
+def test_rtn_ppl_is_the_whole_model_with_fake_quant_weights_and_inputs(adapter, tiny_ckpt, windows, eval_cfg):
+    """Oracle: the whole float reference model with every quantized linear's weight replaced by
+    its per-channel int8 RTN and its input quantized per token (w8a8), built by hand; the
+    blockwise RTN PPL must be it (1e-4, the float blockwise-vs-whole agreement), and differ
+    from float by more than that."""
+    scheme = load_scheme("w8a8")
     f = evaluate_blockwise(adapter, windows, eval_cfg, "float").ppl
-    r = evaluate_blockwise(adapter, windows, eval_cfg, "rtn", scheme=load_scheme("w8a8"), targets=TARGETS).ppl
-    assert r != f and abs(r - f) / f < 0.05
+    r = evaluate_blockwise(adapter, windows, eval_cfg, "rtn", scheme=scheme, targets=TARGETS).ppl
+    model = load_checkpoint_model(tiny_ckpt, dtype=torch.float32)
+    n_quantized = 0
+    for i in range(adapter.num_layers):
+        layer = model.layers[i]
+        layer.ffn.grouped = False             # every expert through its own nn.Linear calls (hooks)
+        names, wo_a = _quantized_names(adapter, scheme, TARGETS, i)
+        for name in names:
+            lin = layer.get_submodule(name)
+            assert isinstance(lin, torch.nn.Linear), name
+            with torch.no_grad():
+                lin.weight.copy_(_int8_absmax(lin.weight, 1))
+            lin.register_forward_pre_hook(lambda m, a: (_int8_absmax(a[0], -1),) + tuple(a[1:]))
+            n_quantized += 1
+        if wo_a:                              # the grouped einsum: rows of the stored weight, o per (token, group)
+            attn = layer.attn
+            with torch.no_grad():
+                attn.wo_a.weight.copy_(_int8_absmax(attn.wo_a.weight, 1))
+            attn.grouped_output = lambda o, attn=attn: torch.einsum("bsgd,grd->bsgr", _int8_absmax(o, -1),
+                                                                    attn.wo_a_weight())
+            n_quantized += 1
+    assert n_quantized >= adapter.num_layers * 5
+    oracle = perplexity(model, windows, eval_cfg.batch_size, "cpu", progress=False)
+    assert r == pytest.approx(oracle, rel=1e-4)
+    assert abs(r / f - 1) > 10 * 1e-4, (r, f)     # the effect is well above the tolerance
 
 
 STATIC = {"name": "w8a8-static",

@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per calibration and evaluation window")
     ap.add_argument("--eval-data", "--data-path", dest="eval_data", default=None, help="wikitext-2-raw test file (default: the shipped wikitext-2-raw-v1 test split)")
     ap.add_argument("--eval-windows", type=int, default=None, help="evaluate the first N windows (default: tiny 32, else all)")
+    ap.add_argument("--eval-first-window", type=int, default=0,
+                    help="start evaluating at window K (default 0, the reported windows; a later disjoint range "
+                         "is the dev split recipes are chosen on, benchmarks/quality_table.py)")
     ap.add_argument("--eval-ppl", action=argparse.BooleanOptionalAction, default=None,
                     help="float / RTN / PTQ perplexity (default: on for tiny, off otherwise)")
     ap.add_argument("--no-ptq", action="store_true", help="skip learning (PPL of float and RTN only)")
@@ -314,7 +317,7 @@ def run(args, phases=None) -> int:
                         batch_size=_default(args, "batch_size"), seed=args.seed,
                         calib_path=calib_path, eval_paths=(str(eval_path),))
     ptq_cfg.check()
-    eval_cfg = EvalConfig(seq_len=seq_len, max_windows=_default(args, "eval_windows"),
+    eval_cfg = EvalConfig(seq_len=seq_len, max_windows=_default(args, "eval_windows"), first_window=args.eval_first_window,
                           batch_size=_default(args, "eval_batch_size"), data_path=eval_path,
                           sharded=args.sharded_eval)
     eval_cfg.check()
@@ -400,7 +403,7 @@ def run(args, phases=None) -> int:
             "calibration": {"path": str(calib_path), "samples": ptq_cfg.n_samples, "seq_len": seq_len,
                             "epochs": ptq_cfg.epochs, "lr": ptq_cfg.lr, "seed": ptq_cfg.seed},
             "eval": None if not eval_ppl else {"path": str(eval_path), "windows": int(windows.shape[0]),
-                                               "seq_len": seq_len},
+                                               "first_window": eval_cfg.first_window, "seq_len": seq_len},
             "recipe": None if recipe is None else {"algorithms": recipe.settings(), "propagate": propagate,
                                                    "holdout": args.holdout, "guard": not args.no_guard},
             "ptq_wall_s": ptq_wall,
