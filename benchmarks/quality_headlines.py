@@ -45,25 +45,24 @@ BEGIN, END = "<!-- headlines:begin -->", "<!-- headlines:end -->"
 @dataclass(frozen=True)
 class Headline:
     name: str              # key in headlines.json
-    scheme: str | None     # None: the float model
+    scheme: str            # the run's scheme (the float headline rides on the w8a8 run's float PPL)
     metric: str            # report.json ppl key: float | rtn | quant
     ci: bool               # rerun by the test suite (else by --check only)
+    ppl_modes: str = ""    # run_ptq --ppl-modes: the reference PPLs the same run also measures
 
     def argv(self, threads: int = 1) -> list[str]:
         """The exact run_ptq arguments (the output folder is added by the runner). No --algo: a
         scheme's headline is its default recipe, whatever recipe.py says it is."""
-        base = ["--model", "tiny-trained", "--eval-windows", str(REPORTED_WINDOWS), "--threads", str(threads), "--quiet"]
-        if self.scheme is None:
-            return base + ["--no-ptq", "--ppl-modes", "float"]
-        return base + ["--scheme", self.scheme, "--ppl-modes", ""]
+        return ["--model", "tiny-trained", "--scheme", self.scheme, "--eval-windows", str(REPORTED_WINDOWS),
+                "--ppl-modes", self.ppl_modes, "--threads", str(threads), "--quiet"]
 
     def command(self) -> str:
         return "python tools/run_ptq.py " + " ".join(a if a else "''" for a in self.argv()) + " --output-dir OUT"
 
 
 HEADLINES = (
-    Headline("float", None, "float", True),
-    Headline("w8a8", "w8a8", "quant", True),
+    Headline("float", "w8a8", "float", True, "float"),
+    Headline("w8a8", "w8a8", "quant", True, "float"),
     Headline("w4a16-g128", "w4a16-g128", "quant", True),
     Headline("w4a8", "w4a8", "quant", False),
     Headline("mxfp4", "mxfp4", "quant", False),
@@ -72,13 +71,16 @@ HEADLINES = (
 BY_NAME = {h.name: h for h in HEADLINES}
 
 
-def run_headline(h: Headline, out_dir: Path, threads: int = 1) -> dict:
-    """Run one headline's command in this process; its entry for headlines.json."""
+def run_report(argv: list[str], out_dir: Path, cache: dict | None = None) -> dict:
+    """run_ptq ARGV in this process (threads restored after); report.json. Headlines that share a
+    command (float and w8a8) share one run through ``cache``."""
     import torch
 
     import run_ptq
 
-    argv = h.argv(threads)
+    key = tuple(argv)
+    if cache is not None and key in cache:
+        return cache[key]
     old = torch.get_num_threads()
     t0 = time.perf_counter()
     try:
@@ -86,15 +88,23 @@ def run_headline(h: Headline, out_dir: Path, threads: int = 1) -> dict:
     finally:
         torch.set_num_threads(old)
     if rc != 0:
-        raise SystemExit(f"error: headline {h.name}: run_ptq exited {rc} ({h.command()})")
+        raise SystemExit(f"error: run_ptq exited {rc}: {' '.join(argv)}")
     rep = json.loads((out_dir / "report.json").read_text())
+    rep["_wall_s"] = round(time.perf_counter() - t0, 1)
+    if cache is not None:
+        cache[key] = rep
+    return rep
+
+
+def run_headline(h: Headline, out_dir: Path, threads: int = 1, cache: dict | None = None) -> dict:
+    """Run one headline's command; its entry for headlines.json."""
+    rep = run_report(h.argv(threads), out_dir, cache)
     recipe = rep.get("recipe")
     return {"name": h.name, "scheme": h.scheme, "metric": h.metric, "ci": h.ci,
-            "recipe": None if recipe is None else
-            ",".join(a["name"] for a in recipe["algorithms"])
-            + "@" + recipe["propagate"],
+            "recipe": None if h.metric != "quant" else
+            ",".join(a["name"] for a in recipe["algorithms"]) + "@" + recipe["propagate"],
             "command": h.command(), "value": rep["ppl"][h.metric], "threads": rep["threads"],
-            "eval": rep["eval"], "wall_s": round(time.perf_counter() - t0, 1)}
+            "eval": rep["eval"], "wall_s": rep["_wall_s"]}
 
 
 def load_headlines(path: Path = HEADLINES_JSON) -> dict[str, dict]:
@@ -148,10 +158,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out) if args.out else Path(tmp)
         fails = 0
+        cache: dict = {}
         for n in names:
-            e = run_headline(BY_NAME[n], root / n)
+            h = BY_NAME[n]
+            e = run_headline(h, root / f"{h.scheme}-{h.ppl_modes or 'none'}", cache=cache)
             if args.threads_check:
-                e2 = run_headline(BY_NAME[n], root / f"{n}-t2", threads=2)
+                e2 = run_headline(h, root / f"{h.scheme}-{h.ppl_modes or 'none'}-t2", threads=2, cache=cache)
                 e["threads_2"] = {"value": e2["value"], "rel_diff": abs(e2["value"] / e["value"] - 1),
                                   "wall_s": e2["wall_s"]}
             print(f"{n:12s} {e['value']:.4f}  {e['recipe']}  ({e['wall_s']:.0f} s)"
