@@ -133,7 +133,10 @@ def run(args) -> dict:
     layer = layer_bytes(model_path)
     cfg = ExportConfig(model_path=model_path, out_dir=out / "export", format=args.format,
                        scheme=load_scheme(args.scheme), targets=args.quant_target.split(","),
-                       overwrite=True, device=args.device, dtype=torch.bfloat16)
+                       overwrite=True, device=args.device, dtype=torch.bfloat16,
+                       # times the storage path RESULTS records (released FP8 / FP4 kept as is);
+                       # a vLLM-served export of an FP8 release needs --dequantize-rest (casebook E16)
+                       serve_check=False)
     dev = D.resolve_device(args.device)
     with RssSampler() as rss:
         t0 = time.perf_counter()

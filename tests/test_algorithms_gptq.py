@@ -232,9 +232,9 @@ def test_every_unit_kind_of_a_v4_layer(all_tokens):
         x = model.embed_tokens(ids)
         x = model.layers[0](x, 0, ids)
     float_block = copy.deepcopy(model.layers[1])
-    block = quantize_block(model.layers[1], scheme, ["attn-linear", "moe"])
+    block = quantize_block(model.layers[1], scheme, ["attn-linear-all", "moe"])
     block.ffn.grouped = False
-    units = list(iter_block_ptq_units(block, 1, ["attn-linear", "moe"]))
+    units = list(iter_block_ptq_units(block, 1, ["attn-linear-all", "moe"]))
     set_quant_enabled(block, False)
     calls, _ = capture_unit_io(units, lambda: [block(x[i:i + 1], 0, ids[i:i + 1]) for i in range(2)])
     set_quant_enabled(block, True)
@@ -252,8 +252,8 @@ def test_every_unit_kind_of_a_v4_layer(all_tokens):
         if r.n_calls:
             assert r.loss_after < r.loss_before, r.name
     # rebuild from the float block + saved params: the same outputs
-    rebuilt = quantize_block(float_block, scheme, ["attn-linear", "moe"])
-    for u, v in zip(units, iter_block_ptq_units(rebuilt, 1, ["attn-linear", "moe"])):
+    rebuilt = quantize_block(float_block, scheme, ["attn-linear-all", "moe"])
+    for u, v in zip(units, iter_block_ptq_units(rebuilt, 1, ["attn-linear-all", "moe"])):
         v.module.load_ptq_params(u.module.export_ptq_params())
     with torch.no_grad():
         assert torch.equal(block(x[:1], 0, ids[:1]), rebuilt(x[:1], 0, ids[:1]))

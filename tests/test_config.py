@@ -104,3 +104,82 @@ def test_transformers_registration_untouched(tmp_path):
     auto = AutoConfig.from_pretrained(tmp_path)
     assert type(auto) is transformers.DeepseekV4Config
     assert type(DeepseekV4Config.from_pretrained(tmp_path)) is DeepseekV4Config
+
+
+# ----------------------------------------------------------------------- the released key set
+#: keys of the released config.json a written config may lack, and why:
+#: - transformers_version: the version of the writer; writing ours would make the bytes (and the
+#:   run fingerprints that hash config.json) depend on the installed transformers; no engine reads it
+#: - quantization_config (bf16 checkpoints only): the release's value describes FP8 block
+#:   tensors; on a bf16 checkpoint vLLM would build FP8 parameters and fail to load it
+ALWAYS_EXEMPT = {"transformers_version"}
+BF16_EXEMPT = ALWAYS_EXEMPT | {"quantization_config"}
+BEHAVIOUR = {"hidden_act": "silu", "norm_topk_prob": True, "topk_method": "noaux_tc", "attention_bias": False,
+             "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
+
+
+def released_keys() -> set[str]:
+    keys = [set(json.loads((CONFIGS / f"deepseek-v4-{n}.config.json").read_text())) for n in ("flash", "pro")]
+    assert keys[0] == keys[1]
+    return keys[0]
+
+
+def assert_released_keys(d: dict, where: str, exempt: set[str]) -> None:
+    missing = released_keys() - exempt - set(d)
+    assert not missing, f"{where}: lacks released keys {sorted(missing)}"
+    for k, v in BEHAVIOUR.items():
+        assert d[k] == v, (where, k, d[k])
+
+
+def test_every_written_config_has_the_released_keys(tiny_ckpt, tiny_ckpt_fp8):
+    from models.deepseek_v4.release_format import official_config_dict
+    from models.deepseek_v4.synthetic import synthetic_config_dict
+    from tests.export_helpers import TINY
+
+    assert_released_keys(official_config_dict(tiny_config(), "bf16"), "official_config_dict bf16", BF16_EXEMPT)
+    assert_released_keys(official_config_dict(tiny_config(), "fp8"), "official_config_dict fp8", ALWAYS_EXEMPT)
+    assert_released_keys(json.loads((tiny_ckpt / "config.json").read_text()), "make_tiny_checkpoint", BF16_EXEMPT)
+    assert_released_keys(json.loads((tiny_ckpt_fp8 / "config.json").read_text()), "make_tiny_checkpoint fp8",
+                         ALWAYS_EXEMPT)
+    assert_released_keys(json.loads((TINY / "config.json").read_text()), "assets/tiny-v4", BF16_EXEMPT)
+    for like in ("tiny", "v4-flash"):
+        assert_released_keys(synthetic_config_dict(like, 2), f"synthetic {like}", ALWAYS_EXEMPT)
+    # transformers' machinery: the config object itself gives them (transformers >= 5 calls
+    # torch_dtype 'dtype' there; official_config_dict writes the released name)
+    assert_released_keys(tiny_config().to_dict(), "DeepseekV4Config.to_dict", BF16_EXEMPT | {"torch_dtype"})
+
+
+def test_behaviour_keys_are_what_the_model_computes():
+    """Independent of the table: the Gate renormalises its top-k weights exactly when
+    norm_topk_prob says so, score layers carry the selection-only bias of noaux_tc, and the
+    expert's activation is silu."""
+    from models.deepseek_v4.modeling import Expert, Gate
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 64)
+    for func in ("sqrtsoftplus", "sigmoid", "softmax"):
+        c = tiny_config(scoring_func=func)
+        g = Gate(c, layer_id=3, dtype=torch.float32)          # a score layer (num_hash_layers 2)
+        torch.nn.init.normal_(g.weight)
+        w, _ = g(x, None)
+        renormalised = torch.allclose(w.sum(-1), torch.full((5,), c.route_scale))
+        assert c.norm_topk_prob is renormalised, func
+        assert c.topk_method == "noaux_tc" and isinstance(g.bias, torch.nn.Parameter)
+    e = Expert(64, 32, 0.0, torch.float32)
+    for lin in (e.w1, e.w2, e.w3):
+        torch.nn.init.normal_(lin.weight)
+    ref = e.w2(torch.nn.functional.silu(e.w1(x)) * e.w3(x))
+    assert tiny_config().hidden_act == "silu" and torch.allclose(e(x), ref, atol=1e-5)
+    assert not any(m.bias is not None for m in e.modules() if isinstance(m, torch.nn.Linear))
+
+
+@pytest.mark.parametrize("override, key", [
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"norm_topk_prob": False}, "norm_topk_prob"),
+    ({"scoring_func": "softmax", "norm_topk_prob": True}, "norm_topk_prob"),
+    ({"topk_method": "greedy"}, "topk_method"),
+    ({"attention_bias": True}, "attention_bias"),
+])
+def test_behaviour_keys_that_describe_another_model_refused(override, key):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        tiny_config(**override)

@@ -169,7 +169,8 @@ def test_schemes_a_format_cannot_hold_refused(tmp_path):
 
 
 def test_fp8_release_rest_stays_fp8_unless_dequantized(tiny_ckpt_fp8, tmp_path):
-    """Only the experts quantized: the FP8 attention linears keep their bytes and .scale; with
+    """Only the experts quantized: the FP8 attention linears keep their bytes and .scale (a
+    storage-only export, serve_check=False: vLLM would not load them, test_export_engine); with
     dequantize_rest they become bf16. Both read back to the same weights as the release."""
     from amct_ext.io.checkpoint import CheckpointReader
     from amct_ext.export.exporter import ExportConfig, export_checkpoint
@@ -177,7 +178,8 @@ def test_fp8_release_rest_stays_fp8_unless_dequantized(tiny_ckpt_fp8, tmp_path):
 
     def export(out, rest):
         cfg = ExportConfig(model_path=tiny_ckpt_fp8, out_dir=out, format="compressed-tensors",
-                           scheme=load_scheme("w8a8"), targets=["moe"], device="cpu", dequantize_rest=rest)
+                           scheme=load_scheme("w8a8"), targets=["moe"], device="cpu", dequantize_rest=rest,
+                           serve_check=rest)
         return export_checkpoint(cfg)
 
     export(tmp_path / "keep", False)

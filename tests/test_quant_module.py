@@ -16,7 +16,7 @@ from models.deepseek_v4.quant_module import (
 )
 from models.deepseek_v4.tiny import random_tiny_model
 
-ALL = ["attn-linear", "attn-cache", "moe"]
+ALL = ["attn-linear-all", "attn-cache", "moe"]   # AMCT's widest set: every quantizable leaf
 # tiny config: layer 0 ratio 0 hash, 1 ratio 4 hash, 2 ratio 128 score, 3 ratio 4 score
 KINDS = {0: "r0-hash", 1: "r4-hash", 2: "r128-score", 3: "r4-score"}
 
@@ -80,6 +80,26 @@ EXPECTED_COUNTS = {
     2: {"QuantLinear": 33, "ActivationQuantizer": 38, "QuantMatmul": 2, "WoAQuant": 1},
     3: {"QuantLinear": 37, "ActivationQuantizer": 44, "QuantMatmul": 3, "WoAQuant": 1},
 }
+
+
+#: attn-linear is what the serving engines quantize (serving.ENGINE_ATTN_LEAVES): wq_a, wkv, wq_b,
+#: wo_b (+ the indexer's wq_b at ratio 4); no wo_a, no compressor, no weights_proj
+ENGINE_COUNTS = {
+    0: {"QuantLinear": 31, "ActivationQuantizer": 35, "QuantMatmul": 2, "WoAQuant": 0},
+    1: {"QuantLinear": 32, "ActivationQuantizer": 38, "QuantMatmul": 3, "WoAQuant": 0},
+    2: {"QuantLinear": 31, "ActivationQuantizer": 35, "QuantMatmul": 2, "WoAQuant": 0},
+    3: {"QuantLinear": 32, "ActivationQuantizer": 38, "QuantMatmul": 3, "WoAQuant": 0},
+}
+
+
+@pytest.mark.parametrize("i", [0, 1, 2, 3], ids=lambda i: KINDS[i])
+def test_attn_linear_is_the_engine_set(model, i):
+    from models.deepseek_v4.serving import ENGINE_ATTN_LEAVES
+
+    q = wrapped(model, i, targets=["attn-linear", "attn-cache", "moe"])
+    assert count_quant_modules(q) == ENGINE_COUNTS[i]
+    attn_leaves = sorted(n for n, m in q.attn.named_modules() if isinstance(m, QuantLinear))
+    assert attn_leaves == sorted(n for n in ENGINE_ATTN_LEAVES if q.attn.ratio == 4 or not n.startswith("indexer."))
 
 
 @pytest.mark.parametrize("i", [0, 1, 2, 3], ids=lambda i: KINDS[i])

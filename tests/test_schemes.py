@@ -6,7 +6,7 @@ import pytest
 
 from amct_ext.errors import AmctError, QuantConfigError
 from amct_ext.quant.schemes import (QuantScheme, TargetScheme, TensorSpec, builtin_schemes, load_scheme,
-                              parse_targets)
+                              parse_targets, spec_targets)
 
 EXPECTED_BUILTINS = {"w8a8", "w4a16-g128", "w4a8", "fp8", "mxfp8", "mxfp4", "kv8", "kv8-fp8", "w3a16-g128", "w4a16", "w2a16-g64"}
 
@@ -170,7 +170,14 @@ def test_parse_targets():
     assert parse_targets("ATTN-LINEAR,") == ["attn-linear"]
     with pytest.raises(QuantConfigError, match="DeepSeek-V4 has MoE layers, use 'moe'"):
         parse_targets("attn-linear,mlp")
-    with pytest.raises(QuantConfigError, match="valid: attn-linear, attn-cache, moe"):
+    with pytest.raises(QuantConfigError, match="valid: attn-linear, attn-linear-all, attn-cache, moe"):
         parse_targets("attn")
+    # the wider attention set uses attn-linear's specs and excludes attn-linear
+    assert parse_targets("moe,attn-linear-all") == ["attn-linear-all", "moe"]
+    assert spec_targets(["attn-linear-all", "attn-cache"]) == ["attn-linear", "attn-cache"]
+    with pytest.raises(QuantConfigError, match="attn-linear and attn-linear-all exclude each other"):
+        parse_targets("attn-linear,attn-linear-all")
+    w8 = load_scheme("w8a8")
+    assert w8.target("attn-linear-all") == w8.target("attn-linear")
     with pytest.raises(QuantConfigError, match="no quant target"):
         parse_targets(" , ")

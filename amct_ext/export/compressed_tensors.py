@@ -28,12 +28,13 @@ library's own ``dequantize`` reproduces our fake-quant weight exactly.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
 from ..errors import QuantConfigError
-from ..quant.schemes import LINEAR_TARGETS, QuantScheme, TensorSpec
+from ..quant.schemes import LINEAR_TARGETS, QuantScheme, TensorSpec, spec_targets
 from ..quant.packing import pack_int32, pack_int32_dim0
 
 QUANT_METHOD = "compressed-tensors"
@@ -136,8 +137,9 @@ def quantization_config(scheme: QuantScheme, targets: list[str], float_layers: l
     they go to ``ignore`` so a loader does not expect quantized tensors there."""
     groups: dict[str, Any] = {}
     formats = set()
+    spec_keys = spec_targets(targets)   # attn-linear-all writes the attn-linear group
     for target in LINEAR_TARGETS:
-        if target not in targets:
+        if target not in spec_keys:
             continue
         ts = scheme.target(target)
         if ts.weight is None:
@@ -155,6 +157,19 @@ def quantization_config(scheme: QuantScheme, targets: list[str], float_layers: l
             "quantization_status": "compressed", "config_groups": groups,
             "ignore": list(IGNORE) + [rf"re:.*layers\.{i}\..*" for i in float_layers],
             "kv_cache_scheme": kv}
+
+
+def leaf_ignore_patterns(leaves) -> list[str]:
+    r"""``ignore`` entries for modules written as float weights, from their names relative to a
+    decoder layer (``attn.wo_a``, ``ffn.experts.3.w1``): one regex per name with the indices
+    generalised, matching the flat, vLLM and transformers prefixes alike
+    (``re:.*\.attn\.wo_a$`` matches ``model.layers.3.attn.wo_a``)."""
+    out = []
+    for leaf in leaves:
+        pat = "re:.*\\." + "\\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in leaf.split(".")) + "$"
+        if pat not in out:
+            out.append(pat)
+    return out
 
 
 def spec_from_args(args: dict[str, Any] | None, where: str) -> TensorSpec | None:

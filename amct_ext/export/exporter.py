@@ -33,10 +33,10 @@ from ..io.checkpoint import QUANT_STORAGE, CheckpointReader
 from ..errors import CheckpointError, ConfigError, DataError, QuantConfigError
 from ..io.io_utils import atomic_write_json
 from ..quant.quant_linear import QuantLinear
-from ..quant.schemes import QuantScheme, load_scheme, parse_targets
+from ..quant.schemes import QuantScheme, load_scheme, parse_targets, spec_targets
 from ..io.storage_formats import decode_fp4, decode_fp8_block
 from ..pipeline.workflow import META_NAME, PARAMS_DIR, load_unit_params
-from . import ascend, compressed_tensors as ct
+from . import ascend, compressed_tensors as ct, engine
 from .writer import ShardedWriter
 
 log = logging.getLogger(__name__)
@@ -66,13 +66,28 @@ class ExportConfig:
     device: str = "auto"
     dtype: torch.dtype = torch.bfloat16
     progress: bool = False
+    #: follow the engine profile of the format (``engine.py``): modules the engine keeps float
+    #: are written float, what it cannot serve is refused. False writes what the run did
+    #: regardless (storage / this tool's own read-back only; recorded in config.json)
+    serve_check: bool = True
+
+    def engine_profile(self) -> engine.EngineProfile | None:
+        """The profile of the engine that serves ``format``, or None (no profile / serve_check off)."""
+        if not self.serve_check:
+            return None
+        import models.deepseek_v4.serving  # noqa: F401  (registers the model's engine profiles)
+
+        return engine.profile_for(self.format)
 
     def check(self) -> None:
+        """Every refusal the export can know before it writes anything: the format, the
+        scheme, and what the format's engine would reject (``serving.check_export``). The plan
+        of run_ptq.py --export calls this too."""
         if self.format not in FORMATS:
             raise ConfigError(f"--format {self.format!r} is unknown; valid: {', '.join(FORMATS)}")
         self.targets = self.scheme.check_targets(parse_targets(self.targets))
         if self.format == "ascend":
-            ascend.check_scheme(self.scheme, self.targets)
+            ascend.check_scheme(self.scheme, spec_targets(self.targets))
         else:
             ct.quantization_config(self.scheme, self.targets)  # raises on what it cannot describe
         for t in self.targets:
@@ -80,6 +95,11 @@ class ExportConfig:
             if spec is not None and not spec.dynamic:
                 raise QuantConfigError(f"scheme {self.scheme.name!r} target {t}: static activation scales "
                                        "(dynamic: false) are not exported")
+        profile = self.engine_profile()
+        if profile is not None:
+            from models.deepseek_v4.serving import check_export
+
+            check_export(self, profile)
 
 
 @dataclass
@@ -182,6 +202,9 @@ class _Exporter:
         self.bytes_read = 0
         self.types: dict[str, str] = {}
         self._headers: dict[str, tuple[int, dict]] = {}
+        self.profile = cfg.engine_profile()
+        #: layer-relative leaves written as float weights (-> quantization_config.ignore)
+        self.float_leaves: set[str] = set()
 
     # -------------------------------------------------------------- raw copies
     def _location(self, key: str) -> tuple[Path, str, list[int], int, int]:
@@ -258,6 +281,16 @@ class _Exporter:
             base = prefix + wname[: -len(".weight")]
             w = leaf.weight
             spec, act = leaf.weight_quantizer.spec, leaf.input_quantizer.spec
+            if self.profile is not None:
+                plan = self.profile.plan_leaf(wname[: -len(".weight")], spec, act, where=base)
+                if plan.action == engine.FLOAT:
+                    # the engine keeps it float: the exact fake-quant weight the run evaluated
+                    with torch.no_grad():
+                        stream.add(prefix + wname, leaf.weight_quantizer(w).detach())
+                    self.types[prefix + wname] = ascend.FLOAT
+                    self.float_leaves.add(wname[: -len(".weight")])
+                    consumed.update({prefix + wname, prefix + wname[: -len(".weight")] + ".scale"})
+                    continue
             with torch.no_grad():
                 d = leaf.weight_quantizer.export(w)
                 if self.ascend:
@@ -283,6 +316,18 @@ class _Exporter:
                 consumed.add(scale)
                 continue
             rest.append(key)
+        if self.profile is not None and quantize:
+            # modules the engine would build quantized that this export leaves float (wo_a under
+            # attn-linear, experts without moe): listed as unquantized too. Only from quantized
+            # layers: a layer outside a partial run is ignored whole, and its names (patterns
+            # over every layer) must not unquantize the same module of a quantized layer
+            done = {w[: -len(".weight")] for w in leaves}
+            for key in keys:
+                rel = key[len(prefix):]
+                if rel.endswith(".weight") and rel[: -len(".weight")] not in done:
+                    rule = self.profile.rule_for(rel[: -len(".weight")])
+                    if rule is not None:
+                        self.float_leaves.add(rel[: -len(".weight")])
         self._copy_released([k for k in rest if k not in consumed], stream)
 
     def _build_layer(self, i: int) -> torch.nn.Module:
@@ -371,6 +416,7 @@ class _Exporter:
                 mtp_state.update(extra.get("mtp", {}))
                 continue
             self.types = {}
+            self.float_leaves = set()
             extra: dict[str, Any] = {}
             stream = writer.open_group(group, n_hint=4 * len(gkeys) + 16)
             try:
@@ -394,6 +440,7 @@ class _Exporter:
                         extra["mtp"] = {group: "quantized (RTN)"}
                     mtp_state.update(extra["mtp"])
                 extra["types"] = dict(self.types)
+                extra["float_leaves"] = sorted(self.float_leaves)
                 report.bytes_written += writer.close_group(group, stream, extra)
             except BaseException:
                 stream.abort()
@@ -407,10 +454,12 @@ class _Exporter:
             report.peak_host_rss_bytes = devmod.peak_memory_bytes("cpu")
             self.reader.close()
             return report
-        types = {}
+        types, float_leaves = {}, set()
         for g in by_group:
-            types.update(writer.state["groups"][g].get("extra", {}).get("types", {}))
-        self._write_side_files(qlayers, mtp_state, types)
+            extra = writer.state["groups"][g].get("extra", {})
+            types.update(extra.get("types", {}))
+            float_leaves.update(extra.get("float_leaves", ()))
+        self._write_side_files(qlayers, mtp_state, types, sorted(float_leaves))
         writer.finish()
         report.mtp = ", ".join(f"{k}: {v}" for k, v in sorted(mtp_state.items())) or "absent"
         # every source byte is read at least once (layers through load_block, the rest raw);
@@ -422,13 +471,18 @@ class _Exporter:
         self.reader.close()
         return report
 
-    def _write_side_files(self, qlayers: list[int], mtp_state: dict[str, str], types: dict[str, str]) -> None:
+    def _write_side_files(self, qlayers: list[int], mtp_state: dict[str, str], types: dict[str, str],
+                          float_leaves: Sequence[str] = ()) -> None:
         cfg = self.cfg
         src = json.loads((cfg.model_path / "config.json").read_text(encoding="utf-8"))
         released_qc = src.pop("quantization_config", None)
+        from models.deepseek_v4.configuration import behaviour_keys
+
+        for key, value in behaviour_keys(self.config).items():   # a source that predates them
+            src.setdefault(key, value)
         moe_quantized = "moe" in cfg.targets
         if self.ascend:
-            desc = ascend.description(types, cfg.scheme, cfg.targets)
+            desc = ascend.description(types, cfg.scheme, spec_targets(cfg.targets))
             atomic_write_json(desc, cfg.out_dir / ascend.DESCRIPTION_NAME)
             src["expert_dtype"] = None   # every FP4 / FP8 tensor was decoded or quantized
         else:
@@ -437,6 +491,7 @@ class _Exporter:
             float_layers += [n + int(g.split(".")[1]) for g, how in mtp_state.items() if how == "copied"]
             qc = ct.quantization_config(cfg.scheme, cfg.targets, float_layers)
             qc["ignore"] += [rf"re:.*mtp\.{g.split('.')[1]}\..*" for g, how in mtp_state.items() if how == "copied"]
+            qc["ignore"] += ct.leaf_ignore_patterns(float_leaves)
             src["quantization_config"] = qc
             if moe_quantized or cfg.dequantize_rest:
                 src["expert_dtype"] = None
@@ -445,6 +500,9 @@ class _Exporter:
             "scheme_fingerprint": cfg.scheme.fingerprint(), "targets": cfg.targets,
             "quantized_layers": qlayers, "mtp": mtp_state, "from_params": cfg.params_dir is not None,
             "dequantize_rest": cfg.dequantize_rest,
+            # the engine profile the export followed (None: serve_check off, or no profile)
+            "engine": None if self.profile is None else self.profile.engine,
+            "float_leaves": list(float_leaves),
             # FP8 / FP4 tensors left as released keep the release's own storage description
             "released_quantization_config": None if (self.ascend or cfg.dequantize_rest) else released_qc,
         }

@@ -255,7 +255,7 @@ def v4_layer_cost(config: Any, layer_idx: int, targets: Sequence[str], n_tokens:
 
     solve_s, n_units = 0.0, 0
     passes = 6.0 * max(1, epochs + 1)          # epochs of forward + backward, plus the loss evaluations
-    if "attn-linear" in targets:
+    if "attn-linear" in targets or "attn-linear-all" in targets:
         n_units += 1
         solve_s += passes * attn * n_tokens / rates.solve_flop_rate
     if "moe" in targets:

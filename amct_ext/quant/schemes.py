@@ -1,7 +1,12 @@
 """Quantization config objects, built-in schemes and quant targets.
 
 A scheme says *how* tensors are quantized; the quant targets say *which* parts of the model
-(``attn-linear``, ``attn-cache``, ``moe``) a run applies it to.
+(``attn-linear``, ``attn-linear-all``, ``attn-cache``, ``moe``) a run applies it to.
+
+``attn-linear`` is the attention linears the serving engines quantize; ``attn-linear-all`` a
+wider selection (AMCT's: every attention linear the model has) quantized with the same specs
+(the scheme's ``attn-linear`` key). Which modules each name selects is the model's business
+(DeepSeek-V4: ``models/deepseek_v4/serving.py``); the two are alternatives, never given together.
 
 Scheme file format (JSON; YAML with the same keys when PyYAML is installed)::
 
@@ -43,7 +48,12 @@ IDENTITY_INT_BITS = 16
 LINEAR_TARGETS = ("attn-linear", "moe")
 CACHE_TARGET = "attn-cache"
 #: Canonical order; parse_targets returns targets in this order so fingerprints are stable.
-VALID_TARGETS = ("attn-linear", "attn-cache", "moe")
+VALID_TARGETS = ("attn-linear", "attn-linear-all", "attn-cache", "moe")
+#: target name -> the scheme key whose specs it uses (targets that select a different module set
+#: with the specs of another one)
+SPEC_KEY_OF = {"attn-linear-all": "attn-linear"}
+#: targets that exclude each other (one is a superset of the other)
+EXCLUSIVE_TARGETS = (("attn-linear", "attn-linear-all"),)
 _SPEC_KEYS = ("format", "bits", "symmetric", "granularity", "group_size", "block_size", "dynamic")
 _SCHEME_KEYS = ("name", "description", "weight", "input", "cache", "targets")
 _TARGET_KEYS = ("weight", "input")
@@ -254,7 +264,8 @@ class QuantScheme:
         return hash((self.name, self.description, self.fingerprint()))
 
     def target(self, name: str) -> TargetScheme:
-        """Specs of a linear target ('attn-linear' or 'moe')."""
+        """Specs of a linear target ('attn-linear' or 'moe'; 'attn-linear-all' has attn-linear's)."""
+        name = SPEC_KEY_OF.get(name, name)
         if name not in LINEAR_TARGETS:
             raise QuantConfigError(f"{name!r} is not a linear target; valid: {', '.join(LINEAR_TARGETS)}")
         return self.targets[name]
@@ -390,5 +401,18 @@ def parse_targets(targets: "str | Iterable[str]") -> list[str]:
         names.append(t)
     if not names:
         raise QuantConfigError(f"no quant target given; valid: {', '.join(VALID_TARGETS)}")
+    for group in EXCLUSIVE_TARGETS:
+        given = [t for t in group if t in names]
+        if len(given) > 1:
+            raise QuantConfigError(f"quant targets {' and '.join(given)} exclude each other "
+                                   f"({group[-1]} already contains {group[0]}); give one")
     return [t for t in VALID_TARGETS if t in names]
 
+
+
+def spec_targets(targets: Iterable[str]) -> list[str]:
+    """``targets`` with each name replaced by the scheme key whose specs it uses
+    (``attn-linear-all`` -> ``attn-linear``): for code that describes what specs a run applies
+    (export configs, plans) rather than which modules."""
+    out = [SPEC_KEY_OF.get(t, t) for t in parse_targets(targets)]
+    return [t for t in VALID_TARGETS if t in out]

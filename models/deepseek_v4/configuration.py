@@ -86,6 +86,39 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "scale_fmt": None,
 }
 
+# Keys of the released config.json that describe what the model computes rather than its sizes.
+# The model code has one answer for each (below), so a config that says otherwise describes
+# another model and is refused; every config.json the project writes carries them, because
+# serving engines read them without defaults (vLLM's DeepseekV4MoE reads ``norm_topk_prob``
+# and ``hidden_act``, and creates ``ffn.gate.e_score_correction_bias`` only for
+# ``topk_method: noaux_tc``; casebook/export.md).
+#   hidden_act          Expert: silu(clamp(w1 x)) * clamp(w3 x)           -> "silu"
+#   norm_topk_prob      Gate: top-k weights renormalised unless softmax    -> score_func != "softmax"
+#   topk_method         Gate: topk(score + bias), bias only for selection  -> "noaux_tc"
+#   attention_bias      every attention Linear has no bias                -> False
+#   attention_dropout   inference only, no dropout anywhere               -> 0.0
+#   initializer_range   not used by the model's math (tiny.py draws its own init); the release's
+#   use_cache           generation-time flag of HF / engines; the release's
+FIXED_BEHAVIOUR: dict[str, Any] = {
+    "hidden_act": "silu",
+    "topk_method": "noaux_tc",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+}
+RELEASE_FLAGS: dict[str, Any] = {"initializer_range": 0.02, "use_cache": True}
+
+
+def behaviour_keys(config: "DeepseekV4Config") -> dict[str, Any]:
+    """The released config's behaviour keys with this config's values (for writers that copy
+    a config.json which may predate them: every file the project writes carries them)."""
+    return {k: getattr(config, k) for k in (*FIXED_BEHAVIOUR, "norm_topk_prob", *RELEASE_FLAGS)}
+
+
+def derived_norm_topk_prob(score_func: str) -> bool:
+    """Whether the Gate renormalises its top-k weights (modeling.Gate: all but softmax do)."""
+    return score_func != "softmax"
+
+
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 ARCH_DTYPES = ("bf16", "fp8")
 COMPRESS_RATIOS = (0, 4, 128)
@@ -125,6 +158,23 @@ class DeepseekV4Config(PretrainedConfig):
                                   "(expected 'fp8' or 'compressed-tensors')")
             values["arch_dtype"] = "fp8" if method == "fp8" else values["arch_dtype"]
             values["scale_fmt"] = quantization_config.get("scale_fmt", values["scale_fmt"])
+
+        behaviour: dict[str, Any] = {}
+        for key, value in FIXED_BEHAVIOUR.items():
+            given = kw.pop(key, value)
+            if given != value:
+                raise ConfigError(f"config key {key!r} is {given!r}, but this model computes {value!r} "
+                                  "(models/deepseek_v4/modeling.py)")
+            behaviour[key] = value
+        norm_topk = derived_norm_topk_prob(str(values["score_func"]))
+        given = kw.pop("norm_topk_prob", norm_topk)
+        if given != norm_topk:
+            raise ConfigError(f"config key 'norm_topk_prob' is {given!r}, but with scoring_func "
+                              f"{values['score_func']!r} this model's Gate {'renormalises' if norm_topk else 'does not renormalise'} "
+                              "its top-k weights")
+        behaviour["norm_topk_prob"] = norm_topk
+        for key, default in RELEASE_FLAGS.items():
+            behaviour[key] = kw.pop(key, default)
 
         # The reference's ModelArgs calls the storage format `dtype`; a string "fp8"/"bf16" there is the
         # storage format, a torch dtype is HF's runtime dtype (trap: the two meanings share one name).
@@ -169,6 +219,8 @@ class DeepseekV4Config(PretrainedConfig):
         # Mirror every HF name (HF tooling reads config.max_position_embeddings etc.).
         for hf_name, rt_name in HF_TO_RUNTIME.items():
             setattr(self, hf_name, values[rt_name])
+        for key, value in behaviour.items():
+            setattr(self, key, value)
         self.rope_scaling = copy.deepcopy(rope_scaling)
         self.quantization_config = copy.deepcopy(quantization_config)
         self.num_key_value_heads = 1

@@ -7,12 +7,14 @@ weight quantizer behind the float module's own ``wo_a_weight()`` / ``grouped_out
 A second copy of the attention math would silently drift from the float layer when that gets
 optimised; this way there is one copy.
 
-    QuantV4Attention   wq_a, wq_b, wkv, wo_b -> QuantLinear; wo_a keeps its grouped einsum
-                       (bsgd,grd->bsgr) and gets WoAQuant (observes its input, fake-quantizes the
-                       [G, o_lora, d] view); QK / PV through QuantMatmul when 'attn-cache' is on;
+    QuantV4Attention   wq_a, wq_b, wkv, wo_b -> QuantLinear (target attn-linear: what the
+                       serving engines quantize, serving.py); with attn-linear-all also wo_a,
+                       which keeps its grouped einsum (bsgd,grd->bsgr) and gets WoAQuant
+                       (observes its input, fake-quantizes the [G, o_lora, d] view), and the
+                       compressors; QK / PV through QuantMatmul when 'attn-cache' is on;
                        nested QuantV4Compressor and QuantV4Indexer.
     QuantV4Compressor  wkv, wgate -> QuantLinear (fp32 weights stay fp32).
-    QuantV4Indexer     wq_b, weights_proj -> QuantLinear; its own QuantV4Compressor; the
+    QuantV4Indexer     wq_b (+ weights_proj, attn-linear-all) -> QuantLinear; its own QuantV4Compressor; the
                        index-score matmul through QuantMatmul when 'attn-cache' is on.
     QuantV4Expert      the gated-MLP wrapper with a w1/w3/w2 -> gate/up/down facade; forward is
                        the float Expert's (clamp-then-silu, routing weight before w2).
@@ -44,7 +46,7 @@ from amct_ext.quant.schemes import QuantScheme, TensorSpec, parse_targets
 
 from .modeling import Attention, Block, Compressor, Expert, Indexer, Matmul, MoE, _grouped_mm_supported
 
-ATTN_TARGETS = ("attn-linear", "attn-cache")
+ATTN_TARGETS = ("attn-linear", "attn-linear-all", "attn-cache")
 
 
 # ----------------------------------------------------------------------------------- leaves
@@ -293,11 +295,13 @@ class QuantV4Compressor(PtqUnitMixin, Compressor):
 
 class QuantV4Indexer(PtqUnitMixin, Indexer):
     @classmethod
-    def from_float(cls, idx: Indexer, weight_spec, act_spec, cache_spec, linear: bool, cache: bool
-                   ) -> "QuantV4Indexer":
+    def from_float(cls, idx: Indexer, weight_spec, act_spec, cache_spec, linear: bool, cache: bool,
+                   wide: bool = True) -> "QuantV4Indexer":
+        """``linear``: wq_b; with ``wide`` also weights_proj and the indexer's compressor."""
         q = _rebind(cls, idx)
         if linear:
             q.wq_b = _quant_linear(idx.wq_b, weight_spec, act_spec)
+        if linear and wide:
             q.weights_proj = _quant_linear(idx.weights_proj, weight_spec, act_spec)
             q.compressor = QuantV4Compressor.from_float(idx.compressor, weight_spec, act_spec)
         if cache:
@@ -309,7 +313,10 @@ class QuantV4Attention(PtqUnitMixin, Attention):
     @classmethod
     def from_float(cls, attn: Attention, scheme: QuantScheme, targets: list[str]) -> "QuantV4Attention":
         q = _rebind(cls, attn)
-        linear = "attn-linear" in targets
+        # attn-linear: the linears the serving engines quantize (serving.ENGINE_ATTN_LEAVES);
+        # attn-linear-all: also wo_a, the compressors and the indexer's weights_proj
+        wide = "attn-linear-all" in targets
+        linear = wide or "attn-linear" in targets
         cache = "attn-cache" in targets
         ts = scheme.target("attn-linear")
         wspec, aspec = (ts.weight, ts.input) if (linear and ts is not None) else (None, None)
@@ -317,11 +324,12 @@ class QuantV4Attention(PtqUnitMixin, Attention):
         if linear:
             for name in ("wq_a", "wq_b", "wkv", "wo_b"):
                 setattr(q, name, _quant_linear(getattr(attn, name), wspec, aspec))
+        if wide:
             q.wo_a_quant = WoAQuant(attn.wo_a, attn.o_groups, wspec, aspec)
             if attn.ratio:
                 q.compressor = QuantV4Compressor.from_float(attn.compressor, wspec, aspec)
         if attn.ratio == 4 and (linear or cache):
-            q.indexer = QuantV4Indexer.from_float(attn.indexer, wspec, aspec, cspec, linear, cache)
+            q.indexer = QuantV4Indexer.from_float(attn.indexer, wspec, aspec, cspec, linear, cache, wide)
         if cache:
             q.qk_matmul = QuantMatmul(attn.qk_matmul, cspec)
             q.pv_matmul = QuantMatmul(attn.pv_matmul, cspec)

