@@ -135,13 +135,12 @@ STATIC = {"name": "w8a8-static",
           "input": {"format": "int", "bits": 8, "granularity": "tensor", "dynamic": False}}
 
 
-def test_static_activation_specs_are_observed(adapter, windows, eval_cfg, calib, tmp_path):
+def test_static_activation_specs_are_observed(adapter, tiny_ckpt, windows, eval_cfg, calib, tmp_path):
     scheme = load_scheme(STATIC)
     with pytest.raises(ConfigError, match="calibration"):
         evaluate_blockwise(adapter, windows, eval_cfg, "rtn", scheme=scheme, targets=TARGETS)
     r = evaluate_blockwise(adapter, windows, eval_cfg, "rtn", scheme=scheme, targets=TARGETS,
                            layers=range(1, 2), calib_windows=calib)
-    assert r.ppl > 1 and r.ppl == r.ppl
     res = run_blockwise_ptq(adapter, scheme, TARGETS, PTQ, tmp_path, layers=range(1, 2), calib_windows=calib)
     params = safe_torch_load(tmp_path / PARAMS_DIR / "layer_1_attn.pt")
     assert any(k.endswith("input_quantizer.running_min") for k in params)
@@ -172,7 +171,46 @@ def test_static_activation_specs_are_observed(adapter, windows, eval_cfg, calib,
         assert float(hi) == pytest.approx(float(seen[n][1]), rel=1e-5, abs=1e-6), n
     q = evaluate_blockwise(adapter, windows, eval_cfg, "ptq", scheme=scheme, targets=TARGETS,
                            layers=range(1, 2), params_dir=tmp_path / PARAMS_DIR)
-    assert q.ppl == q.ppl and q.ppl > 1
+    # both PPLs against the whole float model with layer 1's linears quantized by hand: int8
+    # per-channel weights (RTN; for PTQ with the run's learned clips) and per-tensor static int8
+    # inputs on the ranges the run observed (checked above against an independent observer)
+    saved = _layer_params(tmp_path / PARAMS_DIR, 1)
+    assert r.ppl == pytest.approx(_static_oracle_ppl(tiny_ckpt, saved, windows, eval_cfg, clips=False), rel=1e-4)
+    assert q.ppl == pytest.approx(_static_oracle_ppl(tiny_ckpt, saved, windows, eval_cfg, clips=True), rel=1e-4)
+    assert any(bool((v < 1).any()) for k, v in saved.items() if k.endswith("weight_quantizer.clip"))
+    assert q.ppl != r.ppl
+
+
+def _layer_params(pdir, layer):
+    """Every saved PTQ parameter of ``layer``, keyed by its path in the layer module."""
+    out = {}
+    for f in sorted(pdir.glob(f"layer_{layer}_*.pt")):
+        stem = f.stem[len(f"layer_{layer}_"):]
+        prefix = {"attn": "attn", "ffn_shared_experts": "ffn.shared_experts"}.get(
+            stem, stem.replace("ffn_experts_", "ffn.experts."))
+        out.update({f"{prefix}.{k}": v for k, v in safe_torch_load(f).items()})
+    return out
+
+
+def _static_oracle_ppl(ckpt, saved, windows, eval_cfg, clips):
+    model = load_checkpoint_model(ckpt, dtype=torch.float32)
+    layer = model.layers[1]
+    layer.ffn.grouped = False                 # every expert through its own nn.Linear calls (hooks)
+    names = sorted({k[:-len(".input_quantizer.running_min")] for k in saved
+                    if k.endswith(".input_quantizer.running_min")})
+    assert len(names) >= 5
+    for name in names:
+        lin = layer.get_submodule(name)
+        clip = saved.get(f"{name}.weight_quantizer.clip") if clips else None
+        with torch.no_grad():
+            amax = lin.weight.abs().amax(1, keepdim=True) * (1 if clip is None else clip.reshape(-1, 1))
+            s = amax.clamp_min(1e-30) / 127.0
+            lin.weight.copy_(torch.round(lin.weight / s).clamp(-127, 127) * s)
+        lo, hi = saved[f"{name}.input_quantizer.running_min"], saved[f"{name}.input_quantizer.running_max"]
+        sx = torch.maximum(lo.abs(), hi.abs()).clamp_min(1e-30) / 127.0
+        lin.register_forward_pre_hook(lambda m, a, sx=sx: ((torch.round(a[0] / sx).clamp(-127, 127) * sx),)
+                                      + tuple(a[1:]))
+    return perplexity(model, windows, eval_cfg.batch_size, "cpu", progress=False)
 
 
 # ----------------------------------------------------------------------------- PTQ
