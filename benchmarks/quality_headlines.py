@@ -12,7 +12,7 @@ checks both files against it, and reruns the headlines marked `ci`).
 
     python benchmarks/quality_headlines.py --write [--only NAME[,NAME]] [--threads-check]
     python benchmarks/quality_headlines.py --check [--only NAME[,NAME]]
-    python benchmarks/quality_headlines.py --render
+    python benchmarks/quality_headlines.py --render [--in-place]    # --in-place: rewrite both files' blocks
 
 A headline marked `ci: false` (too slow for the suite) is pinned by `--check` only, and README /
 RESULTS §0 do not quote it (RESULTS §3 does, with the command).
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-from amct_ext.io.io_utils import atomic_write_json  # noqa: E402
+from amct_ext.io.io_utils import atomic_write, atomic_write_json  # noqa: E402
 
 HEADLINES_JSON = REPO / "benchmarks" / "quality" / "headlines.json"
 TOLERANCE = 1e-4          # relative; the reruns are bit-identical at a fixed thread count (see --threads-check)
@@ -125,7 +125,7 @@ def render(entries: dict[str, dict]) -> str:
             f"defaults chosen on the disjoint dev windows {DEV_FIRST_WINDOW}-{DEV_FIRST_WINDOW + REPORTED_WINDOWS - 1}) "
             f"the float PPL is **{f:.3f}** and the default recipes give " + ", ".join(parts) +
             " (`benchmarks/quality/headlines.json`, each rerun by `tests/test_quality_headlines.py` within "
-            f"{TOLERANCE:g} relative; the other schemes: RESULTS.md §3).\n{END}")
+            f"1e-4 relative; the other schemes: RESULTS.md §3).\n{END}")
 
 
 def quoted_block(text: str, where: str) -> str:
@@ -141,13 +141,20 @@ def main(argv=None) -> int:
     mode.add_argument("--write", action="store_true", help="run the headlines and write headlines.json")
     mode.add_argument("--check", action="store_true", help="rerun the headlines and compare with headlines.json")
     mode.add_argument("--render", action="store_true", help="print the README / RESULTS §0 block")
+    ap.add_argument("--in-place", action="store_true", help="--render: replace the block in README.md and RESULTS.md")
     ap.add_argument("--only", default="", help="comma list of headline names (default: all)")
     ap.add_argument("--threads-check", action="store_true",
                     help="--write: also run each headline with 2 intra-op threads and record the difference")
     ap.add_argument("--out", default=None, help="keep the run folders here (default: a temp folder)")
     args = ap.parse_args(argv)
     if args.render:
-        print(render(load_headlines()))
+        block = render(load_headlines())
+        print(block)
+        if args.in_place:
+            for path in (REPO / "README.md", REPO / "benchmarks" / "RESULTS.md"):
+                text = path.read_text(encoding="utf-8")
+                new = text.replace(quoted_block(text, path.name), block, 1)
+                atomic_write(path, lambda tmp, new=new: Path(tmp).write_text(new, encoding="utf-8"))
         return 0
     names = [n for n in args.only.split(",") if n] or list(BY_NAME)
     bad = [n for n in names if n not in BY_NAME]

@@ -99,8 +99,7 @@ def _int8_absmax(x, dim):
 def test_rtn_ppl_is_the_whole_model_with_fake_quant_weights_and_inputs(adapter, tiny_ckpt, windows, eval_cfg):
     """Oracle: the whole float reference model with every quantized linear's weight replaced by
     its per-channel int8 RTN and its input quantized per token (w8a8), built by hand; the
-    blockwise RTN PPL must be it (1e-4, the float blockwise-vs-whole agreement), and differ
-    from float by more than that."""
+    blockwise RTN PPL must be it (1e-5), and differ from float by far more than that."""
     scheme = load_scheme("w8a8")
     f = evaluate_blockwise(adapter, windows, eval_cfg, "float").ppl
     r = evaluate_blockwise(adapter, windows, eval_cfg, "rtn", scheme=scheme, targets=TARGETS).ppl
@@ -126,8 +125,10 @@ def test_rtn_ppl_is_the_whole_model_with_fake_quant_weights_and_inputs(adapter, 
             n_quantized += 1
     assert n_quantized >= adapter.num_layers * 5
     oracle = perplexity(model, windows, eval_cfg.batch_size, "cpu", progress=False)
-    assert r == pytest.approx(oracle, rel=1e-4)
-    assert abs(r / f - 1) > 10 * 1e-4, (r, f)     # the effect is well above the tolerance
+    # fp32 reduction order only (measured ~1e-7): far below the RTN effect (3.2e-4 on the
+    # engine target set of issue 23, 2e-3 before), so a broken quantizer cannot hide in it
+    assert abs(r / oracle - 1) <= 1e-5, (r, oracle)
+    assert abs(r / f - 1) > 2e-4, (r, f)
 
 
 STATIC = {"name": "w8a8-static",
