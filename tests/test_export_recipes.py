@@ -72,8 +72,10 @@ def _export(run, out, fmt="compressed-tensors"):
     from amct_ext.export.exporter import ExportConfig, export_checkpoint, resolve_run
 
     scheme, targets, pdir = resolve_run(run, TINY, None, None)
+    # the run's compute dtype, as export.py --from takes it from meta.json: smoothing's replaced
+    # float weights are saved in it (an fp32 weight is refused by a bf16 layer, one line)
     export_checkpoint(ExportConfig(model_path=TINY, out_dir=out, format=fmt, scheme=scheme, targets=targets,
-                                   params_dir=pdir, device="cpu"))
+                                   params_dir=pdir, device="cpu", dtype=torch.float32))
 
 
 def _readback_ppl(out, windows):
