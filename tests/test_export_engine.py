@@ -118,8 +118,10 @@ def test_vllm_float_modules_are_fake_quant_floats_and_ignored(wide_w4_export):
 
 def test_wo_a_is_fp8_block_when_the_scheme_is_what_fp8_einsum_runs(tmp_path):
     """Ratio-0 layers only (no compressor, whose FP8 inputs vLLM would not apply), every
-    attention input width a multiple of 128: wo_a goes out as the FP8 blocks fp8_einsum runs."""
+    attention input width a multiple of 128: wo_a goes out as the FP8 blocks fp8_einsum runs,
+    and the read-back applies the run's input quantizers on the wide set (wo_a included)."""
     from amct_ext.export.exporter import export_checkpoint
+    from amct_ext.export.readback import exported_quant
     from amct_ext.io.checkpoint import CheckpointReader
     from models.deepseek_v4.tiny import make_tiny_checkpoint
 
@@ -127,6 +129,7 @@ def test_wo_a_is_fp8_block_when_the_scheme_is_what_fp8_einsum_runs(tmp_path):
                                  compress_ratios=[0, 0, 0, 0, 0])
     out = tmp_path / "fp8"
     export_checkpoint(_cfg(out, FP8_BLOCK, ["attn-linear-all"], model=model))
+    assert exported_quant(out).targets == ["attn-linear-all"]
     cfg = json.loads((out / "config.json").read_text())
     with CheckpointReader(out) as r:
         w, s = r.get_raw("layers.1.attn.wo_a.weight"), r.get_raw("layers.1.attn.wo_a.weight_scale")
@@ -241,3 +244,14 @@ def test_plan_says_what_the_export_does_with_the_wide_set(tmp_path):
     for leaf in VLLM_FLOAT + ("attn.wo_a",):
         assert lines[leaf].startswith("written float") and "vLLM" in lines[leaf], leaf
     assert not (tmp_path / "o").exists()
+
+
+def test_plan_time_check_refuses_a_recipe_that_will_save_up_limit(tmp_path):
+    """Before the run: the plan passes the parameters its recipe will save."""
+    from models.deepseek_v4.serving import PAIR_PARAMS
+
+    cfg = _cfg(tmp_path / "o", "w4a16-g128", ["attn-linear", "moe"])
+    cfg.check()                                     # no recipe parameters: fine
+    with pytest.raises(AmctError, match=r"planned recipe's parameter 'up_limit': vLLM .*pairs="):
+        cfg.check(planned_params=[PAIR_PARAMS["w3"]])
+

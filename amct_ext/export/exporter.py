@@ -79,10 +79,12 @@ class ExportConfig:
 
         return engine.profile_for(self.format)
 
-    def check(self) -> None:
+    def check(self, planned_params: Sequence[str] = ()) -> None:
         """Every refusal the export can know before it writes anything: the format, the
         scheme, and what the format's engine would reject (``serving.check_export``). The plan
-        of run_ptq.py --export calls this too."""
+        of run_ptq.py --export calls this too, before the run: ``planned_params`` are the unit
+        parameter names its recipe will save (e.g. ``up_limit`` when smoothing pair w3 runs on
+        the experts; ``serving.PAIR_PARAMS``), checked like the saved ones of ``params_dir``."""
         if self.format not in FORMATS:
             raise ConfigError(f"--format {self.format!r} is unknown; valid: {', '.join(FORMATS)}")
         self.targets = self.scheme.check_targets(parse_targets(self.targets))
@@ -99,7 +101,7 @@ class ExportConfig:
         if profile is not None:
             from models.deepseek_v4.serving import check_export
 
-            check_export(self, profile)
+            check_export(self, profile, planned_params)
 
 
 @dataclass
@@ -398,6 +400,8 @@ class _Exporter:
             "source_config_sha256": _sha256(cfg.model_path / "config.json"),
             "source_index_sha256": _sha256(self.reader.index_path) if self.reader.index_path else None,
             "params": _params_digest(cfg.params_dir),
+            # a resumed export must not mix layers written for the engine with storage-only ones
+            "engine": None if self.profile is None else self.profile.engine,
         }
         stem, index_name = (ascend.SHARD_STEM, ascend.INDEX_NAME) if self.ascend else ("model", "model.safetensors.index.json")
         writer = ShardedWriter(cfg.out_dir, list(by_group), fingerprint, stem, index_name, overwrite=cfg.overwrite,

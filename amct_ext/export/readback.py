@@ -158,7 +158,11 @@ def exported_quant(model_path: str | Path) -> ExportedQuant | None:
         return None
     targets = {t: TargetScheme(None, s) for t, s in inputs.items() if s is not None}
     names = list(targets) + (["attn-cache"] if cache is not None else [])
-    order = ("attn-linear", "attn-cache", "moe")
+    # the config group is named after the scheme key; the run's module set may be the wider
+    # attn-linear-all (its activation quantizers then sit on wo_a / compressors too)
+    if "attn-linear" in names and meta and "attn-linear-all" in (meta.get("targets") or []):
+        names = ["attn-linear-all" if t == "attn-linear" else t for t in names]
+    order = ("attn-linear", "attn-linear-all", "attn-cache", "moe")
     if meta and isinstance(meta.get("quantized_layers"), list):
         layers = {int(i) for i in meta["quantized_layers"]}
     else:

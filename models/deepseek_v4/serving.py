@@ -129,7 +129,12 @@ def planned_leaves(config, layer_id: int, scheme: QuantScheme, targets: list[str
     return leaf_specs(quantize_block(empty_block(config, layer_id, torch.bfloat16), scheme, targets))
 
 
-def check_export(cfg: Any, profile: engine.EngineProfile) -> None:
+#: smoothing pair -> the unit parameter it saves that an engine may not represent
+#: (quant_module.QuantV4Expert.up_limit), for the plan's ``ExportConfig.check(planned_params)``
+PAIR_PARAMS = {PER_CHANNEL_LIMIT_PAIR: "up_limit"}
+
+
+def check_export(cfg: Any, profile: engine.EngineProfile, planned_params=()) -> None:
     """Everything the engine would refuse, before any layer is written: each layer kind's
     leaves (``planned_leaves``) against the profile, the run's saved unit parameters against
     its parameter rules, and the profile's own checks. ``cfg``: an ``ExportConfig``."""
@@ -147,6 +152,7 @@ def check_export(cfg: Any, profile: engine.EngineProfile) -> None:
         prefix = f"layers.{lid}." if lid < n else f"mtp.{lid - n}."
         for leaf, (w, a) in planned_leaves(config, lid, cfg.scheme, cfg.targets).items():
             profile.plan_leaf(leaf, w, a, where=prefix + leaf)
+    profile.check_params(planned_params, where=lambda k: f"the planned recipe's parameter {k!r}")
     if cfg.params_dir is not None:
         for path in sorted(Path(cfg.params_dir).glob("layer_*.pt")):
             try:
