@@ -114,11 +114,14 @@ class PtqConfig:
 
 @dataclass
 class EvalConfig:
-    """Perplexity settings: windows of ``seq_len`` tokens, the first ``max_windows`` of them.
+    """Perplexity settings: windows of ``seq_len`` tokens, ``max_windows`` of them from window
+    ``first_window`` on (0: the first ones, the reported protocol; a later disjoint range is a dev
+    split for choosing recipes, benchmarks/quality_table.py).
     ``data_path=None``: the shipped wikitext-2-raw-v1 test split (``amct_ext/data``)."""
 
     seq_len: int = 128
     max_windows: int | None = None
+    first_window: int = 0
     batch_size: int = 1
     data_path: str | os.PathLike | None = None
     sharded: bool = False
@@ -131,6 +134,8 @@ class EvalConfig:
             raise ConfigError(f"EvalConfig.batch_size must be >= 1, got {self.batch_size}")
         if self.max_windows is not None and self.max_windows < 1:
             raise DataError(f"EvalConfig.max_windows must be >= 1 or None, got {self.max_windows}")
+        if self.first_window < 0:
+            raise DataError(f"EvalConfig.first_window must be >= 0, got {self.first_window}")
 
 
 def batches(windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:

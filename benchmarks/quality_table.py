@@ -21,6 +21,14 @@ any ``--extra`` combination ``algo[,algo...][@float|@quant]``), each with PPL an
 
 A column whose algorithms are not registered (not merged yet) is shown as "n/a". Writes
 OUT/algorithms.json and OUT/algorithms.md; runs are kept in OUT/runs/<scheme>/<column>/.
+
+Choosing defaults (``--split dev``): every cell is measured on the dev windows 64-127 of the test
+split (``--eval-first-window 64``), disjoint from the reported windows 0-63; the reported figures
+(``--split test``, the default, and benchmarks/quality_headlines.py) are never used for choosing.
+``--candidates`` runs only each scheme's candidate recipes (DEV_CANDIDATES) and prints, per
+scheme, the best one on dev against DEFAULT_RECIPES (amct_ext/algorithms/recipe.py):
+
+    python benchmarks/quality_table.py --algorithms --split dev --candidates --out runs/quality_dev
 """
 from __future__ import annotations
 
@@ -64,6 +72,26 @@ ALGO_COLUMNS = (("RTN", None, None), ("clip", "clip", "float"), ("GPTQ", "gptq",
                 ("learnable rounding", "autoround", "float"), ("default", "default", None))
 
 
+#: per scheme, the recipes (algo, propagate) worth comparing on the dev split: the winners and
+#: runners-up of the full table (RESULTS §3), cheapest first; None = RTN
+DEV_CANDIDATES: dict[str, list[tuple[str | None, str | None]]] = {
+    "w8a8": [(None, None), ("clip", "float"), ("gptq", "float"), ("awq", "float")],
+    "w4a8": [("clip", "float"), ("clip,gptq", "float"), ("clip,gptq", "quant")],
+    "w4a16-g128": [("clip", "float"), ("clip,gptq", "float"), ("clip,gptq", "quant"), ("autoround", "float")],
+    "w3a16-g128": [("clip", "float"), ("clip,gptq", "quant"), ("autoround", "float")],
+    "w4a16": [("clip", "float"), ("clip,gptq", "float"), ("clip,gptq", "quant")],
+    "w2a16-g64": [("clip", "float"), ("clip,gptq", "quant")],
+    "fp8": [(None, None), ("clip", "float"), ("clip,gptq", "quant")],
+    "mxfp8": [(None, None), ("gptq", "float"), ("clip,gptq", "quant")],
+    "mxfp4": [(None, None), ("gptq", "float"), ("gptq", "quant"), ("clip,gptq", "quant")],
+}
+#: the choice rule: the cheapest candidate (first in DEV_CANDIDATES order) within this relative
+#: distance of the best dev PPL. 0.1 % is what another calibration seed moves a cell (RESULTS §3,
+#: benchmarks/perturbation_check.py): a smaller dev gain does not pay for a slower recipe.
+DEV_NOISE = 1e-3
+SPLITS = {"test": 0, "dev": 64}   # first window of each 64-window range (the dev range is disjoint)
+
+
 def _registered(algo: str) -> bool:
     from amct_ext.algorithms.recipe import RecipeError, parse_algo
 
@@ -88,7 +116,8 @@ def run_algo(scheme: str, algo: str | None, prop: str | None, out: Path, args, w
     if not report.is_file():
         argv = ["--model", "tiny-trained", "--scheme", scheme, "--quant-target", args.targets,
                 "--output-dir", str(run_dir), "--eval-windows", str(args.eval_windows),
-                "--seq-len", str(args.seq_len), "--calib-samples", str(args.calib_samples), "--quiet"]
+                "--seq-len", str(args.seq_len), "--calib-samples", str(args.calib_samples), "--quiet",
+                "--eval-first-window", str(SPLITS[args.split])]
         if algo is None:
             argv += ["--no-ptq", "--ppl-modes", "float,rtn" if with_float else "rtn"]
         else:
@@ -107,6 +136,11 @@ def algorithms_main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     schemes = [s for s in args.schemes.split(",") if s] if args.schemes else list(WEIGHT_SCHEMES)
+    if args.split == "dev" and args.eval_windows > SPLITS["dev"]:
+        raise SystemExit(f"error: --eval-windows {args.eval_windows}: the dev split starts at window "
+                         f"{SPLITS['dev']}, so more would overlap the reported windows")
+    if args.candidates:
+        return candidates_main(args, out, schemes)
     columns = list(ALGO_COLUMNS)
     for extra in args.extra:
         algo, _, prop = extra.partition("@")
@@ -169,6 +203,47 @@ def algorithms_main(args) -> int:
     return 0
 
 
+def candidates_main(args, out: Path, schemes: list[str]) -> int:
+    """Each scheme's DEV_CANDIDATES on the chosen split; the best per scheme against the default."""
+    from amct_ext.algorithms.recipe import default_recipe
+
+    jpath = out / "candidates.json"
+    table = json.loads(jpath.read_text()) if jpath.is_file() else {}
+    for scheme in schemes:
+        row = table.setdefault(scheme, {})
+        for algo, prop in DEV_CANDIDATES.get(scheme, []):
+            tag = "rtn" if algo is None else f"{algo}@{prop}"
+            if tag in row or args.render_only:
+                continue
+            if algo is not None and not _registered(algo):
+                continue
+            t0 = time.time()
+            rep = run_algo(scheme, algo, prop, out, args)
+            ppl = rep["ppl"]["rtn"] if algo is None else rep["ppl"]["quant"]
+            row[tag] = {"ppl": ppl, "wall_s": rep.get("ptq_wall_s"), "eval": rep["eval"]}
+            print(f"{scheme:12s} {tag:24s} {args.split} ppl {ppl:.4f}  ({time.time() - t0:.0f} s)", flush=True)
+            atomic_write_json(table, jpath)
+    lines = [f"Candidates on the {args.split} split (windows {SPLITS[args.split]}-"
+             f"{SPLITS[args.split] + args.eval_windows - 1} x {args.seq_len}; calibration {args.calib_samples} "
+             f"x {args.seq_len} of valid.txt; targets {args.targets}).", "",
+             f"Chosen: the cheapest candidate within {100 * DEV_NOISE:g} % of the best dev PPL.", "",
+             "| scheme | candidates (PPL) | chosen | current default | change |", "| --- | --- | --- | --- | --- |"]
+    for scheme in schemes:
+        row = table.get(scheme, {})
+        if not row:
+            continue
+        order = ["rtn" if a is None else f"{a}@{p}" for a, p in DEV_CANDIDATES.get(scheme, [])]
+        best_ppl = min(c["ppl"] for c in row.values())
+        best = next(t for t in order + sorted(row) if t in row and row[t]["ppl"] <= best_ppl * (1 + DEV_NOISE))
+        algo, prop = default_recipe(scheme)
+        cur = "rtn" if algo == "rtn" else f"{algo}@{prop}"
+        cells = ", ".join(f"{t} {c['ppl']:.3f}" for t, c in sorted(row.items(), key=lambda kv: kv[1]["ppl"]))
+        lines.append(f"| {scheme} | {cells} | {best} | {cur} | {'-' if best == cur else 'yes'} |")
+    atomic_write(out / "candidates.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--algorithms", action="store_true", help="the algorithm table (see the module doc)")
@@ -176,6 +251,11 @@ def main(argv=None) -> int:
     ap.add_argument("--extra", nargs="*", default=[], help="algorithm table: extra columns algo[,algo][@propagate]")
     ap.add_argument("--targets", default="attn-linear,moe", help="algorithm table: quant targets")
     ap.add_argument("--render-only", action="store_true", help="algorithm table: no new runs (missing cells 'not run')")
+    ap.add_argument("--split", choices=tuple(SPLITS), default="test",
+                    help="algorithm table: evaluate on the reported windows (test, 0-63) or the disjoint dev "
+                         "windows (dev, 64-127) that defaults are chosen on")
+    ap.add_argument("--candidates", action="store_true",
+                    help="algorithm table: only each scheme's DEV_CANDIDATES; prints the best per scheme")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "quality"))
     ap.add_argument("--eval-windows", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)

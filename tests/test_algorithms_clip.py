@@ -62,16 +62,38 @@ def test_rtn_kept_when_it_wins_on_the_held_out_slice():
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_grid_start_never_worse_than_rtn_on_training(seed):
+def test_grid_start_helps_on_heavy_tailed_weights(seed):
+    """Heavy-tailed weights: the grid's clips beat RTN by > 5 % on training and on the held-out
+    calls, and are what the unit keeps (every seed, not only the first)."""
+    torch.manual_seed(seed)                 # StudentT samples from the global generator
     g = torch.Generator().manual_seed(seed)
     w = torch.distributions.StudentT(2.0).sample((24, 64)) * 0.05       # heavy tails: clipping pays
     x = torch.randn(256, 64, generator=g)
     q, unit = _unit(w, TensorSpec("int", 3, False, "group", 32))
+    rtn = q.quantized_weight().detach().clone()
     stats = Clip(epochs=0).apply(unit, UnitData(_calls(x, w)), SolveContext(holdout=0.25))
-    assert stats["grid_train_loss"] <= stats["rtn_train_loss"]
-    assert stats["candidates"][stats["choice"]] <= stats["candidates"]["incoming"]
-    if seed == 1:
-        assert stats["grid_kept"] and stats["grid_train_loss"] < 0.95 * stats["rtn_train_loss"]
+    assert stats["grid_kept"] and stats["grid_train_loss"] < 0.95 * stats["rtn_train_loss"]
+    assert stats["choice"] == "grid" and stats["candidates"]["grid"] < 0.95 * stats["candidates"]["incoming"]
+    assert bool((q.weight_quantizer.clip < 1).any()) and not torch.equal(q.quantized_weight(), rtn)
+
+
+def test_grid_start_dropped_when_the_proxy_misleads(monkeypatch):
+    """A grid result worse than RTN on training (here forced: every block clipped to 0.3) is never
+    kept: the unit starts from, and keeps, RTN."""
+    from amct_ext.algorithms import clipping
+
+    monkeypatch.setattr(clipping, "grid_clip", lambda w, spec, imp, n, lo: torch.full(
+        (w.shape[0], w.shape[1] // spec.group_size), 0.3, dtype=w.dtype))
+    torch.manual_seed(1)
+    g = torch.Generator().manual_seed(1)
+    w = torch.distributions.StudentT(2.0).sample((24, 64)) * 0.05
+    x = torch.randn(256, 64, generator=g)
+    q, unit = _unit(w, TensorSpec("int", 3, False, "group", 32))
+    rtn = q.quantized_weight().detach().clone()
+    stats = Clip(epochs=0).apply(unit, UnitData(_calls(x, w)), SolveContext(holdout=0.25))
+    assert stats["grid_train_loss"] > stats["rtn_train_loss"]      # the forced grid is worse ...
+    assert not stats["grid_kept"] and "grid" not in stats["candidates"]   # ... so it is dropped
+    assert stats["choice"] == "incoming" and torch.equal(q.quantized_weight(), rtn)
 
 
 def test_grid_clip_minimises_the_proxy_per_block():
@@ -112,6 +134,8 @@ def test_activation_range_search_for_static_specs():
 
 
 def test_clip_after_gptq_keeps_gptq_when_it_is_better():
+    """Correlated inputs at 3 bits: GPTQ's grid beats every clip started from RTN by > 10 % on the
+    judged calls (seed 7: 0.0172 against 0.0200), so clip must keep GPTQ's weights and grid."""
     g = torch.Generator().manual_seed(7)
     mix = torch.randn(64, 64, generator=g) / 8 + 0.3 * torch.eye(64)
     x = torch.randn(512, 64, generator=g) @ mix
@@ -122,11 +146,10 @@ def test_clip_after_gptq_keeps_gptq_when_it_is_better():
     GPTQ().apply(unit, UnitData(calls), ctx)
     gptq_w = q.quantized_weight().detach().clone()
     stats = Clip(epochs=1).apply(unit, UnitData(calls), ctx)
-    if stats["choice"] == "incoming":
-        assert q.weight_quantizer.has_fixed_qparams and torch.equal(q.quantized_weight(), gptq_w)
-    else:
-        assert not q.weight_quantizer.has_fixed_qparams
-    assert stats["judge_loss"] <= stats["candidates"]["incoming"]
+    others = [v for k, v in stats["candidates"].items() if k != "incoming"]
+    assert others and stats["candidates"]["incoming"] < 0.9 * min(others)
+    assert stats["choice"] == "incoming" and stats["judge_loss"] == stats["candidates"]["incoming"]
+    assert q.weight_quantizer.has_fixed_qparams and torch.equal(q.quantized_weight(), gptq_w)
 
 
 def test_clip_options_are_checked():

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     md.add_argument("--eval-data", "--data-path", dest="eval_data", default=None,
                     help="wikitext-2-raw test file (default: the shipped wikitext-2-raw-v1 test split)")
     md.add_argument("--eval-windows", type=int, default=None, help="evaluate the first N windows (default: tiny 32, else all)")
+    md.add_argument("--eval-first-window", type=int, default=0,
+                    help="start evaluating at window K (default 0, the reported windows; a later disjoint range "
+                         "is the dev split recipes are chosen on, benchmarks/quality_table.py)")
     md.add_argument("--eval-ppl", action=argparse.BooleanOptionalAction, default=None,
                     help="float / RTN / PTQ perplexity (default: on for tiny, off otherwise)")
     md.add_argument("--ppl-modes", default="float,rtn",
@@ -335,7 +338,7 @@ def run(args, phases=None) -> int:
     ptq_cfg.check()
     spec = PtqSpec(scheme, targets, ptq_cfg, recipe=recipe, propagate=propagate, holdout=holdout,
                    guard=guard).resolved()
-    eval_cfg = EvalConfig(seq_len=seq_len, max_windows=job.evaluation.windows,
+    eval_cfg = EvalConfig(seq_len=seq_len, max_windows=job.evaluation.windows, first_window=args.eval_first_window,
                           batch_size=job.evaluation.batch_size, data_path=eval_path,
                           sharded=args.sharded_eval)
     eval_cfg.check()
@@ -436,7 +439,7 @@ def run(args, phases=None) -> int:
             "calibration": {"path": str(calib_path), "samples": ptq_cfg.n_samples, "seq_len": seq_len,
                             "epochs": ptq_cfg.epochs, "lr": ptq_cfg.lr, "seed": ptq_cfg.seed},
             "eval": None if not eval_ppl else {"path": str(eval_path), "windows": int(windows.shape[0]),
-                                               "seq_len": seq_len},
+                                               "first_window": eval_cfg.first_window, "seq_len": seq_len},
             "recipe": None if recipe is None else {"algorithms": recipe.settings(), "propagate": propagate,
                                                    "holdout": holdout, "guard": guard,
                                                    "source": job.recipe.source},

@@ -245,20 +245,24 @@ __all__ = ["Recipe", "RecipeError", "register", "known_algorithms", "algorithm_c
 
 
 # ----------------------------------------------------------------------------- defaults
-#: The default recipe and propagation of every built-in scheme: the best combination measured
-#: on the quality table (assets/tiny-v4, benchmarks/RESULTS.md §3). A scheme not listed
-#: (a user's file) gets DEFAULT_FALLBACK.
+#: The default recipe and propagation of every built-in scheme, chosen on the DEV split (windows
+#: 64-127 of the test file, never the reported 0-63): the cheapest candidate within 0.1 % of the
+#: best dev PPL (`benchmarks/quality_table.py --algorithms --split dev --candidates`). Lines marked
+#: "dev" were re-chosen that way on the engine target set (issue 23); the others keep the older
+#: choice made on the reported windows (RESULTS §3) until that command is rerun for them. A
+#: scheme not listed (a user's file) gets DEFAULT_FALLBACK.
 DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
-    # measured (tiny-trained, 64 x 256 test windows, 16 x 256 calibration, 2026-12-01):
-    "w8a8": ("rtn", "float"),                 # RTN 274.25 < clip 274.38 < clip,gptq 274.45 < gptq 274.58
-    "w4a16-g128": ("clip,gptq", "float"),     # 275.24 (+0.45 %); quant 275.35; clip 275.31
-    "w3a16-g128": ("autoround", "float"),     # 279.13 (+1.87 %); clip,gptq@quant 281.66; clip 281.70
+    # "dev": tiny-trained, dev windows 64-127 x 256, 16 x 256 calibration, vLLM target set, 2026-12-01;
+    # the others: the older choice on test windows 0-63 before the target change
+    "w8a8": ("rtn", "float"),                 # dev: clip 244.277, RTN 244.295 (within 0.1 %, cheapest), gptq 244.310, awq 244.316
+    "w4a16-g128": ("clip,gptq", "float"),     # dev: 244.955 < @quant 245.036 < clip 246.134 < autoround 247.115
+    "w3a16-g128": ("autoround", "float"),     # dev: 250.248 < clip 253.810 < clip,gptq@quant 254.493
     "w4a16": ("clip", "float"),               # 275.20; clip,gptq@quant 275.62; gptq 276.65
-    "w4a8": ("clip,gptq", "quant"),           # 274.09 (+0.03 %); clip 275.53; RTN 278.10; gptq 279.58
+    "w4a8": ("clip,gptq", "float"),           # dev: @quant 246.676, @float 246.813 (within 0.1 %, cheaper), clip 247.157
     "w2a16-g64": ("clip", "float"),           # 326.12; clip,gptq@quant 333.26; RTN 453.28; gptq 457.34
     "fp8": ("clip", "float"),                 # 273.06 (< RTN 273.72); clip,gptq@quant 274.06; gptq 275.12
     "mxfp8": ("clip,gptq", "quant"),          # 274.75 (< RTN 274.82); gptq 275.14 (clip: no-op on MX)
-    "mxfp4": ("clip,gptq", "quant"),          # 279.42 (< RTN 281.51); gptq 279.67
+    "mxfp4": ("rtn", "float"),                # dev: RTN 253.504 < gptq 253.885 < gptq@quant = clip,gptq@quant 254.673
     "kv8": ("rtn", "float"),                  # cache-only schemes: no weights to solve
     "kv8-fp8": ("rtn", "float"),
 }

@@ -155,11 +155,14 @@ def tokenize_windows(
     max_windows: int | None = None,
     *,
     add_special_tokens: bool = True,
+    first_window: int = 0,
 ) -> torch.LongTensor:
     """Tokenize ``text`` once and cut it into non-overlapping ``[n_windows, seq_len]`` windows.
 
     The tail shorter than ``seq_len`` is dropped. ``max_windows`` keeps the first windows
-    only (a deterministic prefix, for quick runs).
+    only (a deterministic prefix, for quick runs). ``first_window`` skips the windows before it:
+    windows ``[first_window, first_window + max_windows)`` of the same cut, so a dev range of
+    windows (recipe choice) and the reported range never share a token.
 
     ``add_special_tokens=True`` (default) is the tokenizer's own default and what GPTQ's
     ``tokenizer("\\n\\n".join(rows))`` does: for DeepSeek / Llama tokenizers one BOS at the
@@ -170,15 +173,22 @@ def tokenize_windows(
         raise DataError(f"seq_len must be >= 2 to predict at least one token, got {seq_len}")
     if max_windows is not None and max_windows < 1:
         raise DataError(f"max_windows must be >= 1 or None, got {max_windows}")
+    if first_window < 0:
+        raise DataError(f"first_window must be >= 0, got {first_window}")
     ids = encode_text(tokenizer, text, add_special_tokens=add_special_tokens)
     n_windows = len(ids) // seq_len
     if n_windows == 0:
         raise DataError(
             f"evaluation text has {len(ids)} tokens, fewer than one window of seq_len={seq_len}"
         )
+    if first_window >= n_windows:
+        raise DataError(f"evaluation text has {n_windows} windows of seq_len={seq_len}; "
+                        f"first window {first_window} is past the end")
+    n_windows -= first_window
     if max_windows is not None:
         n_windows = min(n_windows, max_windows)
-    return torch.tensor(ids[: n_windows * seq_len], dtype=torch.long).view(n_windows, seq_len)
+    start = first_window * seq_len
+    return torch.tensor(ids[start: start + n_windows * seq_len], dtype=torch.long).view(n_windows, seq_len)
 
 
 class NllAccumulator:

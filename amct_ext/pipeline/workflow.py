@@ -111,7 +111,7 @@ def load_eval_windows(adapter: BaseModel, cfg: EvalConfig) -> torch.Tensor:
     check_seq_len(adapter, cfg.seq_len, "eval seq_len")
     # no path: the shipped wikitext-2-raw-v1 test split (offline), not a download
     text = load_eval_text(cfg.data_path if cfg.data_path is not None else EVAL_DEFAULT)
-    return tokenize_windows(text, adapter.tokenizer(), cfg.seq_len, cfg.max_windows)
+    return tokenize_windows(text, adapter.tokenizer(), cfg.seq_len, cfg.max_windows, first_window=cfg.first_window)
 
 
 def load_calib_windows(adapter: BaseModel, cfg: PtqConfig) -> torch.Tensor:
