@@ -104,7 +104,20 @@ def run_headline(h: Headline, out_dir: Path, threads: int = 1, cache: dict | Non
             "recipe": None if h.metric != "quant" else
             ",".join(a["name"] for a in recipe["algorithms"]) + "@" + recipe["propagate"],
             "command": h.command(), "value": rep["ppl"][h.metric], "threads": rep["threads"],
-            "eval": rep["eval"], "wall_s": rep["_wall_s"]}
+            "eval": _repo_relative(rep["eval"]), "wall_s": rep["_wall_s"]}
+
+
+def _repo_relative(ev: dict | None) -> dict | None:
+    """The eval block with its text path relative to the checkout (the file is committed: no
+    path of the machine that wrote it)."""
+    if not ev or "path" not in ev:
+        return ev
+    path = Path(ev["path"])
+    try:
+        path = path.resolve().relative_to(REPO.resolve())
+    except ValueError:
+        pass
+    return {**ev, "path": path.as_posix()}
 
 
 def load_headlines(path: Path = HEADLINES_JSON) -> dict[str, dict]:
