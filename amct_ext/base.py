@@ -188,6 +188,12 @@ class ModelBinding(abc.ABC):
         """checkpoint weight name (relative to the block) -> the quantized leaf that holds it,
         for every leaf whose weight is quantized (what the export encodes)."""
 
+    def plan_spec(self) -> Any:
+        """The model's answers to the job plan (``amct_ext.pipeline.job.ModelPlanSpec``: config,
+        index keys, scheme x shapes, unit file stems); the export asks it which layers a run
+        completed. Models without one cannot check a run's layers."""
+        raise ConfigError(f"model_type {self.model_type!r} has no job-plan spec (ModelBinding.plan_spec)")
+
     def check_export(self, export_cfg: Any, profile: Any, planned_params: Sequence[str] = ()) -> None:
         """Refuse (one line naming module, engine and flag) an export that ``profile``'s engine
         would reject or compute differently; called by ``ExportConfig.check`` before anything

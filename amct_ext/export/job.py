@@ -115,12 +115,11 @@ def export_config(req: ExportRequest, say: Callable[[str], None] = print):
     """The checked ``ExportConfig`` of ``req`` (nothing written)."""
     import torch
 
-    from models.deepseek_v4.plan import DeepseekV4PlanSpec
-
+    from ..base import model_binding
     from ..quant.schemes import load_scheme, parse_targets
     from .exporter import ExportConfig, resolve_run
 
-    spec = DeepseekV4PlanSpec()
+    spec = model_binding(Path(req.model_path)).plan_spec()   # the model's plan answers (config, unit stems)
     config = spec.read_config(Path(req.model_path))
     dtype_name = req.dtype or "bf16"
     layers = None

@@ -292,8 +292,9 @@ def check_request(req: JobRequest) -> _Inputs:
     eval_batch = _positive_int("--eval-batch-size", req.eval_batch_size)
     if req.eval_windows is not None:
         _positive_int("--eval-windows", req.eval_windows)
-    if req.epochs is not None:
-        _positive_int("--epochs", req.epochs)
+    # --epochs 0 is meaningful (learned_clip keeps its grid start: PtqConfig allows it)
+    if req.epochs is not None and (not isinstance(req.epochs, int) or isinstance(req.epochs, bool) or req.epochs < 0):
+        raise ConfigError(f"--epochs {req.epochs}: must be an integer >= 0")
     if req.lr is not None and not (math.isfinite(req.lr) and req.lr > 0):
         raise ConfigError(f"--lr {req.lr:g}: must be a positive number")
     cap = _memory_gb("--capture-memory-gb", req.capture_memory_gb)

@@ -68,6 +68,11 @@ class V4Binding(ModelBinding):
                 leaves[f"{name.rpartition('.')[0]}.wo_a.weight"] = mod
         return leaves
 
+    def plan_spec(self):
+        from .plan import DeepseekV4PlanSpec
+
+        return DeepseekV4PlanSpec()
+
     def check_export(self, export_cfg, profile, planned_params: Sequence[str] = ()) -> None:
         from .serving import check_export
 
