@@ -35,17 +35,23 @@ if [ -n "${BEFORE:-}" ]; then
   run "$BEFORE" before_seqfalse 150 --algo gptq:sequential=false -- --scheme w8a8
   python3 - <<'PY'
 import pathlib, torch
-from safetensors.torch import load_file
 a, b = pathlib.Path("/tmp/w_after_seqfalse/ptq_out"), pathlib.Path("/tmp/w_before_seqfalse/ptq_out")
+def flat(x, pre=""):
+    if isinstance(x, torch.Tensor):
+        yield pre, x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from flat(v, f"{pre}.{k}")
 n = same = 0
-for f in sorted(a.rglob("*.safetensors")):
+for f in sorted(a.rglob("*.pt")):          # the layer's parameters (params/layer_*.pt)
     g = b / f.relative_to(a)
     if not g.exists():
         print("missing before:", f.relative_to(a)); continue
-    ta, tb = load_file(str(f)), load_file(str(g))
-    for k in ta:
+    ta = dict(flat(torch.load(f, map_location="cpu", weights_only=True)))
+    tb = dict(flat(torch.load(g, map_location="cpu", weights_only=True)))
+    for k, v in ta.items():
         n += 1
-        same += bool(k in tb and ta[k].shape == tb[k].shape and torch.equal(ta[k], tb[k]))
+        same += bool(k in tb and v.shape == tb[k].shape and torch.equal(v, tb[k]))
 print(f"compare sequential=false after vs before: {same} of {n} tensors bit-identical")
 PY
 fi
