@@ -48,6 +48,7 @@ them without routing weights (a token has none for an expert that did not pick i
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
@@ -56,6 +57,7 @@ import torch
 from torch import nn
 
 from ..quant import formats
+from ..runtime.device import GraphedCall
 from ..pipeline.capture import UnitCall
 from ..quant.quant_linear import QuantLinear
 from ..pipeline.replay import replay_calls as _replay
@@ -102,17 +104,78 @@ def _group_qparams(wg: torch.Tensor, spec, clip_g: torch.Tensor | None):
     return formats.int_qparams_from_range(xmin, xmax, spec.bits, False)
 
 
+def _sweep_block(W1: torch.Tensor, U1: torch.Tensor, S1: torch.Tensor | None, Z1: torch.Tensor | None,
+                 clip1: torch.Tensor | None, *, spec, gs: int | None):
+    """GPTQ's column sweep of one lazy block: ``W1`` [B, R, n] (not modified), ``U1`` [B, n, n]
+    (the block's part of the upper Cholesky factor of H^-1), the grid ``S1`` / ``Z1`` [B, R, n]
+    (static) or None (``gs``: integer groups whose qparams are taken when the sweep reaches them,
+    the block starting on a group boundary; ``clip1`` [B, R, groups of the block] or None).
+    Returns ``(Q1, E1, S1, Z1)``: grid values, the scaled errors (contiguous, for the trailing
+    update), and the qparams used.
+
+    Each column costs only the launches that decide the result, written into preallocated
+    buffers, and nothing reads the host: the sweep is launch bound (RESULTS §0.9) and is replayed
+    from a CUDA graph (runtime.device.GraphedCall). Every element sees exactly the float ops of
+    the straightforward loop (tests/test_gptq_solver_exact.py: a frozen copy of it)."""
+    B, R, n = W1.shape
+    W1 = W1.clone()
+    dynamic = gs is not None
+    if dynamic:
+        S1 = torch.empty_like(W1)
+        Z1 = None if spec.symmetric else torch.empty_like(W1)
+    is_int = spec.format == "int"
+    if is_int:
+        qmin, qmax = formats._int_range(spec.bits, spec.symmetric)
+    Q1 = torch.empty_like(W1)
+    E1 = torch.empty_like(W1)
+    tmp = torch.empty_like(W1)
+    col = torch.empty(B, R, dtype=W1.dtype, device=W1.device)
+    D1 = U1.diagonal(dim1=-2, dim2=-1)[:, None, :]               # [B, 1, n]
+    for i in range(n):
+        if dynamic and i % gs == 0:
+            g = i // gs
+            s, z = _group_qparams(W1[:, :, i:i + gs], spec, None if clip1 is None else clip1[:, :, g:g + 1])
+            S1[:, :, i:i + gs] = s
+            if Z1 is not None:
+                Z1[:, :, i:i + gs] = z
+        w = W1[:, :, i]
+        s = S1[:, :, i]
+        q = Q1[:, :, i]
+        if is_int:                                   # formats._int_codes / _int_decode, op by op
+            torch.div(w, s, out=col)
+            torch.round(col, out=col)
+            if Z1 is not None:
+                z = Z1[:, :, i]
+                col.add_(z)
+                col.clamp_(qmin, qmax)
+                col.sub_(z)
+            else:
+                col.clamp_(qmin, qmax)
+            torch.mul(col, s, out=q)
+        else:
+            torch.mul(formats._codes_with_qparams(w, s, None, spec), s, out=q)
+        e = E1[:, :, i]
+        torch.sub(w, q, out=e)
+        e.div_(D1[:, :, i])
+        if i + 1 < n:
+            t = tmp[:, :, :n - i - 1]
+            torch.mul(e[:, :, None], U1[:, None, i, i + 1:], out=t)
+            W1[:, :, i + 1:].sub_(t)
+    return Q1, E1, S1, Z1
+
+
 @torch.no_grad()
 def gptq_solve(W: torch.Tensor, H: torch.Tensor, spec, *, S: torch.Tensor | None = None,
                Z: torch.Tensor | None = None, clip: torch.Tensor | None = None, block_size: int = 128,
-               percdamp: float = 0.01, act_order: bool = False):
+               percdamp: float = 0.01, act_order: bool = False, graphs: dict | None = None):
     """Batched GPTQ. ``W`` [B, R, C] and ``H`` [B, C, C] float32 on one device.
 
     Grid: either static expanded qparams ``S`` (and ``Z`` for asymmetric int), one value per
     element [B, R, C], or (``S`` None: integer 'group' specs) scales computed per group during
     the loop, with ``clip`` [B, R, C // g] (or None). Returns ``(Q, S, Z, loss)``: the grid
     values [B, R, C] (float32), the expanded qparams actually used, and the per-matrix GPTQ
-    objective ``sum((w - q)^2 / d^2) / 2`` [B]."""
+    objective ``sum((w - q)^2 / d^2) / 2`` [B]. ``graphs``: a dict the caller keeps across
+    calls of one bucket, so the column sweep's CUDA graph is captured once (not once a call)."""
     B, R, C = W.shape
     W = W.clone()
     H = H.clone()
@@ -138,32 +201,28 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, spec, *, S: torch.Tensor | None
             Z = Z.gather(2, perm[:, None, :].expand(B, R, C))
         H = H.gather(1, perm[:, :, None].expand(B, C, C)).gather(2, perm[:, None, :].expand(B, C, C))
     U = _cholesky_inverse_upper(H, percdamp)
+    del H, diag, dead          # the damped copy is no longer needed: free it before the sweep
     Q = torch.empty_like(W)
     loss = torch.zeros(B, dtype=torch.float64, device=W.device)
+    key = (spec, dynamic, gs)
+    if graphs is None:
+        graphs = {}
+    if key not in graphs:
+        graphs[key] = GraphedCall(functools.partial(_sweep_block, spec=spec, gs=gs), W.device)
+    sweep = graphs[key]
     for i1 in range(0, C, block_size):
         i2 = min(i1 + block_size, C)
-        W1 = W[:, :, i1:i2].clone()
-        Err1 = torch.empty_like(W1)
-        U1 = U[:, i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            c = i1 + i
-            if dynamic and c % gs == 0:
-                g = c // gs
-                clip_g = None if clip is None else clip[:, :, g:g + 1]
-                s, z = _group_qparams(W1[:, :, i:i + gs], spec, clip_g)
-                S[:, :, c:c + gs] = s
-                if Z is not None:
-                    Z[:, :, c:c + gs] = z
-            w = W1[:, :, i]
-            d = U1[:, i, i]
-            q = _quant_column(w, S[:, :, c], None if Z is None else Z[:, :, c], spec)
-            Q[:, :, c] = q
-            err = (w - q) / d[:, None]
-            loss += (err.double().square().sum(-1)) / 2
-            W1[:, :, i:] -= err[:, :, None] * U1[:, None, i, i:]
-            Err1[:, :, i] = err
+        clip1 = None if (clip is None or not dynamic) else clip[:, :, i1 // gs:math.ceil(i2 / gs)]
+        Q1, E1, S1, Z1 = sweep(W[:, :, i1:i2], U[:, i1:i2, i1:i2], None if dynamic else S[:, :, i1:i2],
+                               None if (dynamic or Z is None) else Z[:, :, i1:i2], clip1)
+        Q[:, :, i1:i2] = Q1
+        if dynamic:
+            S[:, :, i1:i2] = S1
+            if Z is not None:
+                Z[:, :, i1:i2] = Z1
+        loss += E1.double().square().sum(dim=(1, 2)) / 2
         if i2 < C:
-            W[:, :, i2:] -= torch.bmm(Err1, U[:, i1:i2, i2:])
+            W[:, :, i2:] -= torch.bmm(E1, U[:, i1:i2, i2:])
     if perm is not None:
         inv = torch.argsort(perm, dim=-1)
         idx = inv[:, None, :].expand(B, R, C)
@@ -361,6 +420,7 @@ class GPTQ(Algorithm):
         spec = items[0][1].spec
         dynamic = spec.format == "int" and spec.granularity == "group" and not self.act_order
         per_chunk = max(1, self.expert_chunk // items[0][1].B)
+        graphs: dict = {}   # the column sweep's CUDA graph, captured once per bucket
         for c0 in range(0, len(items), per_chunk):
             chunk = items[c0:c0 + per_chunk]
             ts = [t for _, t in chunk]
@@ -383,7 +443,7 @@ class GPTQ(Algorithm):
                 S = torch.cat(Ss)
                 Z = torch.cat(Zs) if Zs else None
             Q, S, Z, loss = gptq_solve(W, H, spec, S=S, Z=Z, clip=clip, block_size=self.block_size,
-                                       percdamp=self.percdamp, act_order=self.act_order)
+                                       percdamp=self.percdamp, act_order=self.act_order, graphs=graphs)
             b0 = 0
             for (ui, t) in chunk:
                 sl = slice(b0, b0 + t.B)
@@ -455,6 +515,7 @@ class GPTQ(Algorithm):
         B = _groups_of(first) or 1
         dynamic = spec.format == "int" and spec.granularity == "group" and not self.act_order
         per_chunk = max(1, self.expert_chunk // B)
+        graphs: dict = {}   # the column sweep's CUDA graph, captured once per bucket
         for c0 in range(0, len(items), per_chunk):
             chunk = items[c0:c0 + per_chunk]
             Ws, Hs, Rs, Ss, Zs, clips = [], [], [], [], [], []
@@ -492,7 +553,7 @@ class GPTQ(Algorithm):
                 if Zs:
                     Z = torch.cat([torch.cat(Zs[j * n_leaves:(j + 1) * n_leaves], 1) for j in range(len(chunk))])
             Q, S, Z, loss = gptq_solve(W, H, spec, S=S, Z=Z, clip=clip, block_size=self.block_size,
-                                       percdamp=self.percdamp, act_order=self.act_order)
+                                       percdamp=self.percdamp, act_order=self.act_order, graphs=graphs)
             # exact output errors per row on the calibration rows: tr(dW H dW^T) with H = sum x^T x
             # (H above is 2/n of it: undo the factor per matrix)
             scale = torch.cat([torch.full((B,), ls.n / 2.0, device=dev) for _, _, ls in chunk])

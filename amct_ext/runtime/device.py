@@ -433,3 +433,70 @@ class GraphedForward:
             return False
         self.graphs[key] = (graph, static_x, static_kw, static_out, checks)
         return True
+
+
+class GraphedCall:
+    """``fn(*tensors)`` -> tuple of tensors, replayed from a captured CUDA graph per input
+    signature (shapes / dtypes / devices; ``None`` allowed in place of a tensor).
+
+    For a loop of many small, host-sync-free launches called again and again with inputs of one
+    shape (GPTQ's column sweep of a lazy block: ~10 kernels a column, 128 columns, a few thousand
+    blocks per layer), where issuing the kernels costs far more than running them. As in
+    :class:`GraphedForward`: a signature is captured the second time it is seen (the first call
+    runs eagerly), a replay runs the same kernels as the eager call (bit-identical), and anything
+    that is not CUDA, AMCT_GRAPHS=0 / AMCT_FAST_PATHS=0, autograd, or a capture failure runs
+    ``fn`` eagerly. ``fn`` must not modify its inputs and must not read the host.
+
+    The returned tensors of a replay are the graph's own outputs: valid until the next call (copy
+    what you keep)."""
+
+    def __init__(self, fn: Callable[..., tuple], device: str | torch.device):
+        dev = _as_device(device)
+        self.fn = fn
+        self.device = dev
+        self.enabled = dev.type == "cuda" and _fast_paths_allowed() and os.environ.get(GRAPHS_ENV, "1") != "0"
+        self.seen: set = set()
+        self.graphs: dict = {}
+        self.capture_error: str | None = None
+        self.replays = 0
+
+    @staticmethod
+    def _signature(args: tuple) -> tuple:
+        return tuple(None if a is None else (tuple(a.shape), a.dtype, a.device) for a in args)
+
+    def __call__(self, *args: torch.Tensor | None) -> tuple:
+        if not self.enabled or torch.is_grad_enabled():
+            return self.fn(*args)
+        key = self._signature(args)
+        if key not in self.graphs:
+            if key not in self.seen:
+                self.seen.add(key)
+                return self.fn(*args)
+            if not self._capture(key, args):
+                return self.fn(*args)
+        graph, static_in, static_out = self.graphs[key]
+        for s, a in zip(static_in, args):
+            if s is not None:
+                s.copy_(a)
+        graph.replay()
+        self.replays += 1
+        return static_out
+
+    def _capture(self, key: tuple, args: tuple) -> bool:
+        static_in = tuple(None if a is None else a.clone() for a in args)
+        try:
+            with device_guard(self.device):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self.fn(*static_in)                       # warm-up off the default stream
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_out = self.fn(*static_in)
+        except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly from now on
+            self.enabled = False
+            self.capture_error = f"{type(e).__name__}: {str(e)[:300]}"
+            return False
+        self.graphs[key] = (graph, static_in, tuple(static_out))
+        return True
