@@ -52,7 +52,7 @@ from .base import Algorithm, SolveContext, UnitData
 from .gptq import leaf_targets as _targets
 from .learned_clip import solve_unit
 from .recipe import RecipeError, register
-from .stacked import StackedCalls, ste_clamp
+from .stacked import StackedCalls, common_group_blocker, ste_clamp
 from .runner import restore_unit, snapshot_unit
 
 # torch.optim.Adam's defaults, which solve_unit's learned clipping uses
@@ -244,15 +244,10 @@ class Clip(Algorithm):
     # ------------------------------------------------------------------ routed experts, batched
     def _group_blocker(self, units, datas) -> str | None:
         """Why the experts cannot be clipped batched (None: they can)."""
-        if self.expert_chunk < 2 or len(units) < 2:
-            return "one expert per solve"
-        m0 = units[0].module
-        blocker = getattr(type(m0), "grouped_forward_blocker", None)
-        if blocker is None:
-            return f"{type(m0).__name__} has no grouped_forward"
-        why = blocker([u.module for u in units])
+        why = common_group_blocker(self.expert_chunk, units)
         if why:
             return why
+        m0 = units[0].module
         for name in type(m0).GROUPED_PROJECTIONS:
             lins = [getattr(u.module, name) for u in units]
             ref = lins[0]

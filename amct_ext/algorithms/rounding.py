@@ -51,7 +51,7 @@ from ..quant.quantizers import CLIP_MIN
 from ..pipeline.replay import call_sq_err as _sq_err, unit_mse, unit_seed
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
-from .stacked import StackedCalls as _StackedCalls, ste_clamp as _ste_clamp
+from .stacked import StackedCalls as _StackedCalls, common_group_blocker, ste_clamp as _ste_clamp
 
 
 def _weight_leaves(module: nn.Module):
@@ -216,15 +216,10 @@ class AutoRound(Algorithm):
     # ------------------------------------------------------------------ routed experts, batched
     def _group_blocker(self, units, datas) -> str | None:
         """Why the experts cannot be solved batched (None: they can)."""
-        if self.expert_chunk < 2 or len(units) < 2:
-            return "one expert per solve"
-        m0 = units[0].module
-        blocker = getattr(type(m0), "grouped_forward_blocker", None)
-        if blocker is None:
-            return f"{type(m0).__name__} has no grouped_forward"
-        why = blocker([u.module for u in units])
+        why = common_group_blocker(self.expert_chunk, units)
         if why:
             return why
+        m0 = units[0].module
         for name in type(m0).GROUPED_PROJECTIONS:
             lins = [getattr(u.module, name) for u in units]
             spec = lins[0].weight_quantizer.spec

@@ -54,7 +54,7 @@ from ..pipeline.replay import unit_mse
 from ..quant import formats
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
-from .stacked import StackedCalls
+from .stacked import StackedCalls, common_group_blocker
 
 #: floor of channel statistics (a dead channel must not give s = 0 or inf)
 STAT_EPS = 1e-5
@@ -420,15 +420,10 @@ class AWQ(Algorithm):
     # ------------------------------------------------------------------ routed experts, batched
     def _group_blocker(self, units, datas) -> str | None:
         """Why the experts cannot be smoothed batched (None: they can)."""
-        if self.expert_chunk < 2 or len(units) < 2:
-            return "one expert per solve"
-        m0 = units[0].module
-        blocker = getattr(type(m0), "grouped_forward_blocker", None)
-        if blocker is None:
-            return f"{type(m0).__name__} has no grouped_forward"
-        why = blocker([u.module for u in units])
+        why = common_group_blocker(self.expert_chunk, units)
         if why:
             return why
+        m0 = units[0].module
         for u in units:
             pairs = _pairs(u.module, self.pairs)
             if [(p.name, p.producer, p.readers) for p in pairs] != [("w3", "w3", ["w2"])]:

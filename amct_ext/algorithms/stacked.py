@@ -8,6 +8,20 @@ import torch
 from ..pipeline.replay import output_tensor as _output_tensor
 
 
+def common_group_blocker(expert_chunk: int, units) -> str | None:
+    """Why a layer's routed experts cannot be solved as one stacked problem, for the reasons every
+    batched algorithm (clip, AWQ, AutoRound) shares: one expert per solve, a unit class without
+    ``grouped_forward``, or what that class's own ``grouped_forward_blocker`` says (None: no
+    shared reason; the algorithm then checks its own)."""
+    if expert_chunk < 2 or len(units) < 2:
+        return "one expert per solve"
+    m0 = units[0].module
+    blocker = getattr(type(m0), "grouped_forward_blocker", None)
+    if blocker is None:
+        return f"{type(m0).__name__} has no grouped_forward"
+    return blocker([u.module for u in units]) or None
+
+
 def ste_clamp(p: torch.Tensor, lo, hi) -> torch.Tensor:
     """``p`` clamped to [lo, hi] in the forward, identity gradient (the quantizers' effective_*)."""
     clamped = torch.clamp(p, lo, hi)
