@@ -52,7 +52,7 @@ from .base import Algorithm, SolveContext, UnitData
 from .gptq import leaf_targets as _targets
 from .learned_clip import solve_unit
 from .recipe import RecipeError, register
-from .stacked import StackedCalls, common_group_blocker, ste_clamp
+from .stacked import StackedCalls, common_group_blocker, expert_call_blocker, solve_ready_in_chunks, ste_clamp
 from .runner import restore_unit, snapshot_unit
 
 # torch.optim.Adam's defaults, which solve_unit's learned clipping uses
@@ -266,26 +266,16 @@ class Clip(Algorithm):
         if self.activation and any(isinstance(m, ActivationQuantizer) and m.is_static
                                    for u in units for m in u.module.modules()):
             return "static activation quantizers are clipped one unit at a time"
-        for d in datas:
-            for c in d.calls:
-                if c.kwargs.keys() - {"weights"} or len(c.args) > 2 or not isinstance(c.args[0], torch.Tensor):
-                    return "an expert call is not (x, routing weights)"
-        return None
+        return expert_call_blocker(datas)
 
     def apply_group(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
         why = self._group_blocker(units, datas)
         ready = [i for i, d in enumerate(datas) if ctx.split(d.calls)[0]]
         if why is not None or len(ready) < 2:
             return [self.apply(u, d, ctx) for u, d in zip(units, datas)]
-        out: list[dict[str, Any] | None] = [None] * len(units)
-        for i, (u, d) in enumerate(zip(units, datas)):
-            if i not in ready:
-                out[i] = self.apply(u, d, ctx)          # the per-expert "no calibration calls"
-        for c0 in range(0, len(ready), self.expert_chunk):
-            idx = ready[c0:c0 + self.expert_chunk]
-            for i, r in zip(idx, self._clip_chunk([units[i] for i in idx], [datas[i] for i in idx], ctx)):
-                out[i] = r
-        return out
+        # the rest one by one (the per-expert "no calibration calls"), the ready experts in stacked chunks
+        return solve_ready_in_chunks(units, datas, ready, self.expert_chunk, lambda u, d: self.apply(u, d, ctx),
+                                     lambda us, ds: self._clip_chunk(us, ds, ctx))
 
     def _clip_chunk(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
         """Steps 1-4 of the module doc on ``len(units)`` experts at once, every choice per expert."""

@@ -51,7 +51,7 @@ from ..quant.quantizers import CLIP_MIN
 from ..pipeline.replay import call_sq_err as _sq_err, unit_mse, unit_seed
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
-from .stacked import StackedCalls as _StackedCalls, common_group_blocker, ste_clamp as _ste_clamp
+from .stacked import StackedCalls as _StackedCalls, common_group_blocker, expert_call_blocker, solve_ready_in_chunks, ste_clamp as _ste_clamp
 
 
 def _weight_leaves(module: nn.Module):
@@ -235,26 +235,16 @@ class AutoRound(Algorithm):
                     return f"{name}'s weight shapes differ between experts"
             if spec.granularity == "tensor":
                 return "a per-tensor weight scale is not per expert once stacked"
-        for d in datas:
-            for c in d.calls:
-                if c.kwargs.keys() - {"weights"} or len(c.args) > 2 or not isinstance(c.args[0], torch.Tensor):
-                    return "an expert call is not (x, routing weights)"
-        return None
+        return expert_call_blocker(datas)
 
     def apply_group(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
         why = self._group_blocker(units, datas)
         ready = [i for i, (u, d) in enumerate(zip(units, datas)) if len(d) and _weight_leaves(u.module)]
         if why is not None or len(ready) < 2:
             return [self.apply(u, d, ctx) for u, d in zip(units, datas)]
-        out: list[dict[str, Any] | None] = [None] * len(units)
-        for i, (u, d) in enumerate(zip(units, datas)):
-            if i not in ready:
-                out[i] = self.apply(u, d, ctx)          # the per-expert skip message
-        for c0 in range(0, len(ready), self.expert_chunk):
-            idx = ready[c0:c0 + self.expert_chunk]
-            for i, r in zip(idx, self._solve_chunk([units[i] for i in idx], [datas[i] for i in idx], ctx)):
-                out[i] = r
-        return out
+        # the rest one by one (the per-expert skip message), the ready experts in stacked chunks
+        return solve_ready_in_chunks(units, datas, ready, self.expert_chunk, lambda u, d: self.apply(u, d, ctx),
+                                     lambda us, ds: self._solve_chunk(us, ds, ctx))
 
     def _solve_chunk(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
         """AutoRound on ``len(units)`` experts at once (see the module doc)."""

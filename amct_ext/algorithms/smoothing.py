@@ -54,7 +54,7 @@ from ..pipeline.replay import unit_mse
 from ..quant import formats
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
-from .stacked import StackedCalls, common_group_blocker
+from .stacked import StackedCalls, common_group_blocker, expert_call_blocker, solve_ready_in_chunks
 
 #: floor of channel statistics (a dead channel must not give s = 0 or inf)
 STAT_EPS = 1e-5
@@ -447,26 +447,16 @@ class AWQ(Algorithm):
                     return f"{name}'s weight shapes or dtypes differ between experts"
             if ref.weight_quantizer.spec is not None and ref.weight_quantizer.spec.granularity == "tensor":
                 return "a per-tensor weight scale is not per expert once stacked"
-        for d in datas:
-            for c in d.calls:
-                if c.kwargs.keys() - {"weights"} or len(c.args) > 2 or not isinstance(c.args[0], torch.Tensor):
-                    return "an expert call is not (x, routing weights)"
-        return None
+        return expert_call_blocker(datas)
 
     def apply_group(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
         why = self._group_blocker(units, datas)
         ready = [i for i, d in enumerate(datas) if len(d)]
         if why is not None or len(ready) < 2:
             return [self.apply(u, d, ctx) for u, d in zip(units, datas)]
-        out: list[dict[str, Any] | None] = [None] * len(units)
-        for i, (u, d) in enumerate(zip(units, datas)):
-            if i not in ready:
-                out[i] = self.apply(u, d, ctx)          # the per-expert "no calls"
-        for c0 in range(0, len(ready), self.expert_chunk):
-            idx = ready[c0:c0 + self.expert_chunk]
-            for i, r in zip(idx, self._awq_chunk([units[i] for i in idx], [datas[i] for i in idx], ctx)):
-                out[i] = r
-        return out
+        # the rest one by one (the per-expert "no calls"), the ready experts in stacked chunks
+        return solve_ready_in_chunks(units, datas, ready, self.expert_chunk, lambda u, d: self.apply(u, d, ctx),
+                                     lambda us, ds: self._awq_chunk(us, ds, ctx))
 
     @torch.no_grad()
     def _awq_chunk(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:

@@ -22,6 +22,31 @@ def common_group_blocker(expert_chunk: int, units) -> str | None:
     return blocker([u.module for u in units]) or None
 
 
+def expert_call_blocker(datas) -> str | None:
+    """A reason the stacked forward cannot replay the captured calls: every expert call must be
+    ``(x, routing weights)`` (None: all are)."""
+    for d in datas:
+        for c in d.calls:
+            if c.kwargs.keys() - {"weights"} or len(c.args) > 2 or not isinstance(c.args[0], torch.Tensor):
+                return "an expert call is not (x, routing weights)"
+    return None
+
+
+def solve_ready_in_chunks(units, datas, ready: list[int], expert_chunk: int, solve_one, solve_chunk) -> list:
+    """The experts not in ``ready`` one by one (``solve_one(unit, data)``: their own per-expert
+    message), the ready ones ``expert_chunk`` at a time (``solve_chunk(units, datas)``); the
+    results in the units' order."""
+    out: list = [None] * len(units)
+    for i, (u, d) in enumerate(zip(units, datas)):
+        if i not in ready:
+            out[i] = solve_one(u, d)
+    for c0 in range(0, len(ready), expert_chunk):
+        idx = ready[c0:c0 + expert_chunk]
+        for i, r in zip(idx, solve_chunk([units[i] for i in idx], [datas[i] for i in idx])):
+            out[i] = r
+    return out
+
+
 def ste_clamp(p: torch.Tensor, lo, hi) -> torch.Tensor:
     """``p`` clamped to [lo, hi] in the forward, identity gradient (the quantizers' effective_*)."""
     clamped = torch.clamp(p, lo, hi)
