@@ -274,3 +274,45 @@ def test_library_spec_takes_the_default_recipe_by_content_too(tmp_path):
     algo, propagate = DEFAULT_RECIPES["w3a16-g128"]
     assert spec.recipe.settings() == parse_algo(algo, "default recipe").settings()
     assert spec.propagate == propagate
+
+
+def test_named_recipes_best_and_default(tiny_ckpt, tmp_path, monkeypatch):
+    """--recipe best takes the scheme's BEST_RECIPES entry (by content) with its propagation, and
+    the default where the scheme has none; --recipe default is the default; a file named 'best'
+    is read only as ./best; --algo with a name is refused."""
+    from amct_ext.algorithms import recipe as rmod
+    from amct_ext.data import CALIB_DEFAULT, EVAL_DEFAULT
+    from amct_ext.errors import ConfigError
+    from amct_ext.pipeline.job import JobRequest, build_job
+    from amct_ext.pipeline.ptq_spec import resolve_spec
+    from amct_ext.base import PtqConfig
+    from amct_ext.quant.schemes import load_scheme
+    from models.deepseek_v4.plan import DeepseekV4PlanSpec
+
+    monkeypatch.setitem(rmod.BEST_RECIPES, "w4a16", ("clip,gptq", "quant"))
+
+    def plan(scheme, **kw):
+        return build_job(JobRequest(model_path=tiny_ckpt, output_dir=str(tmp_path / "o"), scheme=scheme,
+                                    calib_path=CALIB_DEFAULT, calib_samples=2, seq_len=32, batch_size=1,
+                                    eval_path=EVAL_DEFAULT, eval_batch_size=1, **kw), DeepseekV4PlanSpec()).recipe
+
+    best = plan("w4a16", recipe="best")
+    assert (best.recipe.names, best.propagate) == (["clip", "gptq"], "quant") and best.source.startswith("best")
+    d_algo, d_prop = rmod.DEFAULT_RECIPES["w4a16"]
+    default = plan("w4a16", recipe="default")
+    assert (default.recipe.settings(), default.propagate) == (rmod.parse_algo(d_algo).settings(), d_prop)
+    assert plan("w4a16").recipe.settings() == default.recipe.settings()
+    # no best entry: best is the default
+    assert plan("w8a8", recipe="best").recipe.settings() == rmod.parse_algo(rmod.DEFAULT_RECIPES["w8a8"][0]).settings()
+    # the library spec takes the same names
+    spec = resolve_spec(load_scheme("w4a16"), "attn-linear,moe", PtqConfig(), recipe_file="best")
+    assert spec.recipe.names == ["clip", "gptq"] and spec.propagate == "quant"
+    # a file that happens to be called best: ./best
+    f = tmp_path / "best"
+    f.write_text(json.dumps(["rtn"]))
+    monkeypatch.chdir(tmp_path)
+    assert plan("w4a16", recipe="./best").recipe.names == ["rtn"]
+    with pytest.raises(ConfigError, match="not both"):
+        plan("w4a16", recipe="best", algo="rtn")
+    with pytest.raises(ConfigError, match="not a named recipe"):
+        rmod.named_recipe("w8a8", "fastest")

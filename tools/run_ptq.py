@@ -39,7 +39,10 @@ Recipes
   --algo a,b,c runs the algorithms in order on every unit (rtn, clip, gptq, and whatever else is
   registered; options as gptq:act_order=true:percdamp=0.05); --recipe FILE the same as JSON /
   YAML. Without either, the scheme's default recipe and propagation (algorithms/recipe.py,
-  measured on the quality table) apply. --legacy-solver is the old learned-clip-only solver.
+  measured on the quality table) apply: it is chosen to run a V4-Flash layer within a minute on
+  one H200. --recipe best takes the scheme's best-quality recipe instead, which may replay every
+  captured call and take several minutes a layer (benchmarks/RESULTS.md §0).
+  --legacy-solver is the old learned-clip-only solver.
 
 Outputs (OUTPUT = --output-dir)
   OUTPUT/ptq_params/meta.json          the run's fingerprint: scheme, targets, solver settings,
@@ -148,8 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
                          + "), options after ':' e.g. gptq:act_order=true, awq:pairs=attn_norm+q_norm "
                          "(default: the default recipe of the scheme's content, algorithms/recipe.py)")
     sr.add_argument("--recipe", default=None,
-                    help="recipe file (JSON; YAML with PyYAML) instead of --algo; a JSON file may also hold "
-                         "propagate, holdout, guard and targets (the whole job spec)")
+                    help="'default' (the scheme's default recipe: within the real-size time target), "
+                         "'best' (the scheme's best-quality recipe, may be much slower at real size), or a "
+                         "recipe file (JSON; YAML with PyYAML; a file named like those: ./best) instead of "
+                         "--algo; a JSON file may also hold propagate, holdout, guard and targets (the whole job spec)")
     sr.add_argument("--propagate", choices=("float", "quant"), default=None,
                     help="calibrate later layers on float predecessors or on the quantized ones "
                          "(default: the scheme's default recipe's choice)")

@@ -125,7 +125,7 @@ class RecipePart:
     propagate: str
     holdout: float
     guard: bool
-    source: str                       # "--algo", a file, or "default for <scheme>"
+    source: str                       # "--algo", a file, or "default|best for <scheme>"
 
 
 @dataclass
@@ -275,7 +275,7 @@ class _Inputs:
 def check_request(req: JobRequest) -> _Inputs:
     """Every check that needs neither the model nor the data: flags, output folder, scheme,
     recipe (and the job spec of a recipe file), targets. Cheap: run it before anything else."""
-    from ..algorithms.recipe import RecipeError, default_recipe, parse_algo, recipe_from_data
+    from ..algorithms.recipe import NAMED_RECIPES, RecipeError, named_recipe, parse_algo, recipe_from_data
     from ..quant.schemes import load_scheme, parse_targets
 
     out = Path(req.output_dir)
@@ -315,20 +315,22 @@ def check_request(req: JobRequest) -> _Inputs:
     if req.algo and req.recipe:
         raise RecipeError("pass either --algo or --recipe, not both")
     job_spec: dict[str, Any] = {}
-    d_algo, d_prop = default_recipe(scheme)
+    # --recipe default|best names one of the scheme's own recipes (a file so named: ./best)
+    name = req.recipe if req.recipe in NAMED_RECIPES else ("default" if not (req.algo or req.recipe) else None)
+    d_algo, d_prop = named_recipe(scheme, name or "default")
     recipe, source = None, "legacy"
-    if req.recipe:
+    if name is None and req.recipe:
         recipe, job_spec = load_job_spec(req.recipe)
         source = str(req.recipe)
     elif req.algo:
         recipe, source = parse_algo(req.algo), "--algo"
     elif not req.legacy_solver:
-        recipe = parse_algo(d_algo, "default recipe") if isinstance(d_algo, str) else \
-            recipe_from_data(list(d_algo), "default recipe")
-        source = f"default for {scheme.name}'s content"
+        recipe = parse_algo(d_algo, f"{name} recipe") if isinstance(d_algo, str) else \
+            recipe_from_data(list(d_algo), f"{name} recipe")
+        source = f"{name} for {scheme.name}'s content"
     where = source
     propagate = _merge("--propagate", req.propagate, "propagate", job_spec, where,
-                       d_prop if recipe is not None and not (req.algo or req.recipe) else "float")
+                       d_prop if recipe is not None and name is not None else "float")
     if propagate not in PROPAGATE:
         raise ConfigError(f"propagate={propagate!r} ({where}): must be one of {', '.join(PROPAGATE)}")
     holdout = _merge("--holdout", req.holdout, "holdout", job_spec, where, 0.25)

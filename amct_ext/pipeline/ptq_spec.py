@@ -76,10 +76,17 @@ class PtqSpec:
 def resolve_spec(scheme: QuantScheme, targets: Sequence[str] | str, calibration: PtqConfig, *,
                  algo: str | None = None, recipe_file: str | None = None, propagate: str | None = None,
                  holdout: float = 0.25, guard: bool = True) -> PtqSpec:
-    """The spec of a command line: ``--algo`` or ``--recipe FILE`` (not both; neither = the
-    scheme's default recipe), ``--propagate``, ``--holdout``, ``--no-guard``; checked."""
-    from ..algorithms.recipe import resolve_recipe
+    """The spec of a command line: ``--algo`` or ``--recipe FILE|default|best`` (not both;
+    neither = the scheme's default recipe), ``--propagate``, ``--holdout``, ``--no-guard``; checked."""
+    from ..algorithms.recipe import NAMED_RECIPES, RecipeError, named_recipe, parse_algo, resolve_recipe
 
-    recipe = resolve_recipe(algo, recipe_file) if (algo or recipe_file) else None
+    if recipe_file in NAMED_RECIPES:   # --recipe default|best: one of the scheme's own recipes
+        if algo:
+            raise RecipeError("pass either --algo or --recipe, not both")
+        named, named_propagate = named_recipe(scheme, recipe_file)
+        recipe = parse_algo(named, f"{recipe_file} recipe")
+        propagate = named_propagate if propagate is None else propagate
+    else:
+        recipe = resolve_recipe(algo, recipe_file) if (algo or recipe_file) else None
     return PtqSpec(scheme, parse_targets(targets) if isinstance(targets, str) else targets, calibration,
                    recipe=recipe, propagate=propagate, holdout=holdout, guard=guard).resolved()
