@@ -54,15 +54,20 @@ def test_spill_round_trip_in_chunks(tmp_path):
 
 def test_capture_store_keeps_a_budget_then_spills(tmp_path):
     per = call_nbytes(_call(0))
-    store = CaptureStore(memory_bytes=3 * per, scratch_dir=tmp_path / "scratch")
+    # a write buffer of two calls shared by both sinks
+    store = CaptureStore(memory_bytes=3 * per, scratch_dir=tmp_path / "scratch", chunk_bytes=2 * per)
     a, b = store.sink("a"), store.sink("b")
     for k in range(2):
         a.add(_call(k))
     for k in range(3):
         b.add(_call(10 + k))      # only the first fits: b spills from its second call on
-    a.add(_call(2))               # a spills too now (budget used), order kept
-    assert store.peak_in_memory == 3 * per and store.spilled_bytes == 3 * per
+    assert store.in_memory == 3 * per and store.pending == 2 * per and not b.spill.chunks
+    a.add(_call(2))               # a spills too now (budget used), order kept; the full buffer is written first
+    assert len(b.spill.chunks) == 1 and store.pending == per
+    # kept + waiting: never more than the budget and the buffer
+    assert store.peak_in_memory == 5 * per and store.spilled_bytes == 3 * per
     ra, rb = a.result(), b.result()
+    assert store.pending == 0
     assert [int(c.args[2]) for c in ra] == [0, 1, 2] and [int(c.args[2]) for c in rb] == [10, 11, 12]
     a.discard()
     assert store.in_memory == per            # b's one in-memory call
@@ -122,6 +127,7 @@ def reference(tiny_adapter, calib, tmp_path_factory):
 def test_spilled_capture_gives_identical_parameters(tiny_adapter, calib, reference, tmp_path):
     ref_out, ref = reference
     budget = ref.memory.capture_memory_peak_bytes // 3     # a third in memory, the rest on disk
+    buffer = budget // 2        # larger than any one call of the layer (one larger call would wait alone)
     seen_scratch = []
 
     def peek(_r):
@@ -129,8 +135,10 @@ def test_spilled_capture_gives_identical_parameters(tiny_adapter, calib, referen
 
     res = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=LEGACY),
                             tmp_path, layers=LAYERS, calib_windows=calib,
-                            runtime=PtqRuntime(capture_memory_bytes=budget, on_unit_done=peek))
-    assert 0 < res.memory.capture_memory_peak_bytes <= budget
+                            runtime=PtqRuntime(capture_memory_bytes=budget, capture_buffer_bytes=buffer,
+                                               on_unit_done=peek))
+    # kept + waiting to be written (the default 256 MiB buffer would hold this whole layer)
+    assert 0 < res.memory.capture_memory_peak_bytes <= budget + buffer
     assert res.memory.capture_spilled_bytes >= ref.memory.capture_memory_peak_bytes - budget
     assert any(seen_scratch)                                # calls really were read back from disk
     assert not (tmp_path / SCRATCH_DIR).exists() or not any((tmp_path / SCRATCH_DIR).rglob("*"))

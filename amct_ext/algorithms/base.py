@@ -91,8 +91,10 @@ class SolveContext:
     layer_idx: int | None = None
 
     def split(self, calls: Sequence[UnitCall]) -> tuple[list[UnitCall], list[UnitCall]]:
-        """(training calls, held-out calls)."""
-        calls = list(calls)
+        """(training calls, held-out calls). Spilled calls (``capture.SpilledCalls``) split into
+        two lazy slices: nothing is read back here (a list would load every call of the unit)."""
+        if not isinstance(calls, SpilledCalls):
+            calls = list(calls)
         n = len(calls)
         if self.holdout <= 0 or n < 2:
             return calls, []
