@@ -13,7 +13,7 @@ import torch
 
 from amct_ext.base import PtqConfig
 from amct_ext.io.io_utils import safe_torch_load
-from amct_ext.pipeline.capture import CALL_METER, StoreCalls
+from amct_ext.pipeline.capture import CALL_METER, CaptureStore, StoreCalls, UnitCall, call_nbytes
 from amct_ext.pipeline.ptq_spec import PtqSpec
 from amct_ext.pipeline.workflow import PARAMS_DIR, PtqRuntime, load_calib_windows, run_blockwise_ptq
 from amct_ext.quant.schemes import load_scheme
@@ -92,3 +92,45 @@ def test_call_replaying_recipe_stays_within_budget_and_working_set(tiny_adapter,
     assert [u.loss_after for u in res.units] == [u.loss_after for u in ref.units]
     # the unbounded run held the whole layer (its own accounting says so)
     assert ref.memory.call_memory_peak_bytes >= total
+
+
+def _spilled(tmp_path, n=6):
+    """``n`` calls of one unit, all spilled (budget 0), a write buffer of two calls."""
+    gen = torch.Generator().manual_seed(0)
+    calls = [UnitCall((torch.randn(5, 8, generator=gen).bfloat16(),), {}, torch.randn(5, 8, generator=gen))
+             for _ in range(n)]
+    store = CaptureStore(memory_bytes=0, scratch_dir=tmp_path, chunk_bytes=2 * call_nbytes(calls[0]))
+    sink = store.sink("u")
+    for c in calls:
+        sink.add(c)
+    return calls, sink.result(), store
+
+
+def test_spilled_calls_split_and_scale_lazily(tmp_path):
+    """The held-out split of spilled calls and AWQ's committed input scaling read nothing until
+    a call is used, and give the eager lists' bits (capture.LazyCalls)."""
+    from amct_ext.algorithms.base import SolveContext, UnitData
+    from amct_ext.algorithms.smoothing import ScaledCalls, scaled_calls
+    from amct_ext.pipeline.capture import LazyCalls
+
+    calls, spilled, store = _spilled(tmp_path)
+    per = call_nbytes(calls[0])
+    del calls                                  # what the capture hands over: nothing in memory
+    live = CALL_METER.live
+    train, held = SolveContext(holdout=0.25).split(spilled)
+    s = torch.linspace(0.5, 2.0, 8)
+    scaled = UnitData(ScaledCalls(spilled, s))
+    assert isinstance(train, LazyCalls) and isinstance(held, LazyCalls) and isinstance(scaled.calls, LazyCalls)
+    assert (len(train), len(held)) == (4, 2) and CALL_METER.live == live     # nothing read yet
+    eager = scaled_calls(list(spilled), s)
+    for a, b in zip(eager, scaled.calls):
+        assert torch.equal(a.args[0], b.args[0]) and torch.equal(a.output, b.output)
+    assert [torch.equal(a.args[0], b.args[0]) for a, b in zip(eager[4:], scaled.calls[4:])] == [True, True]
+    del eager, a, b
+    assert CALL_METER.live == live
+    # iterating holds one chunk file (two calls here) at a time, and the call the loop still holds
+    peak0 = CALL_METER.peak
+    CALL_METER.reset_peak()
+    assert sum(1 for _ in train) == 4 and CALL_METER.peak - live <= 3 * per
+    CALL_METER.peak = max(peak0, CALL_METER.peak)
+    store.cleanup()

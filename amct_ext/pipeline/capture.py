@@ -270,7 +270,14 @@ class _ChunkCache:
         return self.calls
 
 
-class SpilledCalls(Sequence):
+class LazyCalls(Sequence):
+    """A sequence of calls that materialises a call only when it is read (calls spilled to
+    disk, calls whose inputs an algorithm rescales); its slices are lazy too. Consumers that
+    would copy a sequence into a list (``algorithms.base.UnitData``, ``SolveContext.split``)
+    keep these as they are: a list would hold every call of the unit in memory at once."""
+
+
+class SpilledCalls(LazyCalls):
     """The calls of a ``SpillCalls`` sink, read back from its chunk files (capture order).
     Iteration loads one chunk at a time; indexing keeps the last chunk read (in a cache shared
     with the store's other sequences); a slice (step 1) is again a lazy ``SpilledCalls``."""
