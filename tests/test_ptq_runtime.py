@@ -48,8 +48,28 @@ def test_spill_round_trip_in_chunks(tmp_path):
         assert _same((a.args, a.kwargs, a.output), (b.args, b.kwargs, b.output))
     assert _same(got[5].output, calls[5].output) and _same(got[-1].args, calls[6].args)
     assert list(got) and list(got)                     # re-iterable (the solver makes several passes)
+    assert [p.name for p in (tmp_path / "u").iterdir()] == [SpillCalls.DATA_FILE]   # one file, 4 chunks
     sink.discard()
     assert not (tmp_path / "u").exists()
+
+
+def test_spill_round_trips_every_dtype_and_layout(tmp_path):
+    """Raw bytes on disk: bf16, bool, int8, 0-dim, empty and non-contiguous views come back equal
+    (every tensor aligned for its dtype view)."""
+    w = torch.arange(15, dtype=torch.float32).reshape(3, 5)
+    odd = [torch.tensor([1, -2, 3], dtype=torch.int8), torch.tensor([True, False]), w.bfloat16().t(),
+           torch.empty(0, 4), torch.tensor(2.5, dtype=torch.float64), w[:, 1::2], torch.ones(3, dtype=torch.float16)]
+    calls = [UnitCall(tuple(odd[k:]), {"i": k}, odd[k]) for k in range(len(odd))]
+    sink = SpillCalls(tmp_path / "u", chunk_bytes=None)
+    for k, c in enumerate(calls):
+        sink.add(c)
+        if k % 3 == 2:
+            sink.flush()
+    got = sink.result()
+    assert len(sink.chunks) == 3 and len(got) == len(calls)
+    for a, b in zip(calls, got):
+        assert _same((a.args, a.kwargs, a.output), (b.args, b.kwargs, b.output))
+    sink.discard()
 
 
 def test_capture_store_keeps_a_budget_then_spills(tmp_path):
@@ -131,7 +151,7 @@ def test_spilled_capture_gives_identical_parameters(tiny_adapter, calib, referen
     seen_scratch = []
 
     def peek(_r):
-        seen_scratch.append(any((tmp_path / SCRATCH_DIR).rglob("*.safetensors")))
+        seen_scratch.append(any(p.is_file() for p in (tmp_path / SCRATCH_DIR).rglob("*")))
 
     res = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=LEGACY),
                             tmp_path, layers=LAYERS, calib_windows=calib,

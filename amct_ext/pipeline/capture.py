@@ -15,10 +15,12 @@ and outputs; keeping them all on the host (the old behaviour) does not fit next 
 What happens to a call is the sink's business:
 
 - ``StoreCalls``: keep it in memory (on ``store_device``; the default, the old behaviour);
-- ``SpillCalls``: write it to safetensors chunk files under a scratch folder and read it back on
-  iteration; ``discard()`` removes the files once the unit is solved;
+- ``SpillCalls``: append it to the unit's data file (raw tensor bytes, one chunk per flush; the
+  layout stays in memory) under a scratch folder and read it back on iteration; ``discard()``
+  removes the file once the unit is solved;
 - ``CaptureStore``: one memory budget shared by every unit of a layer; a unit's calls stay in
-  memory while the budget lasts, later ones spill (``--capture-memory-gb``);
+  memory while the budget lasts, later ones spill (``--capture-memory-gb``) through one write
+  buffer shared by the layer's units;
 - a statistics sink (an algorithm that needs only e.g. a Hessian ``sum x^T x``): subclass
   ``CallSink``, fold each call into the statistic in ``add`` and return it from ``result``;
   nothing is stored.
@@ -253,20 +255,38 @@ def _unflatten(skel: Any, tensors: Mapping[str, torch.Tensor], prefix: str) -> A
     return val
 
 
+@dataclass
+class _Chunk:
+    """One flush of a ``SpillCalls`` sink: ``n`` calls stored as ``nbytes`` raw bytes at
+    ``offset`` of the sink's data file; ``meta`` the calls' skeletons (tensors as indices into
+    ``specs``), ``specs`` per tensor (dtype name, shape, byte offset in the chunk, bytes)."""
+
+    path: Path
+    n: int
+    offset: int
+    nbytes: int
+    meta: list
+    specs: list
+
+
+_ALIGN = 64   # every tensor starts at a multiple of this in its chunk (a dtype view needs alignment)
+
+
 class _ChunkCache:
-    """The calls of one chunk file, kept for indexing. A store's ``SpilledCalls`` (every unit's,
+    """The calls of one chunk, kept for indexing. A store's ``SpilledCalls`` (every unit's,
     every slice's) share one, so indexing holds at most one chunk of the layer at once (one per
     unit would pin a chunk of every unit for the whole layer's solve)."""
 
     def __init__(self) -> None:
-        self.path: Path | None = None
+        self.key: tuple | None = None
         self.calls: list[UnitCall] | None = None
 
-    def get(self, path: Path, load: Callable[[Path], list[UnitCall]]) -> list[UnitCall]:
-        if self.path != path:
-            self.path = self.calls = None          # the old chunk goes before the new one is read
-            self.calls = load(path)
-            self.path = path
+    def get(self, chunk: _Chunk, load: Callable[[_Chunk], list[UnitCall]]) -> list[UnitCall]:
+        key = (chunk.path, chunk.offset)
+        if self.key != key:
+            self.key = self.calls = None           # the old chunk goes before the new one is read
+            self.calls = load(chunk)
+            self.key = key
         return self.calls
 
 
@@ -278,30 +298,41 @@ class LazyCalls(Sequence):
 
 
 class SpilledCalls(LazyCalls):
-    """The calls of a ``SpillCalls`` sink, read back from its chunk files (capture order).
-    Iteration loads one chunk at a time; indexing keeps the last chunk read (in a cache shared
-    with the store's other sequences); a slice (step 1) is again a lazy ``SpilledCalls``."""
+    """The calls of a ``SpillCalls`` sink, read back from its data file (capture order).
+    Iteration reads one chunk (one flush) at a time; indexing keeps the last chunk read (in a
+    cache shared with the store's other sequences); a slice (step 1) is again lazy."""
 
-    def __init__(self, chunks: list[tuple[Path, int]], head: Sequence[UnitCall] = (),
+    def __init__(self, chunks: list[_Chunk], head: Sequence[UnitCall] = (),
                  cache: _ChunkCache | None = None, span: tuple[int, int] | None = None):
         self.head = list(head)            # calls kept in memory before the sink started spilling
-        self.chunks = chunks              # (file, number of calls)
-        total = len(self.head) + sum(n for _, n in chunks)
+        self.chunks = chunks
+        total = len(self.head) + sum(c.n for c in chunks)
         self._lo, self._hi = (0, total) if span is None else span
         self._cache = cache if cache is not None else _ChunkCache()
 
     def __len__(self) -> int:
         return self._hi - self._lo
 
-    @staticmethod
-    def _load(path: Path) -> list[UnitCall]:
-        from safetensors import safe_open
+    @property
+    def spilled_nbytes(self) -> int:
+        """Bytes of the calls on disk (all of the sink's, not only this slice's)."""
+        return sum(c.nbytes for c in self.chunks)
 
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads(f.metadata()["calls"])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        calls = [UnitCall(_unflatten(m["args"], tensors, f"c{j}."), _unflatten(m["kwargs"], tensors, f"c{j}."),
-                          _unflatten(m["output"], tensors, f"c{j}.")) for j, m in enumerate(meta)]
+    @staticmethod
+    def _load(chunk: _Chunk) -> list[UnitCall]:
+        buf = torch.empty(chunk.nbytes, dtype=torch.uint8)
+        with open(chunk.path, "rb") as f:
+            f.seek(chunk.offset)
+            got = f.readinto(memoryview(buf.numpy()))
+        if got != chunk.nbytes:
+            raise OSError(f"{chunk.path}: {got} bytes at offset {chunk.offset}, expected {chunk.nbytes} "
+                          "(the scratch folder changed under the run)")
+        tensors = {}
+        for k, (dtype, shape, at, n) in enumerate(chunk.specs):
+            dt = getattr(torch, dtype)
+            tensors[str(k)] = (buf[at:at + n].view(dt).reshape(shape) if n else torch.empty(shape, dtype=dt))
+        calls = [UnitCall(_unflatten(m["args"], tensors, ""), _unflatten(m["kwargs"], tensors, ""),
+                          _unflatten(m["output"], tensors, "")) for m in chunk.meta]
         for c in calls:                   # read back: host memory again while the call lives
             CALL_METER.hold(c, call_nbytes(c))
         return calls
@@ -313,11 +344,12 @@ class SpilledCalls(LazyCalls):
             if lo <= g < hi:
                 yield c
             g += 1
-        for path, n in self.chunks:
+        for chunk in self.chunks:
+            n = chunk.n
             if g >= hi:
                 return
             if g + n > lo:
-                calls = self._load(path)
+                calls = self._load(chunk)
                 for j in range(max(lo - g, 0), min(hi - g, n)):
                     yield calls[j]
                 calls = None              # this chunk goes before the next one is read
@@ -338,19 +370,22 @@ class SpilledCalls(LazyCalls):
         if i < len(self.head):
             return self.head[i]
         i -= len(self.head)
-        for path, n in self.chunks:
-            if i < n:
-                return self._cache.get(path, self._load)[i]
-            i -= n
+        for chunk in self.chunks:
+            if i < chunk.n:
+                return self._cache.get(chunk, self._load)[i]
+            i -= chunk.n
         raise IndexError(i)
 
 
 class SpillCalls(CallSink):
-    """Write the calls to safetensors chunk files in ``folder`` (created on first write), about
-    ``chunk_bytes`` per file (None: only when ``flush()`` is called, by the owner of a write
-    buffer shared by several sinks: ``CaptureStore``); ``result()`` reads them back lazily
-    (``SpilledCalls``); ``discard()`` removes the folder. ``head``: calls already held in
-    memory that come first."""
+    """Append the calls to ONE data file in ``folder`` (created on first write) as raw bytes,
+    about ``chunk_bytes`` per flush (None: only when ``flush()`` is called, by the owner of a
+    write buffer shared by several sinks: ``CaptureStore``); ``result()`` reads them back lazily
+    (``SpilledCalls``); ``discard()`` removes the folder. ``head``: calls already held in memory
+    that come first. (One file per unit, not one per flush: a shared write buffer flushes
+    often, ~100 times a V4-Flash layer, which as files would be ~26k of them.)"""
+
+    DATA_FILE = "calls.bin"
 
     def __init__(self, folder: str | Path, chunk_bytes: int | None = 256 * 2 ** 20, head: Sequence[UnitCall] = (),
                  cache: _ChunkCache | None = None):
@@ -360,7 +395,8 @@ class SpillCalls(CallSink):
         self.cache = cache
         self._pending: list[UnitCall] = []
         self._pending_bytes = 0
-        self.chunks: list[tuple[Path, int]] = []
+        self._file_bytes = 0
+        self.chunks: list[_Chunk] = []
         self.spilled_bytes = 0
 
     def add(self, call: UnitCall) -> None:
@@ -377,31 +413,30 @@ class SpillCalls(CallSink):
         return self._pending_bytes
 
     def flush(self) -> int:
-        """Write the waiting calls to a new chunk file; returns their bytes (0: none waited)."""
+        """Append the waiting calls to the data file as one chunk; returns their bytes (0: none
+        waited). Tensors are written as their own bytes (views of one buffer too)."""
         if not self._pending:
             return 0
-        from safetensors.torch import save_file
-
         tensors: list[torch.Tensor] = []
-        meta, flat = [], {}
-        seen: set[int] = set()
-        for j, call in enumerate(self._pending):
-            start = len(tensors)
-            skel = {"args": _flatten(call.args, tensors), "kwargs": _flatten(call.kwargs, tensors),
-                    "output": _flatten(call.output, tensors)}
-            for k in range(start, len(tensors)):   # key c{j}.{k}: k counts over the whole chunk
-                t = tensors[k].detach().cpu().contiguous()
-                st = t.untyped_storage()
-                # safetensors refuses tensors that share storage (views of one buffer): own copies
-                if st.data_ptr() in seen or st.nbytes() != t.numel() * t.element_size():
-                    t = t.clone()
-                seen.add(t.untyped_storage().data_ptr())
-                flat[f"c{j}.{k}"] = t
-            meta.append(skel)
+        meta = [{"args": _flatten(c.args, tensors), "kwargs": _flatten(c.kwargs, tensors),
+                 "output": _flatten(c.output, tensors)} for c in self._pending]
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f"chunk_{len(self.chunks):05d}.safetensors"
-        save_file(flat, str(path), metadata={"calls": json.dumps(meta)})
-        self.chunks.append((path, len(self._pending)))
+        path = self.folder / self.DATA_FILE
+        specs, at = [], 0
+        with open(path, "ab") as f:
+            for t in tensors:
+                t = t.detach().cpu().contiguous()
+                raw = t.reshape(-1).view(torch.uint8)
+                pad = -at % _ALIGN
+                if pad:
+                    f.write(bytes(pad))
+                    at += pad
+                specs.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), at, raw.numel()))
+                if raw.numel():
+                    f.write(memoryview(raw.numpy()))
+                at += raw.numel()
+        self.chunks.append(_Chunk(path, len(self._pending), self._file_bytes, at, meta, specs))
+        self._file_bytes += at
         n = self._pending_bytes
         self.spilled_bytes += n
         self._pending, self._pending_bytes = [], 0
@@ -466,7 +501,7 @@ class CaptureStore:
             self.pending -= sp.flush()
 
     def cleanup(self) -> None:
-        self._cache.path = self._cache.calls = None
+        self._cache.key = self._cache.calls = None
         if self.scratch_dir is not None:
             shutil.rmtree(self.scratch_dir, ignore_errors=True)
 

@@ -55,7 +55,7 @@ from ..runtime import device as devmod
 from ..base import BaseModel, EvalConfig, PtqConfig, batches
 from .calibration import load_calibration_windows
 from ..data import EVAL_DEFAULT
-from .capture import CALL_METER, CallSink, CaptureStore, call_nbytes, capture_unit_io
+from .capture import CALL_METER, CallSink, CaptureStore, SpilledCalls, call_nbytes, capture_unit_io
 from ..errors import AmctError, ConfigError, DataError
 from ..io.io_utils import atomic_save, atomic_write_json, safe_torch_load
 from .perplexity import NllAccumulator, load_eval_text, tokenize_windows
@@ -126,10 +126,9 @@ def _tensor_bytes(tensors) -> int:
 
 
 def call_bytes(calls) -> int:
-    """Bytes of a unit's captured calls; a spilled sequence is measured from its chunk files."""
-    chunks = getattr(calls, "chunks", None)
-    if chunks is not None:
-        return sum(call_nbytes(c) for c in calls.head) + sum(p.stat().st_size for p, _ in chunks)
+    """Bytes of a unit's captured calls; a spilled sequence counts its bytes on disk."""
+    if isinstance(calls, SpilledCalls):
+        return sum(call_nbytes(c) for c in calls.head) + calls.spilled_nbytes
     return sum(call_nbytes(c) for c in calls)
 
 
