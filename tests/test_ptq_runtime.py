@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from amct_ext.base import PtqConfig
+from amct_ext.errors import DataError
 from amct_ext.pipeline.capture import CaptureStore, SpillCalls, StoreCalls, UnitCall, call_nbytes, capture_unit_io
 from amct_ext.io.io_utils import safe_torch_load
 from amct_ext.quant.schemes import load_scheme
@@ -69,6 +70,10 @@ def test_spill_round_trips_every_dtype_and_layout(tmp_path):
     assert len(sink.chunks) == 3 and len(got) == len(calls)
     for a, b in zip(calls, got):
         assert _same((a.args, a.kwargs, a.output), (b.args, b.kwargs, b.output))
+    data = tmp_path / "u" / SpillCalls.DATA_FILE
+    data.write_bytes(data.read_bytes()[:-8])          # the scratch file cut short under the run
+    with pytest.raises(DataError, match="calls.bin: .* bytes at offset"):
+        list(got)
     sink.discard()
 
 

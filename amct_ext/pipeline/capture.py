@@ -325,8 +325,10 @@ class SpilledCalls(LazyCalls):
             f.seek(chunk.offset)
             got = f.readinto(memoryview(buf.numpy()))
         if got != chunk.nbytes:
-            raise OSError(f"{chunk.path}: {got} bytes at offset {chunk.offset}, expected {chunk.nbytes} "
-                          "(the scratch folder changed under the run)")
+            from ..errors import DataError
+
+            raise DataError(f"{chunk.path}: {got} bytes at offset {chunk.offset}, expected {chunk.nbytes} "
+                            "(the scratch folder changed under the run)")
         tensors = {}
         for k, (dtype, shape, at, n) in enumerate(chunk.specs):
             dt = getattr(torch, dtype)
