@@ -141,6 +141,11 @@ def summarize(timer: PhaseTimer, layers: range) -> dict[int, dict]:
         rec["spilled_bytes"] = sum(r.tags.get("spilled_bytes", 0) for r in cap)
         # a recipe that replays no calls stores none: per-leaf Hessians instead (device memory)
         rec["hessian_bytes"] = sum(r.tags.get("hessian_bytes", 0) for r in cap)
+        # the capture's own accounting: calls kept + waiting to be spilled (the store), and all
+        # call data alive at once over the capture and the solve (capture.CALL_METER)
+        rec["store_peak_bytes"] = max((r.tags.get("in_memory_peak_bytes", 0) for r in cap), default=0)
+        rec["call_memory_peak_bytes"] = max((r.tags.get("call_memory_peak_bytes", 0) for r in timer.records
+                                             if r.layer == i), default=0)
         out[i] = rec
     return out
 
@@ -295,10 +300,12 @@ def print_report(r: dict, config) -> None:
         f = rec["floors"]
         cells += [f"{rec['seconds']:.1f}", C.fmt_bytes(rec["device_peak_bytes"]),
                   f"{C.fmt_bytes(rec['host_peak_bytes'])} ({C.fmt_bytes(rec['host_anon_peak_bytes'])})",
-                  C.fmt_bytes(rec["capture_bytes"]), f"{f['solve_flops_floor_s']:.2f}", f"{f['h2d_floor_s']:.2f}"]
+                  C.fmt_bytes(rec["capture_bytes"]), C.fmt_bytes(rec.get("call_memory_peak_bytes", 0)),
+                  f"{f['solve_flops_floor_s']:.2f}", f"{f['h2d_floor_s']:.2f}"]
         rows.append(cells)
     print(C.table(rows, ["layer"] + [f"{n} ms" for n in PHASES] +
-                  ["total s", "dev peak", "host RSS peak (anon)", "captured", "flop floor s", "h2d floor s"]))
+                  ["total s", "dev peak", "host RSS peak (anon)", "captured", "calls held at once (accounted)",
+                   "flop floor s", "h2d floor s"]))
     fp = p["float_predecessors"]
     print(f"outside the quantized layers: {p['outside_layers_s']:.1f} s (float predecessor layers {fp['layers']}: "
           f"{fp['seconds']:.1f} s; embedding {p['embed_s']:.1f} s; the rest is setup, calibration, report); "

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from amct_ext.base import PtqConfig
+from amct_ext.errors import DataError
 from amct_ext.pipeline.capture import CaptureStore, SpillCalls, StoreCalls, UnitCall, call_nbytes, capture_unit_io
 from amct_ext.io.io_utils import safe_torch_load
 from amct_ext.quant.schemes import load_scheme
@@ -48,21 +49,50 @@ def test_spill_round_trip_in_chunks(tmp_path):
         assert _same((a.args, a.kwargs, a.output), (b.args, b.kwargs, b.output))
     assert _same(got[5].output, calls[5].output) and _same(got[-1].args, calls[6].args)
     assert list(got) and list(got)                     # re-iterable (the solver makes several passes)
+    assert [p.name for p in (tmp_path / "u").iterdir()] == [SpillCalls.DATA_FILE]   # one file, 4 chunks
     sink.discard()
     assert not (tmp_path / "u").exists()
 
 
+def test_spill_round_trips_every_dtype_and_layout(tmp_path):
+    """Raw bytes on disk: bf16, bool, int8, 0-dim, empty and non-contiguous views come back equal
+    (every tensor aligned for its dtype view)."""
+    w = torch.arange(15, dtype=torch.float32).reshape(3, 5)
+    odd = [torch.tensor([1, -2, 3], dtype=torch.int8), torch.tensor([True, False]), w.bfloat16().t(),
+           torch.empty(0, 4), torch.tensor(2.5, dtype=torch.float64), w[:, 1::2], torch.ones(3, dtype=torch.float16)]
+    calls = [UnitCall(tuple(odd[k:]), {"i": k}, odd[k]) for k in range(len(odd))]
+    sink = SpillCalls(tmp_path / "u", chunk_bytes=None)
+    for k, c in enumerate(calls):
+        sink.add(c)
+        if k % 3 == 2:
+            sink.flush()
+    got = sink.result()
+    assert len(sink.chunks) == 3 and len(got) == len(calls)
+    for a, b in zip(calls, got):
+        assert _same((a.args, a.kwargs, a.output), (b.args, b.kwargs, b.output))
+    data = tmp_path / "u" / SpillCalls.DATA_FILE
+    data.write_bytes(data.read_bytes()[:-8])          # the scratch file cut short under the run
+    with pytest.raises(DataError, match="calls.bin: .* bytes at offset"):
+        list(got)
+    sink.discard()
+
+
 def test_capture_store_keeps_a_budget_then_spills(tmp_path):
     per = call_nbytes(_call(0))
-    store = CaptureStore(memory_bytes=3 * per, scratch_dir=tmp_path / "scratch")
+    # a write buffer of two calls shared by both sinks
+    store = CaptureStore(memory_bytes=3 * per, scratch_dir=tmp_path / "scratch", chunk_bytes=2 * per)
     a, b = store.sink("a"), store.sink("b")
     for k in range(2):
         a.add(_call(k))
     for k in range(3):
         b.add(_call(10 + k))      # only the first fits: b spills from its second call on
-    a.add(_call(2))               # a spills too now (budget used), order kept
-    assert store.peak_in_memory == 3 * per and store.spilled_bytes == 3 * per
+    assert store.in_memory == 3 * per and store.pending == 2 * per and not b.spill.chunks
+    a.add(_call(2))               # a spills too now (budget used), order kept; the full buffer is written first
+    assert len(b.spill.chunks) == 1 and store.pending == per
+    # kept + waiting: never more than the budget and the buffer
+    assert store.peak_in_memory == 5 * per and store.spilled_bytes == 3 * per
     ra, rb = a.result(), b.result()
+    assert store.pending == 0
     assert [int(c.args[2]) for c in ra] == [0, 1, 2] and [int(c.args[2]) for c in rb] == [10, 11, 12]
     a.discard()
     assert store.in_memory == per            # b's one in-memory call
@@ -122,15 +152,18 @@ def reference(tiny_adapter, calib, tmp_path_factory):
 def test_spilled_capture_gives_identical_parameters(tiny_adapter, calib, reference, tmp_path):
     ref_out, ref = reference
     budget = ref.memory.capture_memory_peak_bytes // 3     # a third in memory, the rest on disk
+    buffer = budget // 2        # larger than any one call of the layer (one larger call would wait alone)
     seen_scratch = []
 
     def peek(_r):
-        seen_scratch.append(any((tmp_path / SCRATCH_DIR).rglob("*.safetensors")))
+        seen_scratch.append(any(p.is_file() for p in (tmp_path / SCRATCH_DIR).rglob("*")))
 
     res = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=LEGACY),
                             tmp_path, layers=LAYERS, calib_windows=calib,
-                            runtime=PtqRuntime(capture_memory_bytes=budget, on_unit_done=peek))
-    assert 0 < res.memory.capture_memory_peak_bytes <= budget
+                            runtime=PtqRuntime(capture_memory_bytes=budget, capture_buffer_bytes=buffer,
+                                               on_unit_done=peek))
+    # kept + waiting to be written (the default 256 MiB buffer would hold this whole layer)
+    assert 0 < res.memory.capture_memory_peak_bytes <= budget + buffer
     assert res.memory.capture_spilled_bytes >= ref.memory.capture_memory_peak_bytes - budget
     assert any(seen_scratch)                                # calls really were read back from disk
     assert not (tmp_path / SCRATCH_DIR).exists() or not any((tmp_path / SCRATCH_DIR).rglob("*"))

@@ -490,6 +490,12 @@ def run(args, phases=None) -> int:
                             if k in ("out_dir", "format", "mtp", "seconds", "bytes_written")}
     atomic_write_json(report, out / "report.json")
     plot = write_error_plot(groups, out / "layer_errors.png") if groups else None
+    if ptq_memory is not None and ptq_memory.get("call_memory_peak_bytes"):
+        # the capture's own accounting (capture.CALL_METER): what the budget bounds
+        print(f"captured calls in host memory at once: {ptq_memory['call_memory_peak_bytes'] / 2**30:.2f} GiB "
+              f"(the capture store {ptq_memory['capture_memory_peak_bytes'] / 2**30:.2f} GiB, budget "
+              + (f"{capture_gb:g} GiB" if capture_gb is not None else "none")
+              + f"; spilled {ptq_memory['capture_spilled_bytes'] / 2**30:.2f} GiB)", flush=True)
     if any(unobserved.values()):
         print("static activation quantizers left in float (no calibration data reached them): "
               + ", ".join(f"{k} {v}" for k, v in unobserved.items()), flush=True)

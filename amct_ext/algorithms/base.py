@@ -48,7 +48,7 @@ from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
-from ..pipeline.capture import SpilledCalls, UnitCall
+from ..pipeline.capture import LazyCalls, UnitCall
 from ..pipeline.ptq_units import PtqUnit
 
 @dataclass(frozen=True)
@@ -91,8 +91,10 @@ class SolveContext:
     layer_idx: int | None = None
 
     def split(self, calls: Sequence[UnitCall]) -> tuple[list[UnitCall], list[UnitCall]]:
-        """(training calls, held-out calls)."""
-        calls = list(calls)
+        """(training calls, held-out calls). Lazy calls (``capture.LazyCalls``: spilled, rescaled)
+        split into two lazy slices: nothing is read here (a list would load every call of the unit)."""
+        if not isinstance(calls, LazyCalls):
+            calls = list(calls)
         n = len(calls)
         if self.holdout <= 0 or n < 2:
             return calls, []
@@ -108,9 +110,9 @@ class UnitData:
         #: statistics collected during the capture instead of calls (algorithms/hessians.py):
         #: leaf name -> LeafStat; None when calls were stored
         self.hessians = hessians
-        # calls spilled to disk (capture.SpilledCalls) stay a lazily read sequence: list() would
+        # lazy calls (capture.LazyCalls: spilled to disk, rescaled) stay lazy: list() would
         # load every call of every unit of the layer back into host memory at once
-        self._calls: Sequence[UnitCall] = calls if isinstance(calls, SpilledCalls) else list(calls or [])
+        self._calls: Sequence[UnitCall] = calls if isinstance(calls, LazyCalls) else list(calls or [])
 
     @property
     def calls(self) -> Sequence[UnitCall]:
@@ -127,7 +129,7 @@ class UnitData:
         self._calls = [UnitCall(*fn(c.args, c.kwargs), c.output) for c in self._calls]
 
     def set_calls(self, calls: Sequence[UnitCall]) -> None:
-        self._calls = list(calls)
+        self._calls = calls if isinstance(calls, LazyCalls) else list(calls)
 
 
 @dataclass

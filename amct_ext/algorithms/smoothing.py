@@ -45,7 +45,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 from torch import nn
 
-from ..pipeline.capture import UnitCall
+from ..pipeline.capture import CALL_METER, LazyCalls, UnitCall, call_nbytes
 from ..errors import ConfigError
 from ..quant.quant_linear import QuantLinear
 from ..quant.quantizers import ActivationQuantizer
@@ -145,14 +145,40 @@ class _Snapshot:
         _invalidate(self.unit)
 
 
+def _scaled_call(c: UnitCall, s: torch.Tensor) -> UnitCall:
+    x = c.args[0]
+    x2 = (x.float() / s.to(x.device)).to(x.dtype)
+    out = UnitCall((x2,) + tuple(c.args[1:]), c.kwargs, c.output)
+    # counted whole while it lives: it keeps the base call's output alive too (a call read
+    # back from disk dies with its UnitCall otherwise); an in-memory base counts twice (an upper bound)
+    CALL_METER.hold(out, call_nbytes(out))
+    return out
+
+
 def scaled_calls(calls: Sequence[UnitCall], s: torch.Tensor) -> list[UnitCall]:
     """The calls with their first argument (the unit input x) divided by s per channel."""
-    out = []
-    for c in calls:
-        x = c.args[0]
-        x2 = (x.float() / s.to(x.device)).to(x.dtype)
-        out.append(UnitCall((x2,) + tuple(c.args[1:]), c.kwargs, c.output))
-    return out
+    return [_scaled_call(c, s) for c in calls]
+
+
+class ScaledCalls(LazyCalls):
+    """``scaled_calls(calls, s)`` computed call by call as it is read (the same bits each time):
+    the committed smoothing of a unit's inputs holds no second copy of them (the eager list
+    held every call of the unit, and with spilled calls read them all back)."""
+
+    def __init__(self, calls: Sequence[UnitCall], s: torch.Tensor):
+        self.base, self.s = calls, s
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __iter__(self):
+        for c in self.base:
+            yield _scaled_call(c, self.s)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return ScaledCalls(self.base[i], self.s)
+        return _scaled_call(self.base[i], self.s)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -327,7 +353,7 @@ def commit_scales(unit_module: nn.Module, data: UnitData | None, pair, s: torch.
     if pair.producer is None:
         unit_module.fold_input_smooth(s)
         if data is not None:
-            data.set_calls(scaled_calls(data.calls, s))
+            data.set_calls(ScaledCalls(data.calls, s))
     for name in _touched(unit_module, pair):
         unit_module.mark_replaced(name)
 

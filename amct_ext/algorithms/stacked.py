@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..pipeline.capture import CALL_METER
 from ..pipeline.replay import output_tensor as _output_tensor
 
 
@@ -60,6 +61,31 @@ class StackedCalls:
     call gets an all-padding slot (0 rows). Indices stay on the device: no host sync a step."""
 
     def __init__(self, datas, dev: torch.device):
+        # on a cpu device the stacked copy is host memory: counted (capture.CALL_METER) while
+        # it lives, and the per-call pieces while they wait to be concatenated
+        host = torch.device(dev).type == "cpu"
+        building = [0]
+        try:
+            xs, ys, ws, starts, lens = self._gather(datas, dev, building if host else None)
+            self.x, self.y, self.w = torch.cat(xs), torch.cat(ys), torch.cat(ws)
+            if host:
+                CALL_METER.hold(self, sum(t.numel() * t.element_size() for t in (self.x, self.y, self.w)))
+            del xs, ys, ws
+        finally:
+            CALL_METER.sub(building[0])
+        k_max = max(len(s) for s in starts)
+        self.max_calls = k_max
+        self.n_calls = torch.tensor([len(s) for s in starts], dtype=torch.long, device=dev)
+        pad = lambda rows: [r + [0] * (k_max - len(r)) for r in rows]   # noqa: E731
+        self.starts = torch.tensor(pad(starts), dtype=torch.long, device=dev)     # [E, K]
+        self.lens = torch.tensor(pad(lens), dtype=torch.long, device=dev)         # [E, K] (0: no call)
+        self.t_max = max(max(ln) for ln in lens)
+        self.arange = torch.arange(self.t_max, device=dev)
+
+    @staticmethod
+    def _gather(datas, dev, building: list[int] | None):
+        """Per call (x rows, target rows, routing weights) on ``dev`` and per expert the calls'
+        first rows and lengths; ``building``: the host bytes gathered, counted as they come."""
         xs, ys, ws, starts, lens = [], [], [], [], []
         at = 0
         for d in datas:
@@ -73,20 +99,16 @@ class StackedCalls:
                 xs.append(x.to(dev))
                 ys.append(_output_tensor(c.output).reshape(x.shape[0], -1).to(dev))
                 ws.append(w.to(device=dev, dtype=torch.float32))
+                if building is not None:
+                    n = sum(t.numel() * t.element_size() for t in (xs[-1], ys[-1], ws[-1]))
+                    CALL_METER.add(n)
+                    building[0] += n
                 st.append(at)
                 ln.append(x.shape[0])
                 at += x.shape[0]
             starts.append(st)
             lens.append(ln)
-        k_max = max(len(s) for s in starts)
-        self.max_calls = k_max
-        self.n_calls = torch.tensor([len(s) for s in starts], dtype=torch.long, device=dev)
-        pad = lambda rows: [r + [0] * (k_max - len(r)) for r in rows]   # noqa: E731
-        self.starts = torch.tensor(pad(starts), dtype=torch.long, device=dev)     # [E, K]
-        self.lens = torch.tensor(pad(lens), dtype=torch.long, device=dev)         # [E, K] (0: no call)
-        self.t_max = max(max(ln) for ln in lens)
-        self.x, self.y, self.w = torch.cat(xs), torch.cat(ys), torch.cat(ws)
-        self.arange = torch.arange(self.t_max, device=dev)
+        return xs, ys, ws, starts, lens
 
     def slot(self, k: torch.Tensor):
         kk = k.clamp(max=self.max_calls - 1).unsqueeze(1)

@@ -15,17 +15,30 @@ and outputs; keeping them all on the host (the old behaviour) does not fit next 
 What happens to a call is the sink's business:
 
 - ``StoreCalls``: keep it in memory (on ``store_device``; the default, the old behaviour);
-- ``SpillCalls``: write it to safetensors chunk files under a scratch folder and read it back on
-  iteration; ``discard()`` removes the files once the unit is solved;
+- ``SpillCalls``: append it to the unit's data file (raw tensor bytes, one chunk per flush; the
+  layout stays in memory) under a scratch folder and read it back on iteration; ``discard()``
+  removes the file once the unit is solved;
 - ``CaptureStore``: one memory budget shared by every unit of a layer; a unit's calls stay in
-  memory while the budget lasts, later ones spill (``--capture-memory-gb``);
+  memory while the budget lasts, later ones spill (``--capture-memory-gb``) through one write
+  buffer shared by the layer's units;
 - a statistics sink (an algorithm that needs only e.g. a Hessian ``sum x^T x``): subclass
   ``CallSink``, fold each call into the statistic in ``add`` and return it from ``result``;
   nothing is stored.
 
 ``CallSink.result()`` is what the solver gets for the unit: for storing sinks a re-iterable
-``Sequence[UnitCall]`` (``len``, iteration in capture order, indexing), so the solver needs no
-change whether the calls are in memory or on disk.
+``Sequence[UnitCall]`` (``len``, iteration in capture order, indexing, slicing: a slice of
+spilled calls is again lazy), so the solver needs no change whether the calls are in memory or
+on disk.
+
+Accounting (``CALL_METER``)
+---------------------------
+Every byte of call data held in host memory is counted in one process-wide
+``CallMemoryMeter``: a call counts while its ``UnitCall`` lives -- kept by a sink, waiting in
+the write buffer to be spilled, or read back from a chunk file -- and the host copies an
+algorithm stacks count while they live (``algorithms.stacked.StackedCalls`` on a cpu device). Its ``peak`` is what the workflow
+reports per layer (``MemoryStats.call_memory_peak_bytes``): with a budget B, a write buffer W
+(``CaptureStore.buffer_bytes``) and an algorithm's working set S it stays <= B + W + S
+(casebook/real-size-ptq.md, tests/test_capture_memory_bound.py).
 """
 from __future__ import annotations
 
@@ -33,6 +46,7 @@ import abc
 import inspect
 import json
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -128,6 +142,38 @@ def call_nbytes(call: UnitCall) -> int:
     return _nbytes(call.args) + _nbytes(call.kwargs) + _nbytes(call.output)
 
 
+class CallMemoryMeter:
+    """Bytes of captured call data in host memory now (``live``) and at most (``peak``).
+
+    ``hold(obj, n)``: ``n`` bytes that live as long as ``obj`` (a captured or read-back
+    ``UnitCall``, an algorithm's stacked copy), counted until ``obj`` is garbage collected
+    (CPython: when its last reference goes); ``add`` / ``sub`` for data released explicitly."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def add(self, n: int) -> None:
+        self.live += n
+        if self.live > self.peak:
+            self.peak = self.live
+
+    def sub(self, n: int) -> None:
+        self.live -= n
+
+    def hold(self, obj: Any, n: int) -> None:
+        if n:
+            self.add(n)
+            weakref.finalize(obj, self.sub, n)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+
+#: the process's one meter of host call bytes (see the module doc)
+CALL_METER = CallMemoryMeter()
+
+
 # ----------------------------------------------------------------------------- sinks
 class CallSink(abc.ABC):
     """Receives the calls of ONE unit during the float forward, in call order.
@@ -161,8 +207,10 @@ class StoreCalls(CallSink):
         self._bytes = 0
 
     def add(self, call: UnitCall) -> None:
+        n = call_nbytes(call)
         self.calls.append(call)
-        self._bytes += call_nbytes(call)
+        self._bytes += n
+        CALL_METER.hold(call, n)
 
     def result(self) -> list[UnitCall]:
         return self.calls
@@ -207,107 +255,201 @@ def _unflatten(skel: Any, tensors: Mapping[str, torch.Tensor], prefix: str) -> A
     return val
 
 
-class SpilledCalls(Sequence):
-    """The calls of a ``SpillCalls`` sink, read back from its chunk files (capture order).
-    Iteration loads one chunk at a time; indexing keeps the last chunk read."""
+@dataclass
+class _Chunk:
+    """One flush of a ``SpillCalls`` sink: ``n`` calls stored as ``nbytes`` raw bytes at
+    ``offset`` of the sink's data file; ``meta`` the calls' skeletons (tensors as indices into
+    ``specs``), ``specs`` per tensor (dtype name, shape, byte offset in the chunk, bytes)."""
 
-    def __init__(self, chunks: list[tuple[Path, int]], head: Sequence[UnitCall] = ()):
+    path: Path
+    n: int
+    offset: int
+    nbytes: int
+    meta: list
+    specs: list
+
+
+_ALIGN = 64   # every tensor starts at a multiple of this in its chunk (a dtype view needs alignment)
+
+
+class _ChunkCache:
+    """The calls of one chunk, kept for indexing. A store's ``SpilledCalls`` (every unit's,
+    every slice's) share one, so indexing holds at most one chunk of the layer at once (one per
+    unit would pin a chunk of every unit for the whole layer's solve)."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.calls: list[UnitCall] | None = None
+
+    def get(self, chunk: _Chunk, load: Callable[[_Chunk], list[UnitCall]]) -> list[UnitCall]:
+        key = (chunk.path, chunk.offset)
+        if self.key != key:
+            self.key = self.calls = None           # the old chunk goes before the new one is read
+            self.calls = load(chunk)
+            self.key = key
+        return self.calls
+
+
+class LazyCalls(Sequence):
+    """A sequence of calls that materialises a call only when it is read (calls spilled to
+    disk, calls whose inputs an algorithm rescales); its slices are lazy too. Consumers that
+    would copy a sequence into a list (``algorithms.base.UnitData``, ``SolveContext.split``)
+    keep these as they are: a list would hold every call of the unit in memory at once."""
+
+
+class SpilledCalls(LazyCalls):
+    """The calls of a ``SpillCalls`` sink, read back from its data file (capture order).
+    Iteration reads one chunk (one flush) at a time; indexing keeps the last chunk read (in a
+    cache shared with the store's other sequences); a slice (step 1) is again lazy."""
+
+    def __init__(self, chunks: list[_Chunk], head: Sequence[UnitCall] = (),
+                 cache: _ChunkCache | None = None, span: tuple[int, int] | None = None):
         self.head = list(head)            # calls kept in memory before the sink started spilling
-        self.chunks = chunks              # (file, number of calls)
-        self._n = len(self.head) + sum(n for _, n in chunks)
-        self._cached: tuple[int, list[UnitCall]] | None = None
+        self.chunks = chunks
+        total = len(self.head) + sum(c.n for c in chunks)
+        self._lo, self._hi = (0, total) if span is None else span
+        self._cache = cache if cache is not None else _ChunkCache()
 
     def __len__(self) -> int:
-        return self._n
+        return self._hi - self._lo
+
+    @property
+    def spilled_nbytes(self) -> int:
+        """Bytes of the calls on disk (all of the sink's, not only this slice's)."""
+        return sum(c.nbytes for c in self.chunks)
 
     @staticmethod
-    def _load(path: Path) -> list[UnitCall]:
-        from safetensors import safe_open
+    def _load(chunk: _Chunk) -> list[UnitCall]:
+        buf = torch.empty(chunk.nbytes, dtype=torch.uint8)
+        with open(chunk.path, "rb") as f:
+            f.seek(chunk.offset)
+            got = f.readinto(memoryview(buf.numpy()))
+        if got != chunk.nbytes:
+            from ..errors import DataError
 
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads(f.metadata()["calls"])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        return [UnitCall(_unflatten(m["args"], tensors, f"c{j}."), _unflatten(m["kwargs"], tensors, f"c{j}."),
-                         _unflatten(m["output"], tensors, f"c{j}.")) for j, m in enumerate(meta)]
+            raise DataError(f"{chunk.path}: {got} bytes at offset {chunk.offset}, expected {chunk.nbytes} "
+                            "(the scratch folder changed under the run)")
+        tensors = {}
+        for k, (dtype, shape, at, n) in enumerate(chunk.specs):
+            dt = getattr(torch, dtype)
+            tensors[str(k)] = (buf[at:at + n].view(dt).reshape(shape) if n else torch.empty(shape, dtype=dt))
+        calls = [UnitCall(_unflatten(m["args"], tensors, ""), _unflatten(m["kwargs"], tensors, ""),
+                          _unflatten(m["output"], tensors, "")) for m in chunk.meta]
+        for c in calls:                   # read back: host memory again while the call lives
+            CALL_METER.hold(c, call_nbytes(c))
+        return calls
 
     def __iter__(self) -> Iterator[UnitCall]:
-        yield from self.head
-        for path, _ in self.chunks:
-            yield from self._load(path)
+        lo, hi = self._lo, self._hi
+        g = 0                             # index of the next call over head + chunks
+        for c in self.head:
+            if lo <= g < hi:
+                yield c
+            g += 1
+        for chunk in self.chunks:
+            n = chunk.n
+            if g >= hi:
+                return
+            if g + n > lo:
+                calls = self._load(chunk)
+                for j in range(max(lo - g, 0), min(hi - g, n)):
+                    yield calls[j]
+                calls = None              # this chunk goes before the next one is read
+            g += n
 
     def __getitem__(self, i: int) -> UnitCall:
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            return SpilledCalls(self.chunks, self.head, self._cache,
+                                (self._lo + start, self._lo + max(start, stop)))
         if i < 0:
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
+        i += self._lo
         if i < len(self.head):
             return self.head[i]
         i -= len(self.head)
-        for c, (path, n) in enumerate(self.chunks):
-            if i < n:
-                if self._cached is None or self._cached[0] != c:
-                    self._cached = (c, self._load(path))
-                return self._cached[1][i]
-            i -= n
+        for chunk in self.chunks:
+            if i < chunk.n:
+                return self._cache.get(chunk, self._load)[i]
+            i -= chunk.n
         raise IndexError(i)
 
 
 class SpillCalls(CallSink):
-    """Write the calls to safetensors chunk files in ``folder`` (created on first write), about
-    ``chunk_bytes`` per file; ``result()`` reads them back lazily (``SpilledCalls``);
-    ``discard()`` removes the folder. ``head``: calls already held in memory that come first."""
+    """Append the calls to ONE data file in ``folder`` (created on first write) as raw bytes,
+    about ``chunk_bytes`` per flush (None: only when ``flush()`` is called, by the owner of a
+    write buffer shared by several sinks: ``CaptureStore``); ``result()`` reads them back lazily
+    (``SpilledCalls``); ``discard()`` removes the folder. ``head``: calls already held in memory
+    that come first. (One file per unit, not one per flush: a shared write buffer flushes
+    often, ~100 times a V4-Flash layer, which as files would be ~26k of them.)"""
 
-    def __init__(self, folder: str | Path, chunk_bytes: int = 256 * 2 ** 20, head: Sequence[UnitCall] = ()):
+    DATA_FILE = "calls.bin"
+
+    def __init__(self, folder: str | Path, chunk_bytes: int | None = 256 * 2 ** 20, head: Sequence[UnitCall] = (),
+                 cache: _ChunkCache | None = None):
         self.folder = Path(folder)
         self.chunk_bytes = chunk_bytes
         self.head = list(head)
+        self.cache = cache
         self._pending: list[UnitCall] = []
         self._pending_bytes = 0
-        self.chunks: list[tuple[Path, int]] = []
+        self._file_bytes = 0
+        self.chunks: list[_Chunk] = []
         self.spilled_bytes = 0
 
     def add(self, call: UnitCall) -> None:
+        n = call_nbytes(call)
         self._pending.append(call)
-        self._pending_bytes += call_nbytes(call)
-        if self._pending_bytes >= self.chunk_bytes:
-            self._flush()
+        self._pending_bytes += n
+        CALL_METER.hold(call, n)
+        if self.chunk_bytes is not None and self._pending_bytes >= self.chunk_bytes:
+            self.flush()
 
-    def _flush(self) -> None:
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the calls waiting to be written (host memory)."""
+        return self._pending_bytes
+
+    def flush(self) -> int:
+        """Append the waiting calls to the data file as one chunk; returns their bytes (0: none
+        waited). Tensors are written as their own bytes (views of one buffer too)."""
         if not self._pending:
-            return
-        from safetensors.torch import save_file
-
+            return 0
         tensors: list[torch.Tensor] = []
-        meta, flat = [], {}
-        seen: set[int] = set()
-        for j, call in enumerate(self._pending):
-            start = len(tensors)
-            skel = {"args": _flatten(call.args, tensors), "kwargs": _flatten(call.kwargs, tensors),
-                    "output": _flatten(call.output, tensors)}
-            for k in range(start, len(tensors)):   # key c{j}.{k}: k counts over the whole chunk
-                t = tensors[k].detach().cpu().contiguous()
-                st = t.untyped_storage()
-                # safetensors refuses tensors that share storage (views of one buffer): own copies
-                if st.data_ptr() in seen or st.nbytes() != t.numel() * t.element_size():
-                    t = t.clone()
-                seen.add(t.untyped_storage().data_ptr())
-                flat[f"c{j}.{k}"] = t
-            meta.append(skel)
+        meta = [{"args": _flatten(c.args, tensors), "kwargs": _flatten(c.kwargs, tensors),
+                 "output": _flatten(c.output, tensors)} for c in self._pending]
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f"chunk_{len(self.chunks):05d}.safetensors"
-        save_file(flat, str(path), metadata={"calls": json.dumps(meta)})
-        self.chunks.append((path, len(self._pending)))
-        self.spilled_bytes += self._pending_bytes
+        path = self.folder / self.DATA_FILE
+        specs, at = [], 0
+        with open(path, "ab") as f:
+            for t in tensors:
+                t = t.detach().cpu().contiguous()
+                raw = t.reshape(-1).view(torch.uint8)
+                pad = -at % _ALIGN
+                if pad:
+                    f.write(bytes(pad))
+                    at += pad
+                specs.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), at, raw.numel()))
+                if raw.numel():
+                    f.write(memoryview(raw.numpy()))
+                at += raw.numel()
+        self.chunks.append(_Chunk(path, len(self._pending), self._file_bytes, at, meta, specs))
+        self._file_bytes += at
+        n = self._pending_bytes
+        self.spilled_bytes += n
         self._pending, self._pending_bytes = [], 0
+        return n
 
     def result(self) -> SpilledCalls:
-        self._flush()
-        return SpilledCalls(list(self.chunks), self.head)
+        self.flush()
+        return SpilledCalls(list(self.chunks), self.head, self.cache)
 
     def discard(self) -> None:
-        self._pending, self.head, self.chunks = [], [], []
+        self._pending, self._pending_bytes, self.head, self.chunks = [], 0, [], []
         shutil.rmtree(self.folder, ignore_errors=True)
 
     @property
@@ -321,25 +463,47 @@ class CaptureStore:
     ``memory_bytes``: None = no limit (every call in memory); otherwise a unit's calls stay in
     memory while the store's total stays within the budget and spill to
     ``scratch_dir/<unit>/`` from the first call that would exceed it (later calls of that unit
-    spill too, so capture order is kept). ``discard()`` of a sink returns its bytes to the budget."""
+    spill too, so capture order is kept). ``discard()`` of a sink returns its bytes to the budget.
+
+    The calls on their way to disk wait in ONE write buffer of ``buffer_bytes`` shared by all
+    the store's sinks: when the next call would overflow it, every spilling sink writes its
+    waiting calls. (A buffer per sink held everything: a V4-Flash expert's calls at 128 x 2048,
+    ~100 MB, never reach a per-sink 256 MiB, so the 256 experts' 26 GB all waited in memory
+    until the capture ended; casebook/real-size-ptq.md.) So the store holds at most
+    ``memory_bytes + buffer_bytes`` (a single call larger than the buffer waits alone);
+    ``peak_in_memory`` is that accounted maximum (kept + waiting)."""
 
     def __init__(self, memory_bytes: int | None = None, scratch_dir: str | Path | None = None,
                  chunk_bytes: int = 256 * 2 ** 20):
         if memory_bytes is not None and scratch_dir is None:
             raise ValueError("CaptureStore: a memory budget needs a scratch_dir to spill into")
+        if chunk_bytes <= 0:
+            raise ValueError(f"CaptureStore: the write buffer must be > 0 bytes, got {chunk_bytes}")
         self.memory_bytes = memory_bytes
         self.scratch_dir = None if scratch_dir is None else Path(scratch_dir)
-        self.chunk_bytes = chunk_bytes
-        self.in_memory = 0
+        self.buffer_bytes = chunk_bytes
+        self.in_memory = 0                # calls kept in memory (within memory_bytes)
+        self.pending = 0                  # calls waiting in the write buffer
         self.peak_in_memory = 0
         self.spilled_bytes = 0
+        self._spilling: list[SpillCalls] = []
+        self._cache = _ChunkCache()
 
     def sink(self, name: str) -> CallSink:
         if self.memory_bytes is None:
             return StoreCalls()
         return _BudgetedCalls(self, name)
 
+    def _note_peak(self) -> None:
+        self.peak_in_memory = max(self.peak_in_memory, self.in_memory + self.pending)
+
+    def flush(self) -> None:
+        """Every spilling sink writes its waiting calls (the write buffer is then empty)."""
+        for sp in self._spilling:
+            self.pending -= sp.flush()
+
     def cleanup(self) -> None:
+        self._cache.key = self._cache.calls = None
         if self.scratch_dir is not None:
             shutil.rmtree(self.scratch_dir, ignore_errors=True)
 
@@ -359,26 +523,39 @@ class _BudgetedCalls(CallSink):
             self.memory.append(call)
             self.mem_bytes += n
             st.in_memory += n
-            st.peak_in_memory = max(st.peak_in_memory, st.in_memory)
+            CALL_METER.hold(call, n)
+            st._note_peak()
             return
         if self.spill is None:
-            self.spill = SpillCalls(st.scratch_dir / self.name.replace("/", "_"), st.chunk_bytes, head=self.memory)
+            self.spill = SpillCalls(st.scratch_dir / self.name.replace("/", "_"), None, head=self.memory,
+                                    cache=st._cache)
+            st._spilling.append(self.spill)
+        if st.pending and st.pending + n > st.buffer_bytes:
+            st.flush()
         self.spill.add(call)
+        st.pending += n
         st.spilled_bytes += n
+        st._note_peak()
 
     def result(self) -> Sequence[UnitCall]:
-        return self.memory if self.spill is None else self.spill.result()
+        if self.spill is None:
+            return self.memory
+        self.store.pending -= self.spill.flush()
+        return self.spill.result()
 
     def discard(self) -> None:
+        st = self.store
         if self.spill is not None:
+            st.pending -= self.spill.pending_bytes
             self.spill.discard()
+            st._spilling = [s for s in st._spilling if s is not self.spill]
             self.spill = None
-        self.store.in_memory -= self.mem_bytes
+        st.in_memory -= self.mem_bytes
         self.memory, self.mem_bytes = [], 0
 
     @property
     def nbytes(self) -> int:
-        return self.mem_bytes + (self.spill._pending_bytes if self.spill is not None else 0)
+        return self.mem_bytes + (self.spill.pending_bytes if self.spill is not None else 0)
 
 
 def capture_unit_io(modules: Mapping[str, nn.Module] | Iterable[Any], run_fn: Callable[[], Any],

@@ -55,7 +55,7 @@ from ..runtime import device as devmod
 from ..base import BaseModel, EvalConfig, PtqConfig, batches
 from .calibration import load_calibration_windows
 from ..data import EVAL_DEFAULT
-from .capture import CallSink, CaptureStore, call_nbytes, capture_unit_io
+from .capture import CALL_METER, CallSink, CaptureStore, SpilledCalls, call_nbytes, capture_unit_io
 from ..errors import AmctError, ConfigError, DataError
 from ..io.io_utils import atomic_save, atomic_write_json, safe_torch_load
 from .perplexity import NllAccumulator, load_eval_text, tokenize_windows
@@ -126,10 +126,9 @@ def _tensor_bytes(tensors) -> int:
 
 
 def call_bytes(calls) -> int:
-    """Bytes of a unit's captured calls; a spilled sequence is measured from its chunk files."""
-    chunks = getattr(calls, "chunks", None)
-    if chunks is not None:
-        return sum(call_nbytes(c) for c in calls.head) + sum(p.stat().st_size for p, _ in chunks)
+    """Bytes of a unit's captured calls; a spilled sequence counts its bytes on disk."""
+    if isinstance(calls, SpilledCalls):
+        return sum(call_nbytes(c) for c in calls.head) + calls.spilled_nbytes
     return sum(call_nbytes(c) for c in calls)
 
 
@@ -164,6 +163,9 @@ class MemoryStats:
     hidden_bytes: int = 0            # hidden states of all samples between layers
     capture_memory_peak_bytes: int = 0   # PTQ: captured unit calls held in host memory at once (max)
     capture_spilled_bytes: int = 0       # PTQ: captured unit calls written to the scratch folder (sum)
+    #: PTQ: call data in host memory at once over a layer's capture AND solve (max over layers):
+    #: kept, waiting to be spilled, read back, stacked by an algorithm (capture.CALL_METER)
+    call_memory_peak_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -544,7 +546,8 @@ class PtqRuntime:
 
     ``capture_memory_bytes``: host-memory budget of one layer's captured unit calls; calls
     beyond it spill to OUTPUT/.scratch/layer_{i}/ (removed once the unit / layer is solved).
-    None = no budget (everything in memory). ``sharded``: build each layer spread over
+    None = no budget (everything in memory); at most ``capture_buffer_bytes`` more wait to be
+    written. ``sharded``: build each layer spread over
     ``adapter.shard_devices()`` (``dispatch.build_layer_device_map``, the ``--sharded-eval``
     placement) and solve every unit on the device that holds it, for layers that do not fit
     one device. ``make_sink(unit)``: a ``capture.CallSink`` for the unit (e.g. an algorithm's
@@ -553,6 +556,9 @@ class PtqRuntime:
     after each unit is saved (progress reporting; tests use it to interrupt)."""
 
     capture_memory_bytes: int | None = None
+    #: the write buffer of calls on their way to the scratch folder, shared by a layer's units
+    #: (``capture.CaptureStore``): host memory beyond the budget during the capture
+    capture_buffer_bytes: int = 256 * 2 ** 20
     sharded: bool = False
     #: a recipe that replays no calls (``Recipe.needs().calls`` False) gets per-leaf Hessians
     #: accumulated during the capture instead of stored calls; False stores calls anyway
@@ -568,6 +574,8 @@ class PtqRuntime:
     def check(self) -> None:
         if self.capture_memory_bytes is not None and self.capture_memory_bytes < 0:
             raise ConfigError(f"capture memory budget must be >= 0 bytes, got {self.capture_memory_bytes}")
+        if self.capture_buffer_bytes <= 0:
+            raise ConfigError(f"capture write buffer must be > 0 bytes, got {self.capture_buffer_bytes}")
         if self.hessian_memory_bytes is not None and self.hessian_memory_bytes <= 0:
             raise ConfigError(f"Hessian memory budget must be > 0 bytes, got {self.hessian_memory_bytes}")
 
@@ -720,7 +728,10 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
             adapter.prepare_capture(block)        # every unit called as a module: hooks see it
         store = CaptureStore(runtime.capture_memory_bytes,
                              None if runtime.capture_memory_bytes is None
-                             else Path(output_dir) / SCRATCH_DIR / f"layer_{i}")
+                             else Path(output_dir) / SCRATCH_DIR / f"layer_{i}",
+                             chunk_bytes=runtime.capture_buffer_bytes)
+        CALL_METER.reset_peak()
+        calls_before = CALL_METER.live      # call data alive before this layer (none in a run)
         sinks = {}
         for u in (units if not stats_mode else ()):
             if u.name in todo:
@@ -829,6 +840,9 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
             if collector is not None:
                 collector.free()
                 collector = None
+        layer_calls_peak = CALL_METER.peak - calls_before
+        mem.call_memory_peak_bytes = max(mem.call_memory_peak_bytes, layer_calls_peak)
+        ph.note(call_memory_peak_bytes=layer_calls_peak)
         if propagate == "quant":
             with ph.phase("propagate", layer=i):
                 next_hidden = adapter.do_block_forward(block, calib.hidden, calib.state)
