@@ -174,7 +174,9 @@ def hessian_clip_choice(W: torch.Tensor, H: torch.Tensor, spec, base_clip: torch
     cands = clip_grid(grid, grid_min)
 
     def fq(clip) -> torch.Tensor:
-        return formats.fake_quant(W, spec, clip if spec.granularity != "tensor" else clip.reshape(()))
+        if clip is not None and spec.granularity == "tensor":
+            clip = clip.reshape(())
+        return formats.fake_quant(W, spec, clip)
 
     base = torch.ones(scale_shape, dtype=torch.float32, device=W.device) if base_clip is None \
         else base_clip.to(W.device, torch.float32).reshape(scale_shape)
