@@ -365,3 +365,26 @@ def test_workflow_stores_no_call_and_exports_the_clips(tiny_adapter, tmp_path):
     assert clips and any((c < 1).any() for c in clips)
     _, tags_clip = run("clip:epochs=0", "clip")
     assert tags_clip["capture_bytes"] > 0          # the accounting sees stored calls where there are any
+
+
+def test_coordinate_sweeps_equal_a_naive_descent_and_only_lower_the_error():
+    """sweeps=2 on a group spec == a naive reference (per row, group by group, every candidate
+    scored on the FULL row error d H d^T with the other groups as they are, strict improvement),
+    starting from sweeps=0's choice; the exact error falls below it here."""
+    W, H = _problem(R=4, C=48, seed=7)
+    r0 = hessian_clip_choice(W[None], H[None, None], G16, None, grid=6, grid_min=0.5)
+    r2 = hessian_clip_choice(W[None], H[None, None], G16, None, grid=6, grid_min=0.5, sweeps=2)
+    ref = r0["clip"][0].clone()
+    for _ in range(2):
+        for k in range(48 // 16):
+            for r in range(4):
+                best_e = _exact(W[r:r + 1], H, G16, ref[r:r + 1])
+                for c in clip_grid(6, 0.5):
+                    trial = ref[r:r + 1].clone()
+                    trial[0, k] = c
+                    e = _exact(W[r:r + 1], H, G16, trial)
+                    if e < best_e - 1e-9 * abs(best_e):
+                        best_e, ref[r, k] = e, c
+    assert torch.equal(r2["clip"][0], ref)
+    assert r2["chosen"][0] < r0["chosen"][0]
+    assert r2["chosen"][0].item() == pytest.approx(_exact(W, H, G16, r2["clip"][0]), rel=1e-9)
