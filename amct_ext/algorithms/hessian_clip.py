@@ -260,26 +260,27 @@ def _coordinate_sweeps(W: torch.Tensor, H: torch.Tensor, spec, clip: torch.Tenso
     clip = clip.clone()
     d = W - formats.fake_quant(W, spec, clip)
     v = torch.bmm(rows(d), Hf)                                      # [N*B, R, C]: d H (H symmetric)
+    cand_t = torch.tensor(cands, dtype=torch.float32, device=W.device)
+    M = len(cands)
     for _ in range(sweeps):
         for k in range(C // gs):
             cols = slice(k * gs, (k + 1) * gs)
             Wg, dg = W[..., cols], d[..., cols]
-            Hgg, vg = Hf[:, cols, cols], v[..., cols]
-            best_de = torch.zeros(N * B, R, dtype=W.dtype, device=W.device)
-            best_c, best_d = clip[..., k].clone(), dg.clone()
-            for c in cands:
-                dn = Wg - formats.fake_quant(Wg, spec, torch.full((N, R2, 1), c, device=W.device))
-                delta = rows(dn - dg)
-                de = (torch.bmm(delta, Hgg) * delta).sum(-1) + 2 * (delta * vg).sum(-1)
-                better = de < best_de
-                best_de = torch.where(better, de, best_de)
-                b2 = better.reshape(N, R2)
-                best_c = torch.where(b2, torch.full_like(best_c, c), best_c)
-                best_d = torch.where(b2[..., None], dn, best_d)
-            delta = rows(best_d - dg)
+            # every candidate at once: [M, N, R2, gs] (one batched score, few launches a group)
+            Wm = Wg.unsqueeze(0).expand(M, N, R2, gs)
+            dn = Wm - formats.fake_quant(Wm, spec, cand_t.reshape(M, 1, 1, 1).expand(M, N, R2, 1))
+            delta = (dn - dg).reshape(M, N * B, R, gs)
+            Hgg = Hf[:, cols, cols].unsqueeze(0).expand(M, N * B, gs, gs).reshape(M * N * B, gs, gs)
+            de = (torch.bmm(delta.reshape(M * N * B, R, gs), Hgg).reshape(M, N * B, R, gs) * delta).sum(-1) \
+                + 2 * (delta * v[..., cols].unsqueeze(0)).sum(-1)                       # [M, N*B, R]
+            de_min, j = de.min(0)                      # first of equals: the larger factor
+            better = (de_min < 0).reshape(N, R2)       # the current factor is the reference
+            j = j.reshape(N, R2)
+            best_d = torch.where(better[..., None], dn.gather(0, j[None, ..., None].expand(1, N, R2, gs))[0], dg)
+            step = rows(best_d - dg)
             d[..., cols] = best_d
-            v += torch.bmm(delta, Hf[:, cols, :])
-            clip[..., k] = best_c
+            v += torch.bmm(step, Hf[:, cols, :])
+            clip[..., k] = torch.where(better, cand_t[j], clip[..., k])
     return clip
 
 
