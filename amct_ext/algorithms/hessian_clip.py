@@ -34,6 +34,10 @@ bmm, ~50 TFLOP/s on an H200): one full evaluation of every expert leaf is
 - per channel: 20 candidates exactly would be ``8.8e14`` (~18 s, too slow for the 60 s layer
   target beside capture and GPTQ); the default ``exact_top = 4`` costs ``4 * 4.4e13 = 1.8e14``
   (~3.5 s), the diagonal ranking of 20 candidates ``~4e10`` (elementwise, memory bound).
+- ``sweeps=N`` (group specs): per sweep the narrow score of every candidate again plus the
+  ``H d`` updates (``2 R C^2``): ~``3.3e13 + 4.4e13 = 7.7e13`` (~1.5 s), in ``C / g`` steps of
+  one batched op each (32 for w1 / w3, 16 for w2 at g128); the candidates of a step sit on the
+  device together ([20, 16, 2048, 128] fp32 = 0.7 GB for a chunk of 16 experts).
 The attention and shared expert add less than 10 % of that.
 
 Layouts: ``wo_a`` (a grouped einsum, weight [G * R, C], one Hessian per output group [G, C, C]):
