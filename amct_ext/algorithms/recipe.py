@@ -33,6 +33,7 @@ BUILTIN_MODULES = {
     "rtn": "amct_ext.algorithms.rtn",
     "gptq": "amct_ext.algorithms.gptq",
     "clip": "amct_ext.algorithms.clipping",
+    "hclip": "amct_ext.algorithms.hessian_clip",
     "learned_clip": "amct_ext.algorithms.learned_clip",
     "smoothquant": "amct_ext.algorithms.smoothing",
     "awq": "amct_ext.algorithms.smoothing",
