@@ -25,6 +25,7 @@
 #   I24_WINDOWS ["8 32 128" | "2 4 8"]   I24_REPEATS [1]: runs per stage (table: median, min-max)
 #   I24_SCHEMES [every built-in scheme with weights, i.e. builtin_schemes() minus kv8, kv8-fp8]
 #   I24_ALTS ["": ';'-separated "SCHEME RUN_PTQ_ARGS", e.g. "w4a16-g128 --recipe best;w8a8 --algo clip"]
+#   I24_SEQ_WINDOWS [$I24_WINDOWS]: the windows of gptq-seq-* (the last window count always runs)
 #   I24_GPTQ_SCHEME [w8a8]  I24_LLMC_ROUTED_ONLY [0]: 1 = moe_calibrate_all_experts=False
 #   I24_LIMIT_DEF [110] I24_LIMIT_GPTQ [150] I24_LIMIT_LLMC [330]: seconds per run
 #   I24_PY [python3]  I24_LLMC_PY [""]: a python with llmcompressor (CPU: /work/venvs/llmc/bin/python);
@@ -44,17 +45,26 @@
 #   gptq-nseq-8/32/128   55 / 60 / 90   §0.9: 93 s wall at 128 (capture 32, solve 17, write 11)
 #   gptq-seq-8/32/128    70 / 90 / 150  §0.9: not measured at 128 (its 580 s limit ended it in capture)
 #   bf16                100  read 13 GiB, write ~40 GiB (disk: 13 + 40 of 64 GiB; checked first)
-#   llmc-8/32/128       90 / 115 / 230  load ~45 s + import 15 s + oneshot 20.6 / 45.1 / ~150 s (issue)
+#   llmc-8/32/128       84 / 110 / 216  import 15 + load ~45 + oneshot 20.6 / 45.1 s (issue) / ~143 s
+#                                   (linear in the windows: 12.4 s + 1.02 s a window)
 #   rmbf16, table         5
-# Calls (each <= 540 s; the SAME command continues where the last one stopped):
-#   1. prep + def-w8a8 + gptq-nseq-128 + gptq-seq-128 + 2 defaults    ~ 520 s
-#   2. defaults (4)                                                    ~ 460 s
-#   3. gptq-nseq-8/32, gptq-seq-8/32, 1 default + mxfp4                ~ 450 s
-#   4. bf16 + llmc-8 + llmc-32 + llmc-128 (cut at 540)                 ~ 540 s
-# Full run ~ 33-36 min of device time: over the ~20 min budget. Cut, in this order:
-#   a) I24_SCHEMES="w8a8 w4a16-g128 w3a16-g128 w4a16": one default per distinct recipe
-#      (rtn, clip,gptq, autoround, clip): saves 5 x ~100 s; b) gptq-seq only at 128: ~160 s;
-#   c) I24_LIMIT_DEF=90. a + b gives ~23 min (3 calls + the llm-compressor call).
+# Calls (each <= 540 s; the SAME command continues where the last one stopped). Full run:
+#   1. prep + def-w8a8 + gptq-nseq-128 + gptq-seq-128 + def-fp8         ~ 500 s
+#   2. def-mxfp4 -mxfp8 -w2a16-g64 -w3a16-g128 -w4a16                   ~ 500 s
+#   3. def-w4a16-g128 -w4a8 + gptq-nseq-8 -32                            ~ 400 s
+#   4. gptq-seq-8 -32 + bf16 + llmc-8                                    ~ 490 s
+#   5. llmc-32 + llmc-128 + rmbf16 + table                               ~ 330 s
+#   = ~37 min at the limits: over the ~20 min budget. The lean run (what to cut, in this order):
+#   a) I24_SCHEMES="w8a8 w4a16-g128 w3a16-g128 w4a16": one default per distinct default recipe
+#      (rtn: also mxfp4; clip,gptq: also w4a8, mxfp8; clip: also fp8, w2a16-g64): -5 x ~100 s;
+#   b) I24_SEQ_WINDOWS=128: sequential GPTQ at 128 windows only (its target row): -2 x ~150 s;
+#   giving 3 calls:
+#   1. prep + def-w8a8 + gptq-nseq-128 + gptq-seq-128 + def-w4a16-g128   ~ 500 s
+#   2. def-w3a16-g128 + def-w4a16 + gptq-nseq-8 -32 + bf16               ~ 500 s
+#   3. llmc-8 + llmc-32 + llmc-128 + rmbf16 + table                      ~ 410 s
+#   = ~24 min at the limits; less where runs end before their limit (a default that meets its
+#   60 s target ends in ~100 s, not 110; rtn in ~55 s). Then c) I24_LIMIT_DEF=90 (-60 s), and
+#   d) I24_WINDOWS="8 128" (drops the 32-window rows: -~200 s) if still over.
 set -u
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$REPO" || exit 2
@@ -100,7 +110,8 @@ expand() {    # groups -> stage names, in order
       prep) echo env ckpt wheels probe ;;
       ours) expand gptq-first defaults gptq-rest alts ;;
       gptq-first) echo "def-$(first_scheme)"; for w in $(last_window); do echo gptq-nseq-$w gptq-seq-$w; done ;;
-      gptq-rest) for w in $(other_windows); do echo gptq-nseq-$w; done; for w in $(other_windows); do echo gptq-seq-$w; done ;;
+      gptq-rest) for w in $(other_windows); do echo gptq-nseq-$w; done
+                 for w in $(other_windows); do case " ${I24_SEQ_WINDOWS:-$WINDOWS} " in *" $w "*) echo gptq-seq-$w ;; esac; done ;;
       gptq) expand gptq-first gptq-rest ;;
       defaults) for s in $(schemes); do echo "def-$s"; done ;;
       alts) local i=0; while IFS= read -r _; do i=$((i + 1)); echo "alt-$i"; done < <(alts) ;;
@@ -119,7 +130,7 @@ est() {       # full-scale seconds of a stage (small mode: a token 1 s; its budg
     env) echo 5 ;; ckpt) echo 40 ;; wheels) echo 30 ;; probe) echo 15 ;; bf16) echo 100 ;; rmbf16|table) echo 5 ;;
     def-w8a8|def-mxfp4) echo 60 ;; def-*|alt-*) echo "$LIMIT_DEF" ;;
     gptq-nseq-*) echo 90 ;; gptq-seq-*) echo "$LIMIT_GPTQ" ;;
-    llmc-*) local w=${1#llmc-}; echo $(( 60 + w * 3 / 2 + 20 )) ;;
+    llmc-*) local w=${1#llmc-}; echo $(( 75 + w * 11 / 10 )) ;;   # import 15 + load ~45 + 12.4 s + 1.02 s a window (issue)
     *) echo 30 ;;
   esac
 }
@@ -155,9 +166,10 @@ bench() {     # tag, limit, calib samples, bench_ptq args... (one bench_ptq run 
 }
 
 st_env() {
-  { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi";
+  { date -u '+%Y-%m-%d %H:%M UTC'; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU (nvidia-smi)";
     $PY -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)";
-    nproc; free -g | head -2; df -h "$I24" | tail -1; git -C "$REPO" log -1 --format='%h %s' 2>/dev/null; } > "$RES/env.txt" 2>&1
+    echo "$(nproc) cores, host memory $(free -g | awk '/^Mem:/ {print $2}') GiB, disk free at $I24: $(df -h "$I24" | awk 'NR == 2 {print $4}')";
+    echo "tree $(git -C "$REPO" log -1 --format='%h' 2>/dev/null || echo '?')"; } > "$RES/env.txt" 2>&1
   cat "$RES/env.txt"
 }
 
@@ -242,7 +254,11 @@ st_llmc() {  # windows
   done
 }
 
-st_rmbf16() { [ "${I24_KEEP_BF16:-0}" = 1 ] || rm -rf "$BF16"; }
+st_rmbf16() {  # only once every llm-compressor stage is done: a deferred one still needs the copy
+  local w
+  for w in $WINDOWS; do [ -f "$DONE/llmc-$w" ] || { echo "  kept $BF16: llmc-$w not done yet"; return 1; }; done
+  [ "${I24_KEEP_BF16:-0}" = 1 ] || rm -rf "$BF16"
+}
 
 st_table() {
   PYTHONPATH=$REPO $PY benchmarks/scripts/issue24_table.py --results "$RES" --layer "$L" --gptq-scheme "$GPTQ_SCHEME" \
@@ -254,11 +270,16 @@ run_stage() {
   local s=$1 e rc
   if [ -f "$DONE/$s" ] && [ "${I24_REDO:-0}" != 1 ]; then echo "[$s] done before"; return 0; fi
   e=$(est "$s")
+  # after a deferral only the independent runs of ours may go ahead of it (the peer stages,
+  # the copy and its removal keep their order)
+  [ "$s" = table ] && { echo "[table] written at the end of the call"; return 0; }
+  if [ ${#DEFERRED[@]} -gt 0 ]; then case $s in def-*|alt-*|gptq-*) ;; *)
+    echo "[$s] deferred (after ${DEFERRED[0]})"; DEFERRED+=("$s"); return 0 ;; esac; fi
   if [ $(( $(elapsed) + e )) -gt "$BUDGET" ]; then echo "[$s] deferred (estimate $e s, $(elapsed) s used of $BUDGET)"; DEFERRED+=("$s"); return 0; fi
   echo "[$s] start at $(elapsed) s (estimate $e s)"
   case $s in
     env) st_env ;; ckpt) st_ckpt ;; wheels) st_wheels ;; probe) st_probe ;; bf16) st_bf16 ;;
-    rmbf16) st_rmbf16 ;; table) st_table ;;
+    rmbf16) st_rmbf16 ;; table) st_table; return 0 ;;   # rewritten after every call anyway
     def-*) st_def "${s#def-}" ;;
     alt-*) st_alt "${s#alt-}" ;;
     gptq-nseq-*) st_gptq nseq "${s#gptq-nseq-}" ;;
@@ -280,13 +301,13 @@ for s in $STAGES; do
   esac
   run_stage "$s"
 done
-# the table (and what came back) after every call, whatever was asked
-case " $(echo $STAGES) " in *" table "*) ;; *) st_table > /dev/null 2>&1 ;; esac
+# the table (and what comes back) after every call, whatever was asked
+st_table > /dev/null 2>&1 && echo "table: $RES/issue24.md"
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
   cp "$RES/issue24.md" "$RES/issue24.json" "$OUT/" 2>/dev/null
   tar -czf "$OUT/i24_results.tgz" -C "$I24" res 2>/dev/null
 fi
 if [ ${#DEFERRED[@]} -gt 0 ]; then echo "deferred to the next call: ${DEFERRED[*]}"; else
-  left=$(for s in $STAGES; do [ -f "$DONE/$s" ] || echo "$s"; done)
+  left=$(for s in $STAGES; do [ "$s" = table ] || [ -f "$DONE/$s" ] || echo "$s"; done)
   [ -z "$left" ] && echo "all stages done" || echo "not done (failed): $(echo $left)"; fi

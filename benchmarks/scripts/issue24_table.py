@@ -290,7 +290,7 @@ def markdown(rows: list[dict], rates: dict, sh: dict | None, env: str) -> str:
             lines.append(f"| {r['tag']} | {r.get('scheme') or '-'} | {r.get('algo') or '-'} | {r.get('windows') or '-'} | "
                          + "; ".join(r["stopped"])[:900].replace("|", "/") + " |" + " |" * 11)
             continue
-        fl = lambda k: f"{r[k]:.2f}" if r.get(k) is not None else "-"  # noqa: E731
+        fl = lambda k: f"{r[k]:.3g}" if r.get(k) is not None else "-"  # noqa: E731
         verdict = []
         if r["source"] == "ours":
             cs = r["capture_solve_s"]["median"]
