@@ -99,7 +99,12 @@ def layer_shapes(config, layer: int) -> dict:
 
 
 def gptq_solve_flops(sh: dict) -> float:
-    """Cholesky x 2 + inverse, (4/3) C^3 MAC a Hessian; sweep R C^2 / 2 MAC a matrix; FLOP = 2 MAC."""
+    return sum(gptq_solve_flop_parts(sh).values())
+
+
+def gptq_solve_flop_parts(sh: dict) -> dict[str, float]:
+    """Cholesky x 2 + inverse, (4/3) C^3 MAC a Hessian; sweep R C^2 / 2 MAC a matrix; FLOP = 2 MAC;
+    per unit kind (attention, all routed experts, the shared expert)."""
     def mat(r, c, hessians=1):
         return hessians * (4.0 / 3.0) * c ** 3 + r * c ** 2 / 2.0
     g = sh["groups"]
@@ -107,7 +112,7 @@ def gptq_solve_flops(sh: dict) -> float:
             + g * mat(sh["wo_a"][0] // g, sh["wo_a"][1]) + mat(*sh["wo_b"]))
     expert = mat(2 * sh["w1"][0], sh["w1"][1]) + mat(*sh["w2"])
     shared = mat(2 * sh["sw1"][0], sh["sw1"][1]) + mat(*sh["sw2"])
-    return 2.0 * (attn + sh["experts"] * expert + shared)
+    return {"attn": 2.0 * attn, "experts": 2.0 * sh["experts"] * expert, "shared_expert": 2.0 * shared}
 
 
 def hessian_flops(sh: dict, tokens: int, all_experts: bool, llmc: bool) -> float:
