@@ -18,7 +18,7 @@ Why not ``pip install --target --find-links``: with ``--target`` pip does not co
 already installed, so it would want torch and every other dependency from the wheel folder. Why
 not ``--no-deps *.whl``: a carried wheel would then shadow the machine's newer copy for no reason.
 The chosen wheels are installed with ``pip install --no-index --no-deps --target`` (or unpacked
-directly when this python has no pip). Idempotent: a second run installs nothing new.
+directly when this python has no pip). A second run installs the same choice again (pip --upgrade); the stage marker skips it.
 """
 from __future__ import annotations
 

@@ -207,7 +207,8 @@ def ours_rows(res: Path, layer: int, rates: dict, sh: dict | None) -> list[dict]
             once = p["outside_layers_s"] - p["float_predecessors"]["seconds"]
             recs.append({"capture_s": cap, "solve_s": solve, "capture_solve_s": cap + solve, "layer_s": rec["seconds"],
                          "host": rec["host_peak_bytes"], "anon": rec["host_anon_peak_bytes"],
-                         "device": rec["device_peak_bytes"], "floors": rec["floors"],
+                         # a run cut after its layer, in bench_ptq's probes, has no floors: still a row
+                         "device": rec["device_peak_bytes"], "floors": rec.get("floors", {}),
                          "kinds": {k: v["seconds"] for k, v in rec.get("unit_seconds_by_kind", {}).items()},
                          "samples": p["report"]["calibration"]["samples"],
                          "seq_len": p["report"]["calibration"]["seq_len"],
@@ -221,8 +222,8 @@ def ours_rows(res: Path, layer: int, rates: dict, sh: dict | None) -> list[dict]
                 row[k] = _stats([x[k] for x in recs])
             row["kinds_s"] = {k: statistics.median([x["kinds"].get(k, 0.0) for x in recs]) for k in recs[0]["kinds"]}
             f0 = recs[0]["floors"]
-            row["bench_flop_floor_s"] = f0["solve_flops_floor_s"]
-            row["h2d_floor_s"] = f0["h2d_floor_s"]
+            row["bench_flop_floor_s"] = f0.get("solve_flops_floor_s")
+            row["h2d_floor_s"] = f0.get("h2d_floor_s")
             if sh and rates and kind == "gptq":
                 t = row["windows"] * row["seq_len"]
                 fp32 = rates["matmul_fp32"]["flop_per_s"]
