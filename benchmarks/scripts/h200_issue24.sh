@@ -1,0 +1,313 @@
+#!/usr/bin/env bash
+# Issue 24 item 4: one run, side by side, on one H200. A 3-layer synthetic V4-Flash checkpoint
+# (layer 2: compress ratio 4, hash routing, compressor + indexer: the slowest kind), then on
+# layer 2 at the default calibration: every built-in scheme's DEFAULT recipe (bench_ptq), GPTQ
+# (sequential and sequential=false) at 8 / 32 / 128 windows, llm-compressor 0.14's GPTQ on the
+# same layer and windows (wheels carried, bf16 copy of the checkpoint), and ONE table with the
+# floors and the V4-Flash projection (benchmarks/scripts/issue24_table.py).
+#
+# Usage (repository root; state in $I24, default /tmp/i24, kept between calls while the machine
+# stays warm; every stage done is skipped on the next call, so the SAME command is repeated
+# until it prints "all stages done"):
+#   bash benchmarks/scripts/h200_issue24.sh [STAGE_OR_GROUP ...]      # default group: all
+#   I24_SMALL=1 bash benchmarks/scripts/h200_issue24.sh              # CPU, tiny dims, minutes
+# Groups: all = prep ours peer table; prep = env ckpt wheels probe; ours = gptq defaults alts;
+# gptq = gptq-nseq-128 gptq-seq-128 gptq-nseq-8 gptq-nseq-32 gptq-seq-8 gptq-seq-32;
+# defaults = def-<scheme> for $I24_SCHEMES; alts = alt-1 .. alt-N from $I24_ALTS;
+# peer = bf16 llmc-8 llmc-32 llmc-128 rmbf16. A call stops starting stages once the next one's
+# estimate would pass $I24_CALL_BUDGET (540 s) since the call began ("deferred": call again);
+# every run of ours is cut at its stage's limit (timeout -s INT: the table reads how far it got).
+# Results: $I24/res (JSON + logs), the table $I24/res/issue24.{md,json}, and copies of the table
+# plus a results tarball under $OUT (the device tool's return folder) after every call.
+#
+# Environment (defaults in brackets; I24_SMALL=1 switches to the CPU/tiny column):
+#   I24_LAYERS_CKPT [3]  I24_LAYER [2]  I24_CALIB [128 | 4]  I24_SEQ [2048 | 64]
+#   I24_WINDOWS ["8 32 128" | "2 4 8"]   I24_REPEATS [1]: runs per stage (table: median, min-max)
+#   I24_SCHEMES [every built-in scheme with weights, i.e. builtin_schemes() minus kv8, kv8-fp8]
+#   I24_ALTS ["": ';'-separated "SCHEME RUN_PTQ_ARGS", e.g. "w4a16-g128 --recipe best;w8a8 --algo clip"]
+#   I24_SEQ_WINDOWS [$I24_WINDOWS]: the windows of gptq-seq-* (the last window count always runs)
+#   I24_GPTQ_SCHEME [w8a8]  I24_LLMC_ROUTED_ONLY [0]: 1 = moe_calibrate_all_experts=False
+#   I24_LIMIT_DEF [110] I24_LIMIT_GPTQ [150] I24_LIMIT_LLMC [330]: seconds per run
+#   I24_PY [python3]  I24_LLMC_PY [""]: a python with llmcompressor (CPU: /work/venvs/llmc/bin/python);
+#   empty = $I24_PY with PYTHONPATH=$I24/site, filled by stage wheels from $I24_WHEELS [.dev/wheels-llmc]
+#   I24_BF16_DIR [$I24/bf16]  I24_KEEP_BF16 [0]  I24_REDO [0]: rerun stages already done
+#
+# PLAN, one H200, full scale (estimates: RESULTS §0.5 / §0.8 / §0.9 and the issue's figures;
+# "warm" = a later run of the same machine, page cache filled; each run of bench_ptq pays ~30 s
+# outside the layer: imports, embedding, float layers 0-1, probes):
+#   stage            est. s  from
+#   env + ckpt           45  make_synthetic_checkpoint 29-36 s (13.03 GiB)
+#   wheels               30  pip --no-deps of ~14 small wheels + one import of llmcompressor (13 s here)
+#   probe                15  bf16 / fp32 matmul rate, h2d and d2d bandwidth
+#   def-w8a8, -mxfp4     60  rtn: wall 55-96 s
+#   def-<clip/gptq/      110 each (the limit): a default that meets the 60 s target ends in ~100 s;
+#     autoround>               today clip,gptq > 280 s and autoround ~6 min: stopped at the limit
+#   gptq-nseq-8/32/128   55 / 60 / 90   §0.9: 93 s wall at 128 (capture 32, solve 17, write 11)
+#   gptq-seq-8/32/128    70 / 90 / 150  §0.9: not measured at 128 (its 580 s limit ended it in capture)
+#   bf16                100  read 13 GiB, write ~40 GiB (disk: 13 + 40 of 64 GiB; checked first)
+#   llmc-8/32/128       84 / 110 / 216  import 15 + load ~45 + oneshot 20.6 / 45.1 s (issue) / ~143 s
+#                                   (linear in the windows: 12.4 s + 1.02 s a window)
+#   rmbf16, table         5
+# Calls (each <= 540 s; the SAME command continues where the last one stopped). Full run:
+#   1. prep + def-w8a8 + gptq-nseq-128 + gptq-seq-128 + def-fp8         ~ 500 s
+#   2. def-mxfp4 -mxfp8 -w2a16-g64 -w3a16-g128 -w4a16                   ~ 500 s
+#   3. def-w4a16-g128 -w4a8 + gptq-nseq-8 -32                            ~ 400 s
+#   4. gptq-seq-8 -32 + bf16 + llmc-8                                    ~ 490 s
+#   5. llmc-32 + llmc-128 + rmbf16 + table                               ~ 330 s
+#   = ~37 min at the limits: over the ~20 min budget. The lean run (what to cut, in this order):
+#   a) I24_SCHEMES="w8a8 w4a16-g128 w3a16-g128 w4a16": one default per distinct default recipe
+#      (rtn: also mxfp4; clip,gptq: also w4a8, mxfp8; clip: also fp8, w2a16-g64): -5 x ~100 s;
+#   b) I24_SEQ_WINDOWS=128: sequential GPTQ at 128 windows only (its target row): -2 x ~150 s;
+#   giving 3 calls:
+#   1. prep + def-w8a8 + gptq-nseq-128 + gptq-seq-128 + def-w4a16-g128   ~ 500 s
+#   2. def-w3a16-g128 + def-w4a16 + gptq-nseq-8 -32 + bf16               ~ 500 s
+#   3. llmc-8 + llmc-32 + llmc-128 + rmbf16 + table                      ~ 410 s
+#   = ~24 min at the limits; less where runs end before their limit (a default that meets its
+#   60 s target ends in ~100 s, not 110; rtn in ~55 s). Then c) I24_LIMIT_DEF=90 (-60 s), and
+#   d) I24_WINDOWS="8 128" (drops the 32-window rows: -~200 s) if still over.
+set -u
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$REPO" || exit 2
+I24=${I24:-/tmp/i24}
+SMALL=${I24_SMALL:-0}
+if [ "$SMALL" = 1 ]; then
+  LIKE=tiny; DEVICE=${I24_DEVICE:-cpu}; CALIB=${I24_CALIB:-4}; SEQ=${I24_SEQ:-64}; WINDOWS=${I24_WINDOWS:-"2 4 8"}
+  SCALE=0   # estimates: small
+else
+  LIKE=v4-flash; DEVICE=${I24_DEVICE:-cuda}; CALIB=${I24_CALIB:-128}; SEQ=${I24_SEQ:-2048}
+  WINDOWS=${I24_WINDOWS:-"8 32 128"}; SCALE=1
+fi
+LAYERS_CKPT=${I24_LAYERS_CKPT:-3}; L=${I24_LAYER:-2}
+REPEATS=${I24_REPEATS:-1}
+PY=${I24_PY:-python3}
+LLMC_PY=${I24_LLMC_PY:-}
+WHEELS=${I24_WHEELS:-.dev/wheels-llmc}
+GPTQ_SCHEME=${I24_GPTQ_SCHEME:-w8a8}
+LIMIT_DEF=${I24_LIMIT_DEF:-110}; LIMIT_GPTQ=${I24_LIMIT_GPTQ:-150}; LIMIT_LLMC=${I24_LIMIT_LLMC:-330}
+[ "$SMALL" = 1 ] && { LIMIT_DEF=${I24_LIMIT_DEF:-900}; LIMIT_GPTQ=${I24_LIMIT_GPTQ:-900}; LIMIT_LLMC=${I24_LIMIT_LLMC:-900}; }
+BUDGET=${I24_CALL_BUDGET:-540}
+[ "$SMALL" = 1 ] && BUDGET=${I24_CALL_BUDGET:-100000}
+RES=$I24/res; DONE=$I24/done; WORK=$I24/work; CKPT=$I24/ckpt; SITE=$I24/site
+BF16=${I24_BF16_DIR:-$I24/bf16}
+mkdir -p "$RES" "$DONE" "$WORK"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+T0=$(date +%s)
+DEFERRED=()
+elapsed() { echo $(( $(date +%s) - T0 )); }
+
+schemes() {   # every built-in scheme that has weights (the cache-only ones have no recipe to run)
+  if [ -n "${I24_SCHEMES:-}" ]; then echo "$I24_SCHEMES"; return; fi
+  PYTHONPATH=$REPO $PY -c "from amct_ext.quant.schemes import builtin_schemes, load_scheme
+print(' '.join(s for s in builtin_schemes() if load_scheme(s).weight is not None))"
+}
+alts() { [ -n "${I24_ALTS:-}" ] && echo "$I24_ALTS" | tr ';' '\n' | sed '/^ *$/d'; }
+
+expand() {    # groups -> stage names, in order
+  local g
+  for g in "$@"; do
+    case $g in
+      all) expand prep ours peer table ;;
+      prep) echo env ckpt wheels probe ;;
+      ours) expand gptq-first defaults gptq-rest alts ;;
+      gptq-first) echo "def-$(first_scheme)"; for w in $(last_window); do echo gptq-nseq-$w gptq-seq-$w; done ;;
+      gptq-rest) for w in $(other_windows); do echo gptq-nseq-$w; done
+                 for w in $(other_windows); do case " ${I24_SEQ_WINDOWS:-$WINDOWS} " in *" $w "*) echo gptq-seq-$w ;; esac; done ;;
+      gptq) expand gptq-first gptq-rest ;;
+      defaults) for s in $(schemes); do echo "def-$s"; done ;;
+      alts) local i=0; while IFS= read -r _; do i=$((i + 1)); echo "alt-$i"; done < <(alts) ;;
+      peer) echo bf16; for w in $WINDOWS; do echo llmc-$w; done; echo rmbf16 ;;
+      *) echo "$g" ;;
+    esac
+  done
+}
+first_scheme() { local s; s=$(schemes); case " $s " in *" w8a8 "*) echo w8a8 ;; *) echo "${s%% *}" ;; esac; }
+last_window() { echo "$WINDOWS" | tr ' ' '\n' | sed '/^$/d' | tail -1; }
+other_windows() { echo "$WINDOWS" | tr ' ' '\n' | sed '/^$/d' | sed '$d'; }
+
+est() {       # full-scale seconds of a stage (small mode: a token 1 s; its budget is unlimited)
+  [ "$SCALE" = 0 ] && { echo 1; return; }
+  case $1 in
+    env) echo 5 ;; ckpt) echo 40 ;; wheels) echo 30 ;; probe) echo 15 ;; bf16) echo 100 ;; rmbf16|table) echo 5 ;;
+    def-w8a8|def-mxfp4) echo 60 ;; def-*|alt-*) echo "$LIMIT_DEF" ;;
+    gptq-nseq-*) echo 90 ;; gptq-seq-*) echo "$LIMIT_GPTQ" ;;
+    llmc-*) local w=${1#llmc-}; echo $(( 75 + w * 11 / 10 )) ;;   # import 15 + load ~45 + 12.4 s + 1.02 s a window (issue)
+    *) echo 30 ;;
+  esac
+}
+
+limit_for() {  # a run's time limit: its cap, but never past the call's budget
+  local cap=$1 left=$(( BUDGET - $(elapsed) - 5 ))
+  [ "$left" -lt "$cap" ] && cap=$left
+  [ "$cap" -lt 10 ] && cap=10
+  echo "$cap"
+}
+
+bench() {     # tag, limit, calib samples, bench_ptq args... (one bench_ptq run per repeat)
+  local tag=$1 cap=$2 n=$3; shift 3
+  local r rc=0
+  for r in $(seq 1 "$REPEATS"); do
+    local j="$RES/ours_$tag.r$r.json" lim
+    [ -f "$j" ] && [ "${I24_REDO:-0}" != 1 ] && { echo "  $tag r$r: kept"; continue; }
+    lim=$(limit_for "$cap")
+    rm -rf "$WORK/$tag"
+    local t=$(date +%s)
+    timeout -s INT "$lim" $PY benchmarks/bench_ptq.py --device "$DEVICE" --model-path "$CKPT" --start-layer "$L" \
+        --end-layer $((L + 1)) --calib-samples "$n" --seq-len "$SEQ" --workdir "$WORK/$tag" --json "$j" \
+        $([ "$SMALL" = 1 ] && echo --matmul-n 256) "$@" \
+        > "$RES/ours_$tag.r$r.log" 2>&1
+    rc=$?
+    cp "$WORK/$tag/ptq_out/ptq_params/meta.json" "$RES/ours_$tag.r$r.meta.json" 2>/dev/null
+    rm -rf "$WORK/$tag"   # disk: call-replaying recipes spill their calls there
+    echo "  $tag r$r: rc=$rc (limit $lim s) wall $(( $(date +%s) - t )) s"
+    grep -E "^\[phase\] layer $L (capture|solve)|unit seconds|^projection v4-flash|^error|Error" "$RES/ours_$tag.r$r.log" | tail -6
+    [ "$rc" = 0 ] || [ "$rc" = 124 ] || [ "$rc" = 130 ] || return "$rc"
+  done
+  return 0
+}
+
+st_env() {
+  { date -u '+%Y-%m-%d %H:%M UTC'; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU (nvidia-smi)";
+    $PY -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)";
+    echo "$(nproc) cores, host memory $(free -g | awk '/^Mem:/ {print $2}') GiB, disk free at $I24: $(df -h "$I24" | awk 'NR == 2 {print $4}')";
+    echo "tree $(git -C "$REPO" log -1 --format='%h' 2>/dev/null || echo '?')"; } > "$RES/env.txt" 2>&1
+  cat "$RES/env.txt"
+}
+
+st_ckpt() {
+  [ -f "$CKPT/model.safetensors.index.json" ] && return 0
+  rm -rf "$CKPT"
+  PYTHONPATH=$REPO $PY tools/make_synthetic_checkpoint.py --like "$LIKE" --layers "$LAYERS_CKPT" --no-mtp-block \
+      --out "$CKPT" --device "$DEVICE" > "$RES/ckpt.log" 2>&1 || { tail -3 "$RES/ckpt.log"; return 2; }
+  tail -1 "$RES/ckpt.log"
+}
+
+llmc_python() {  # the command prefix that runs python with llmcompressor importable
+  if [ -n "$LLMC_PY" ]; then echo "env PYTHONPATH=$REPO $LLMC_PY"; else echo "env PYTHONPATH=$SITE:$REPO $PY"; fi
+}
+
+st_wheels() {
+  if [ -z "$LLMC_PY" ]; then
+    [ -d "$WHEELS" ] || { echo "error: $WHEELS: no wheel folder (carry it: run(..., carry=['$WHEELS']))"; return 2; }
+    $PY benchmarks/scripts/install_wheels.py "$WHEELS" "$SITE" llmcompressor --json "$RES/wheels.json" || return 2
+  fi
+  local t=$(date +%s)
+  $(llmc_python) -c "import llmcompressor, compressed_tensors, datasets
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import GPTQModifier
+from llmcompressor.modeling.moe.linearize import linearize_moe
+import importlib.metadata as m
+print('import ok: llmcompressor', m.version('llmcompressor'), 'compressed-tensors', m.version('compressed-tensors'),
+      'transformers', m.version('transformers'), 'torch', m.version('torch'))" 2>&1 | tail -1 | tee "$RES/llmc_import.txt"
+  grep -q "^import ok" "$RES/llmc_import.txt" || return 2
+  echo "  import took $(( $(date +%s) - t )) s"
+}
+
+st_probe() {
+  PYTHONPATH=$REPO $PY benchmarks/scripts/issue24_table.py --probe "$RES/rates.json" --device "$DEVICE" \
+      $([ "$SMALL" = 1 ] && echo --small)
+}
+
+st_def() {   # scheme
+  bench "def-$1" "$LIMIT_DEF" "$CALIB" -- --scheme "$1"
+}
+
+st_alt() {   # index into $I24_ALTS: "SCHEME RUN_PTQ_ARGS"
+  local line scheme args
+  line=$(alts | sed -n "${1}p")
+  [ -n "$line" ] || { echo "error: I24_ALTS has no entry $1"; return 2; }
+  scheme=${line%% *}; args=${line#"$scheme"}
+  echo "$line" > "$RES/ours_alt-$1.what"
+  # shellcheck disable=SC2086
+  bench "alt-$1" "$LIMIT_DEF" "$CALIB" -- --scheme "$scheme" $args
+}
+
+st_gptq() {  # seq|nseq, windows
+  local algo=gptq cap=$LIMIT_GPTQ
+  [ "$1" = nseq ] && { algo=gptq:sequential=false; cap=$(( LIMIT_GPTQ > 120 ? LIMIT_GPTQ : 120 )); }
+  bench "gptq-$1-$2" "$cap" "$2" --algo "$algo" -- --scheme "$GPTQ_SCHEME"
+}
+
+st_bf16() {
+  PYTHONPATH=$REPO $PY benchmarks/scripts/release_to_bf16.py "$CKPT" "$BF16" --device "$DEVICE" \
+      > "$RES/bf16.log" 2>&1; local rc=$?
+  tail -2 "$RES/bf16.log"; return $rc
+}
+
+st_llmc() {  # windows
+  local w=$1 r rc=0
+  [ -f "$BF16/model.safetensors.index.json" ] || { echo "error: no bf16 copy at $BF16 (stage bf16)"; return 2; }
+  for r in $(seq 1 "$REPEATS"); do
+    local j="$RES/llmc_$w.r$r.json" lim meta
+    [ -f "$j" ] && grep -q '"oneshot_s"' "$j" && [ "${I24_REDO:-0}" != 1 ] && { echo "  llmc-$w r$r: kept"; continue; }
+    lim=$(limit_for "$LIMIT_LLMC")
+    meta=$(ls "$RES"/ours_gptq-nseq-$w.r*.meta.json "$RES"/ours_gptq-seq-$w.r*.meta.json 2>/dev/null | head -1)
+    local t=$(date +%s)
+    # shellcheck disable=SC2046
+    timeout -s INT "$lim" $(llmc_python) benchmarks/peer_llmcompressor_layer.py --model "$BF16" --layer "$L" \
+        --windows "$w" --seq-len "$SEQ" --device "$DEVICE" --scheme "$GPTQ_SCHEME" --json "$j" \
+        $([ -n "$meta" ] && echo --ours-meta "$meta") $([ "${I24_LLMC_ROUTED_ONLY:-0}" = 1 ] && echo --routed-only) \
+        $([ "$SMALL" = 1 ] && echo --threads 1) > "$RES/llmc_$w.r$r.log" 2>&1
+    rc=$?
+    echo "  llmc-$w r$r: rc=$rc (limit $lim s) wall $(( $(date +%s) - t )) s"
+    grep -E "^\[phase\]|^llm-compressor|^error" "$RES/llmc_$w.r$r.log" | tail -4
+    [ "$rc" = 0 ] || [ "$rc" = 124 ] || return "$rc"
+  done
+}
+
+st_rmbf16() {  # only once every llm-compressor stage is done: a deferred one still needs the copy
+  local w
+  for w in $WINDOWS; do [ -f "$DONE/llmc-$w" ] || { echo "  kept $BF16: llmc-$w not done yet"; return 1; }; done
+  [ "${I24_KEEP_BF16:-0}" = 1 ] || rm -rf "$BF16"
+}
+
+st_table() {
+  PYTHONPATH=$REPO $PY benchmarks/scripts/issue24_table.py --results "$RES" --layer "$L" --gptq-scheme "$GPTQ_SCHEME" \
+      --md "$RES/issue24.md" --json "$RES/issue24.json" > "$RES/table.log" 2>&1 || { tail -5 "$RES/table.log"; return 2; }
+  cat "$RES/issue24.md"
+}
+
+run_stage() {
+  local s=$1 e rc
+  if [ -f "$DONE/$s" ] && [ "${I24_REDO:-0}" != 1 ]; then echo "[$s] done before"; return 0; fi
+  e=$(est "$s")
+  # after a deferral only the independent runs of ours may go ahead of it (the peer stages,
+  # the copy and its removal keep their order)
+  [ "$s" = table ] && { echo "[table] written at the end of the call"; return 0; }
+  if [ ${#DEFERRED[@]} -gt 0 ]; then case $s in def-*|alt-*|gptq-*) ;; *)
+    echo "[$s] deferred (after ${DEFERRED[0]})"; DEFERRED+=("$s"); return 0 ;; esac; fi
+  if [ $(( $(elapsed) + e )) -gt "$BUDGET" ]; then echo "[$s] deferred (estimate $e s, $(elapsed) s used of $BUDGET)"; DEFERRED+=("$s"); return 0; fi
+  echo "[$s] start at $(elapsed) s (estimate $e s)"
+  case $s in
+    env) st_env ;; ckpt) st_ckpt ;; wheels) st_wheels ;; probe) st_probe ;; bf16) st_bf16 ;;
+    rmbf16) st_rmbf16 ;; table) st_table; return 0 ;;   # rewritten after every call anyway
+    def-*) st_def "${s#def-}" ;;
+    alt-*) st_alt "${s#alt-}" ;;
+    gptq-nseq-*) st_gptq nseq "${s#gptq-nseq-}" ;;
+    gptq-seq-*) st_gptq seq "${s#gptq-seq-}" ;;
+    llmc-*) st_llmc "${s#llmc-}" ;;
+    *) echo "error: unknown stage $s"; return 2 ;;
+  esac
+  rc=$?
+  if [ "$rc" = 0 ]; then touch "$DONE/$s"; echo "[$s] done at $(elapsed) s"; else echo "[$s] FAILED rc=$rc at $(elapsed) s"; fi
+  return 0
+}
+
+STAGES=$(expand "${@:-all}")
+echo "stages: $(echo $STAGES)"
+for s in $STAGES; do
+  case $s in ckpt|env|wheels|probe) ;; *)
+    [ "$s" != table ] && [ ! -f "$DONE/ckpt" ] && [ ! -f "$CKPT/model.safetensors.index.json" ] && \
+      { echo "[$s] needs the checkpoint: running ckpt first"; run_stage ckpt; } ;;
+  esac
+  run_stage "$s"
+done
+# the table (and what comes back) after every call, whatever was asked
+st_table > /dev/null 2>&1 && echo "table: $RES/issue24.md"
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT"
+  cp "$RES/issue24.md" "$RES/issue24.json" "$OUT/" 2>/dev/null
+  tar -czf "$OUT/i24_results.tgz" -C "$I24" res 2>/dev/null
+fi
+if [ ${#DEFERRED[@]} -gt 0 ]; then echo "deferred to the next call: ${DEFERRED[*]}"; else
+  left=$(for s in $STAGES; do [ "$s" = table ] || [ -f "$DONE/$s" ] || echo "$s"; done)
+  [ -z "$left" ] && echo "all stages done" || echo "not done (failed): $(echo $left)"; fi

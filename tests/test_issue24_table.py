@@ -1,0 +1,59 @@
+"""benchmarks/scripts/issue24_table.py: the GPTQ floor it prints and how it reads repeats."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _table():
+    spec = importlib.util.spec_from_file_location("issue24_table", REPO / "benchmarks/scripts/issue24_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gptq_floor_of_the_flash_experts_is_the_hand_count_of_results_0_9():
+    """RESULTS §0.9 counts the 256 V4-Flash experts' GPTQ by hand: per expert w1 | w3 stacked
+    (R 4096, C 4096) and w2 (R 4096, C 2048), (4/3) C^3 + R C^2 / 2 multiply-adds each: 7.5e13 FLOP."""
+    from models.deepseek_v4.configuration import DeepseekV4Config
+    from models.deepseek_v4.synthetic import synthetic_config_dict
+
+    t = _table()
+    sh = t.layer_shapes(DeepseekV4Config(**synthetic_config_dict("v4-flash", 3)), 2)
+    assert sh["w1"] == (2048, 4096) and sh["w2"] == (4096, 2048) and sh["experts"] == 256
+    per_expert_mac = (4 / 3) * 4096 ** 3 + 4096 * 4096 ** 2 / 2 + (4 / 3) * 2048 ** 3 + 4096 * 2048 ** 2 / 2
+    parts = t.gptq_solve_flop_parts(sh)
+    assert abs(parts["experts"] - 2 * 256 * per_expert_mac) <= 1e-9 * parts["experts"]
+    assert 7.4e13 < parts["experts"] < 7.6e13
+    # the grouped wo_a: one Hessian per output group (8 of 4096 columns), not one of 32768
+    assert sh["wo_a"] == (8 * 1024, 4096) and sh["groups"] == 8
+
+
+def _bench_json(path: Path, layer: int, capture: float, solve: float, total: float, anon: int) -> None:
+    rec = {"phases": {"capture": {"seconds": capture}, "solve:recipe": {"seconds": solve}}, "seconds": total,
+           "host_peak_bytes": 2 * anon, "host_anon_peak_bytes": anon, "device_peak_bytes": 3 * anon,
+           "floors": {"solve_flops_floor_s": 1.0, "h2d_floor_s": 0.5}, "unit_seconds_by_kind": {}}
+    path.write_text(json.dumps({"args": {"algo": "gptq:sequential=false", "extra": ["--scheme", "w8a8"]},
+                                "ptq": {"per_layer": {str(layer): rec}, "outside_layers_s": 30.0,
+                                        "float_predecessors": {"seconds": 20.0},
+                                        "report": {"calibration": {"samples": 8, "seq_len": 64}}}}))
+
+
+def test_repeats_give_median_and_spread_and_a_stopped_run_is_listed(tmp_path):
+    t = _table()
+    for r, (c, s, tot) in enumerate([(1.0, 10.0, 12.0), (3.0, 12.0, 40.0), (2.0, 50.0, 25.0)], start=1):
+        _bench_json(tmp_path / f"ours_gptq-nseq-8.r{r}.json", 2, c, s, tot, 2 ** 30)
+    (tmp_path / "ours_gptq-nseq-8.r4.json").write_text(json.dumps({"args": {}}))   # stopped: no "ptq"
+    (tmp_path / "ours_gptq-nseq-8.r4.log").write_text("[phase] layer 2 capture: 7.50 s, device peak 1.0 GiB, "
+                                                     "host RSS 2.0 GiB (anon 1.0) {'ended_by': 'KeyboardInterrupt'}\n")
+    (row,) = t.ours_rows(tmp_path, 2, {}, None)
+    assert row["runs"] == 3 and row["solve_s"] == {"median": 12.0, "min": 10.0, "max": 50.0, "n": 3}
+    assert row["capture_solve_s"]["median"] == 15.0   # per run: 11, 15, 52
+    # projection: 43 x the layer + what runs once outside the layers, less the float predecessors
+    assert abs(row["projection_min"]["median"] - (43 * 25.0 + 10.0) / 60) < 1e-9
+    assert len(row["stopped"]) == 1 and "capture 7.5 s (stopped here)" in row["stopped"][0]
+    md = t.markdown([row], {}, None, "")
+    assert "12.0 [10.0-50.0]" in md and "1 run(s) stopped" in md
