@@ -49,11 +49,13 @@ class Headline:
     metric: str            # report.json ppl key: float | rtn | quant
     ci: bool               # rerun by the test suite (else by --check only)
     ppl_modes: str = ""    # run_ptq --ppl-modes: the reference PPLs the same run also measures
+    recipe: str = "default"  # the scheme's named recipe (recipe.NAMED_RECIPES): default | best
 
     def argv(self, threads: int = 1) -> list[str]:
         """The exact run_ptq arguments (the output folder is added by the runner). No --algo: a
-        scheme's headline is its default recipe, whatever recipe.py says it is."""
-        return ["--model", "tiny-trained", "--scheme", self.scheme, "--eval-windows", str(REPORTED_WINDOWS),
+        scheme's headline is its named recipe, whatever recipe.py says it is."""
+        named = [] if self.recipe == "default" else ["--recipe", self.recipe]
+        return ["--model", "tiny-trained", "--scheme", self.scheme, *named, "--eval-windows", str(REPORTED_WINDOWS),
                 "--ppl-modes", self.ppl_modes, "--threads", str(threads), "--quiet"]
 
     def command(self) -> str:
@@ -67,6 +69,10 @@ HEADLINES = (
     Headline("w4a8", "w4a8", "quant", False),
     Headline("mxfp4", "mxfp4", "quant", False),
     Headline("w3a16-g128", "w3a16-g128", "quant", False),
+    # the slower recipes the defaults gave way to (issue 24): --recipe best
+    Headline("w4a16-g128-best", "w4a16-g128", "quant", False, recipe="best"),
+    Headline("w4a8-best", "w4a8", "quant", False, recipe="best"),
+    Headline("w3a16-g128-best", "w3a16-g128", "quant", False, recipe="best"),
 )
 BY_NAME = {h.name: h for h in HEADLINES}
 
