@@ -98,7 +98,7 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 schemes() {   # every built-in scheme that has weights (the cache-only ones have no recipe to run)
   if [ -n "${I24_SCHEMES:-}" ]; then echo "$I24_SCHEMES"; return; fi
   PYTHONPATH=$REPO $PY -c "from amct_ext.quant.schemes import builtin_schemes, load_scheme
-print(' '.join(s for s in builtin_schemes() if load_scheme(s).weight is not None))"
+print(' '.join(s for s in builtin_schemes() if any(t.weight is not None for t in load_scheme(s).targets.values())))"
 }
 alts() { [ -n "${I24_ALTS:-}" ] && echo "$I24_ALTS" | tr ';' '\n' | sed '/^ *$/d'; }
 
