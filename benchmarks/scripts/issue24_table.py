@@ -382,10 +382,11 @@ def main(argv=None) -> int:
     rates = json.loads((a.results / "rates.json").read_text()) if (a.results / "rates.json").is_file() else {}
     ckpt = a.ckpt or a.results.parent / "ckpt"
     sh = None
-    if (ckpt / "config.json").is_file():
-        from models.deepseek_v4.loading import load_config
+    cfg_file = ckpt / "config.json" if (ckpt / "config.json").is_file() else a.results / "ckpt_config.json"
+    if cfg_file.is_file():   # the checkpoint's config (a copy in the results once the checkpoint is gone)
+        from models.deepseek_v4.configuration import DeepseekV4Config
 
-        sh = layer_shapes(load_config(ckpt), a.layer)
+        sh = layer_shapes(DeepseekV4Config(**json.loads(cfg_file.read_text())), a.layer)
     rows = ours_rows(a.results, a.layer, rates, sh) + llmc_rows(a.results, rates, sh)
     env = (a.results / "env.txt").read_text() if (a.results / "env.txt").is_file() else ""
     md = markdown(rows, rates, sh, env)
