@@ -171,8 +171,21 @@ def what_of(tag: str, run_args: dict) -> tuple[str, str, str]:
     return "alternative", scheme, "`" + " ".join([f"--algo {algo}"] * bool(algo) + rest) + "`"
 
 
-def ours_rows(res: Path, layer: int, rates: dict, sh: dict | None) -> list[dict]:
+def failed_or_stopped(log: Path) -> str:
+    """A run without its result: the error it ended with, else how far its time limit let it get."""
     from defaults_table import stopped
+
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    err = [ln for ln in lines if ln.startswith("error: ") or "Error: " in ln.split(" ", 1)[0] + " "]
+    if err and "KeyboardInterrupt" not in err[-1]:
+        return "failed: " + err[-1][:400]
+    return stopped(log)
+
+
+def ours_rows(res: Path, layer: int, rates: dict, sh: dict | None) -> list[dict]:
 
     groups: dict[str, list[Path]] = {}
     for p in sorted(res.glob("ours_*.r*.json")):
@@ -195,7 +208,7 @@ def ours_rows(res: Path, layer: int, rates: dict, sh: dict | None) -> list[dict]
             if m.is_file():
                 meta = json.loads(m.read_text()).get("calibration", {}).get("windows_sha256")
             if not p:
-                stops.append(stopped(f.with_suffix(".log")))
+                stops.append(failed_or_stopped(f.with_suffix(".log")))
                 continue
             rec = p["per_layer"].get(str(layer)) or p["per_layer"].get(layer)
             if rec is None:
@@ -369,10 +382,11 @@ def main(argv=None) -> int:
     rates = json.loads((a.results / "rates.json").read_text()) if (a.results / "rates.json").is_file() else {}
     ckpt = a.ckpt or a.results.parent / "ckpt"
     sh = None
-    if (ckpt / "config.json").is_file():
-        from models.deepseek_v4.loading import load_config
+    cfg_file = ckpt / "config.json" if (ckpt / "config.json").is_file() else a.results / "ckpt_config.json"
+    if cfg_file.is_file():   # the checkpoint's config (a copy in the results once the checkpoint is gone)
+        from models.deepseek_v4.configuration import DeepseekV4Config
 
-        sh = layer_shapes(load_config(ckpt), a.layer)
+        sh = layer_shapes(DeepseekV4Config(**json.loads(cfg_file.read_text())), a.layer)
     rows = ours_rows(a.results, a.layer, rates, sh) + llmc_rows(a.results, rates, sh)
     env = (a.results / "env.txt").read_text() if (a.results / "env.txt").is_file() else ""
     md = markdown(rows, rates, sh, env)
