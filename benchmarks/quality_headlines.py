@@ -187,9 +187,9 @@ def main(argv=None) -> int:
         cache: dict = {}
         for n in names:
             h = BY_NAME[n]
-            e = run_headline(h, root / f"{h.scheme}-{h.ppl_modes or 'none'}", cache=cache)
+            e = run_headline(h, root / f"{h.scheme}-{h.recipe}-{h.ppl_modes or 'none'}", cache=cache)
             if args.threads_check:
-                e2 = run_headline(h, root / f"{h.scheme}-{h.ppl_modes or 'none'}-t2", threads=2, cache=cache)
+                e2 = run_headline(h, root / f"{h.scheme}-{h.recipe}-{h.ppl_modes or 'none'}-t2", threads=2, cache=cache)
                 e["threads_2"] = {"value": e2["value"], "rel_diff": abs(e2["value"] / e["value"] - 1),
                                   "wall_s": e2["wall_s"]}
             print(f"{n:12s} {e['value']:.4f}  {e['recipe']}  ({e['wall_s']:.0f} s)"
