@@ -388,3 +388,16 @@ def test_coordinate_sweeps_equal_a_naive_descent_and_only_lower_the_error():
     assert torch.equal(r2["clip"][0], ref)
     assert r2["chosen"][0] < r0["chosen"][0]
     assert r2["chosen"][0].item() == pytest.approx(_exact(W, H, G16, r2["clip"][0]), rel=1e-9)
+
+
+def test_per_channel_exact_top_equal_to_grid_scores_every_candidate():
+    """exact_top = grid on a near rank-one Hessian (its diagonal ranks the factors unlike the
+    exact error): still the brute force, since RTN (factor 1.0, the incoming state) takes no
+    second slot among the exactly scored (found by search: a version that let 1.0 take one
+    scored 2 of the 3 factors and missed the best here)."""
+    g = torch.Generator().manual_seed(11)
+    W = torch.randn(6, 16, generator=g, dtype=torch.float64) ** 3
+    v = torch.randn(16, generator=g, dtype=torch.float64)
+    H = torch.outer(v, v) * 50 + torch.diag(torch.rand(16, generator=g, dtype=torch.float64))
+    r = hessian_clip_choice(W[None], H[None, None], CH4, None, grid=3, grid_min=0.5, exact_top=3)
+    assert torch.equal(r["clip"][0], _brute_force(W, H, CH4, 3, 0.5))

@@ -22,8 +22,8 @@ keep RTN) is chosen on that error:
 - Wide blocks (granularity 'channel' or 'tensor': w4a16, w8a8, fp8): a block is a whole row, and its exact error costs ``2 C^2`` per row and candidate
   (``2 R C^2`` per leaf). Every candidate is first ranked by the diagonal of H
   (``sum_j H_jj d_j^2``, ``R C`` per candidate: what ``clip`` uses), and only the incoming state
-  plus the ``exact_top - 1`` best-ranked candidates are scored exactly. ``exact_top >= grid``
-  scores every candidate (a brute force). The chosen row error is then exact, and never above
+  plus the ``exact_top - 1`` best-ranked other candidates are scored exactly. ``exact_top >=
+  grid`` scores every candidate (a brute force). The chosen row error is then exact, and never above
   the incoming one's (it is a candidate).
 
 Cost on one V4-Flash layer (256 routed experts; w1 / w3 [2048, 4096], w2 [4096, 2048], fp32
@@ -228,7 +228,9 @@ def hessian_clip_choice(W: torch.Tensor, H: torch.Tensor, spec, base_clip: torch
             dq = W - fq(torch.full(scale_shape, c, device=W.device))
             ranks.append(plan.to_public((dq.square() * diag_rows).sum(-1)))
         ranks = torch.stack(ranks, -1)                                       # [N, *scale, grid]
-        k = max(1, min(exact_top - 1, grid))
+        if base_clip is None:           # factor 1.0 IS the incoming state: no slot for it twice
+            ranks[..., 0] = float("inf")
+        k = max(1, min(exact_top - 1, grid - (base_clip is None)))
         order = torch.argsort(ranks, dim=-1, stable=True)[..., :k]           # ties: larger factor first
         cand_t = torch.tensor(cands, dtype=torch.float32, device=W.device)
         best_c = base.clone()
