@@ -260,10 +260,10 @@ DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
     "w8a8": ("rtn", "float"),                 # dev: RTN 244.295 (clip 244.277 within 0.1 %, replays calls)
     "w4a16-g128": ("hclip:sweeps=2,gptq:sequential=false", "float"),  # dev 244.567 < hclip,gptq@float 245.439; best clip,gptq 245.189
     "w3a16-g128": ("hclip,gptq:sequential=false", "quant"),  # dev 254.499 < hclip:sweeps=2 255.322; best autoround 250.248
-    "w4a16": ("hclip,gptq:sequential=false", "float"),       # dev 245.146 < clip 246.525 (best, replays calls) < hclip 246.587
+    "w4a16": ("hclip,gptq:sequential=false", "float"),       # dev 244.708 < clip 246.525 (best, replays calls) < hclip 246.835
     "w4a8": ("hclip,gptq:sequential=false", "quant"),        # dev 245.972 < hclip:sweeps=2 @quant 246.575; best clip,gptq 246.834
     "w2a16-g64": ("hclip:sweeps=2", "float"),                # dev 309.981 < hclip 311.831 < hclip,gptq 320.960; best clip 300.683
-    "fp8": ("hclip", "float"),                               # dev 245.072 < hclip,gptq 245.140; best clip 244.473
+    "fp8": ("gptq:sequential=false", "float"),               # dev 244.626 < hclip,gptq 245.150; best clip 244.473
     "mxfp8": ("gptq:sequential=false", "float"),             # dev (hclip is a no-op on MX) 244.080 = best clip,gptq@quant 244.077
     "mxfp4": ("rtn", "float"),                # dev: RTN 253.504 < gptq 253.885 < gptq@quant = clip,gptq@quant 254.673
     "kv8": ("rtn", "float"),                  # cache-only schemes: no weights to solve
@@ -285,7 +285,7 @@ BEST_RECIPES: dict[str, tuple[str, str]] = {
     "w4a16": ("clip", "float"),               # test 275.515 (default 276.866)
     "w4a8": ("clip,gptq", "float"),           # test 274.443 (default 274.732)
     "w2a16-g64": ("clip", "float"),           # test 331.480 (default 338.446)
-    "fp8": ("clip", "float"),                 # dev 244.473 (default 245.072)
+    "fp8": ("clip", "float"),                 # dev 244.473 (default 244.626)
     "mxfp8": ("clip,gptq", "quant"),          # dev 244.077 (default 244.080)
 }
 
