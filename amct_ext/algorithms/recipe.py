@@ -258,7 +258,9 @@ __all__ = ["Recipe", "RecipeError", "register", "known_algorithms", "algorithm_c
 #: take minutes a layer at real size. Dev PPLs, 2026-12-01 (hclip helper's table, RESULTS §3.1):
 DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
     "w8a8": ("rtn", "float"),                 # dev: RTN 244.295 (clip 244.277 within 0.1 %, replays calls)
-    "w4a16-g128": ("hclip:sweeps=2,gptq:sequential=false", "float"),  # dev 244.567 < hclip,gptq@float 245.439; best clip,gptq 245.189
+    # dev: hclip:sweeps=2,gptq:sequential=false@float 244.567 is better but took 60.4 s on the H200
+    # layer (RESULTS §0.10: its two sweeps cost ~20 s, not the ~3 s estimated), past rule 1
+    "w4a16-g128": ("hclip,gptq:sequential=false", "quant"),  # dev 245.324 < @float 245.439; best clip,gptq 245.189
     "w3a16-g128": ("hclip,gptq:sequential=false", "quant"),  # dev 254.499 < hclip:sweeps=2 255.322; best autoround 250.248
     "w4a16": ("hclip,gptq:sequential=false", "float"),       # dev 244.708 < clip 246.525 (best, replays calls) < hclip 246.835
     "w4a8": ("hclip,gptq:sequential=false", "quant"),        # dev 245.972 < hclip:sweeps=2 @quant 246.575; best clip,gptq 246.834
@@ -280,9 +282,9 @@ BEST_FALLBACK = ("clip", "float")
 #: default runs a V4-Flash layer in <= 60 s on one H200; `best` may replay every captured call).
 #: A scheme not listed here has no slower recipe worth its cost: ``best`` is its default.
 BEST_RECIPES: dict[str, tuple[str, str]] = {
-    "w4a16-g128": ("clip,gptq", "float"),     # test 274.350 (default 276.129); > 280 s a Flash layer (§0.8)
+    "w4a16-g128": ("clip,gptq", "float"),     # test 274.350 (default 276.665); > 280 s a Flash layer (§0.8)
     "w3a16-g128": ("autoround", "float"),     # test 278.832 (default 284.295); ~6 min a Flash layer (issue 24)
-    "w4a16": ("clip", "float"),               # test 275.515 (default 276.866)
+    "w4a16": ("clip,gptq", "quant"),          # dev 245.876 < clip 246.525; test 274.670 (default 276.507), auto-round 275.116
     "w4a8": ("clip,gptq", "float"),           # test 274.443 (default 274.732)
     "w2a16-g64": ("clip", "float"),           # test 331.480 (default 338.446)
     "fp8": ("clip", "float"),                 # dev 244.473 (default 244.626)
