@@ -486,10 +486,10 @@ def peer_main(args) -> int:
 
 
 # =========================================================================== our side
-def our_quantized_modules(scheme: str, quant_target: str | None, model_path: Path = DEFAULT_MODEL) -> dict:
-    """The project's quantized Linears for ``scheme`` and the targets (default attn-linear,moe),
-    in transformers' names and counted by kind like the peer's: the project's V4 built on the
-    meta device from the checkpoint's config.json, each block wrapped by ``quantize_block``."""
+def our_quantized_names(scheme: str, quant_target: str | None, model_path: Path = DEFAULT_MODEL) -> list[str]:
+    """The project's quantized Linears for ``scheme`` and the targets (default attn-linear,moe)
+    in transformers' names: the project's V4 built on the meta device from the checkpoint's
+    config.json, each block wrapped by ``quantize_block`` (no weights read)."""
     import torch
     from amct_ext.quant.quant_linear import QuantLinear
     from amct_ext.quant.schemes import load_scheme
@@ -501,13 +501,19 @@ def our_quantized_modules(scheme: str, quant_target: str | None, model_path: Pat
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config, dtype=torch.float32)
     sch = load_scheme(scheme)
-    counts: dict[str, int] = {}
+    names = []
     for i, block in enumerate(model.layers):
         quantize_block(block, sch, quant_target or "attn-linear,moe")
-        for name, mod in block.named_modules():
-            if isinstance(mod, QuantLinear) and not mod.weight_quantizer.is_identity:
-                kind = module_kind(our_name_to_hf(f"layers.{i}.{name}"))
-                counts[kind] = counts.get(kind, 0) + 1
+        names += [our_name_to_hf(f"layers.{i}.{name}") for name, mod in block.named_modules()
+                  if isinstance(mod, QuantLinear) and not mod.weight_quantizer.is_identity]
+    return sorted(names)
+
+
+def our_quantized_modules(scheme: str, quant_target: str | None, model_path: Path = DEFAULT_MODEL) -> dict:
+    """:func:`our_quantized_names` counted by kind like the peer's."""
+    counts: dict[str, int] = {}
+    for name in our_quantized_names(scheme, quant_target, model_path):
+        counts[module_kind(name)] = counts.get(module_kind(name), 0) + 1
     counts = dict(sorted(counts.items()))
     return {"by_kind": counts, "total": sum(counts.values()), "groups": _groups(counts)}
 
