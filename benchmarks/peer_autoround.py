@@ -389,15 +389,21 @@ def run_cell(args, scheme: str, tok, calib) -> dict:
     counts = quantized_modules(qmodel, load_model(args.model, unfuse=True), scheme, layer_config)
     ppl = _plc.hf_perplexity(qmodel, args._eval_windows)
     t3 = time.perf_counter()
-    cfg = ar.quantizer if hasattr(ar, "quantizer") else None
-    settings = {k: getattr(cfg, k, None) for k in ("iters", "lr", "minmax_lr", "nblocks", "enable_minmax_tuning",
-                                                     "enable_quanted_input", "gradient_accumulate_steps",
-                                                     "not_use_best_mse")} if cfg is not None else {}
-    settings["batch_size"] = getattr(getattr(ar, "calibration_context", None), "batch_size", None)
     return {"scheme": scheme, "ppl": ppl, "vs_float_pct": 100.0 * (ppl / args._float_ppl - 1.0),
             "quantize_s": round(t2 - t1, 2), "eval_s": round(t3 - t2, 2), "load_s": round(t1 - t0, 2),
-            "scheme_fields": SCHEMES[scheme], "autoround_settings": _jsonable(settings),
+            "scheme_fields": SCHEMES[scheme], "autoround_settings": autoround_settings(ar),
             "quantized_modules": counts}
+
+
+def autoround_settings(ar) -> dict:
+    """The algorithm settings auto-round resolved (its SignRound config; lr None = its own
+    rule from iters) and the calibration batch: what "auto-round's defaults" were."""
+    cfg = ar.quantize_config
+    keep = {k: v for k, v in vars(cfg).items() if not k.startswith("_") and k != "scheme"}
+    keep["algorithm"] = type(cfg).__name__
+    keep["batch_size"] = getattr(ar.calibration_context, "batch_size", None)
+    keep["seed"] = getattr(ar, "seed", None)
+    return _jsonable(keep)
 
 
 def _jsonable(d: dict) -> dict:
@@ -462,6 +468,12 @@ def peer_main(args) -> int:
         print("error: a layer replayed the way auto-round calls it differs from the real forward",
               file=sys.stderr)
         return 2
+
+    if "autoround_defaults" not in res or args.redo:
+        res["autoround_defaults"] = autoround_settings(
+            new_autoround(load_model(args.model), tok, "w4a16-g128", cal, seed=args.ar_seed))
+        _plc.save(out_path, res)
+    print("auto-round settings: " + json.dumps(res["autoround_defaults"]), flush=True)
 
     for scheme in args.schemes:
         if scheme in res["cells"] and not args.redo and "error" not in res["cells"][scheme]:
