@@ -277,11 +277,14 @@ def new_autoround(model, tokenizer, scheme: str, calib, seed: int):
         # our 16 x 256 windows, one [1, 256] tensor per sample (auto-round's default is 128 x 2048
         # of pile-10k, which is not reachable here and not what the project calibrates on)
         dataset=[w[None] for w in calib], nsamples=int(calib.shape[0]), seqlen=int(calib.shape[1]),
-        # amp=True casts the block to bf16 on CPU and the replay then fails with a dtype mismatch
-        # ("expected m1 and m2 to have the same dtype"); the project's protocol is fp32 anyway
+        # fp32 is the project's protocol. amp=True would tune in bf16 where the CPU has it (and
+        # was reported to fail there with "expected m1 and m2 to have the same dtype"); on this
+        # machine auto-round switches it off by itself ("cpu device does not support the
+        # 'bf16' data type"), so amp=False only pins what happens anyway (casebook AR1)
         amp=False,
-        # low_cpu_mem_usage=True offloads finished blocks, which loses V4's rotary buffers
-        # ("size of tensor a (64) must match the size of tensor b (0)")
+        # low_cpu_mem_usage=True offloads finished blocks; it was reported to lose V4's rotary
+        # buffers. Not reproduced with 0.16.1 (same PPL bit for bit at iters=1), kept off: a
+        # 20 MB model has nothing to offload (casebook AR5)
         low_cpu_mem_usage=False,
         device_map="cpu",
         layer_config=layer_config_for(model),
@@ -430,7 +433,8 @@ def peer_main(args) -> int:
     res["command"] = " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
     res["date"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     res["workarounds"] = applied + install_v4_adapters(_plc.load_hf_model(args.model, linearize=False)) + [
-        "amp=False (fp32 on CPU)", "low_cpu_mem_usage=False (keeps V4's rotary buffers)",
+        "amp=False (fp32; auto-round turns amp off on this CPU by itself)",
+        "low_cpu_mem_usage=False (nothing to offload; True gave the same result here)",
         "layer_config pins the non-target Linears to 16 bit"]
 
     if "float" not in res or args.redo:

@@ -152,3 +152,46 @@ def test_adapted_layer_replays_from_what_autoround_keeps(peer):
     with pytest.raises(TypeError, match="position_embeddings"):
         with torch.no_grad():
             type(layer).forward(layer, args[0], **kept)
+
+
+def test_committed_peer_results_hold_their_checks(peer):
+    """The committed auto-round results: float check passed, every layer kind replayed exactly,
+    each cell quantized the same 126 Linears as ours (counted from auto-round's layer_config
+    and from the weights, agreeing), at auto-round 0.16's default SignRound settings."""
+    res = json.loads(peer.DEFAULT_JSON.read_text())
+    assert res["float"]["ok"] and abs(res["float"]["ppl"] / peer.OUR_FLOAT_PPL - 1) <= peer.FLOAT_RTOL
+    assert res["float"]["adapted_logits_max_abs_diff"] == 0.0
+    assert len(res["replay_check"]) == 3 and all(r["equal"] for r in res["replay_check"].values())
+    assert res["versions"]["auto-round"].startswith("0.16")
+    d = res["autoround_defaults"]
+    assert (d["algorithm"], d["iters"], d["nblocks"], d["batch_size"], d["seed"]) == ("SignRoundConfig", 200, 1, 8, 42)
+    assert d["enable_minmax_tuning"] and d["enable_quanted_input"] and not d["not_use_best_mse"]
+    ours = peer.our_quantized_modules("w4a16-g128", None, TINY)
+    assert {"w4a16-g128", "w3a16-g128"} <= set(res["cells"])
+    for scheme, c in res["cells"].items():
+        q = c["quantized_modules"]
+        assert q["agree"] and not q["changed_off_grid"], scheme
+        assert q["by_weights"] == ours["by_kind"] and q["total"] == 126, scheme
+        assert c["scheme_fields"] == peer.SCHEMES[scheme]
+        assert c["ppl"] > res["float"]["ppl"]
+    t = peer.load_peer_table(peer.DEFAULT_JSON)
+    assert set(t["cells"]) == set(res["cells"])
+
+
+def test_committed_peer_results_used_our_windows(peer, wiki_test_raw):
+    """The digests recorded by the peer run (in its own venv) equal the windows the project
+    builds here: the same 64 x 256 evaluation and 16 x 256 calibration (seed 0) tokens."""
+    from amct_ext.pipeline.calibration import load_calibration_windows
+    from amct_ext.pipeline.perplexity import load_eval_text, tokenize_windows
+
+    rec = json.loads(peer.DEFAULT_JSON.read_text())["protocol"]
+    tok = peer._plc.load_tokenizer(TINY)
+    # only the first 64 windows count: a prefix several times their length is tokenized (a
+    # wrong shortcut could only make the digest differ, never pass falsely)
+    text = load_eval_text(wiki_test_raw)
+    ev = tokenize_windows(text[: 4 * 4 * rec["seq_len"] * rec["eval_windows"]], tok,
+                          rec["seq_len"], rec["eval_windows"])
+    cal = load_calibration_windows(None, tok, rec["seq_len"], rec["calib_samples"], rec["seed"])
+    assert (rec["eval_windows"], rec["calib_samples"], rec["seq_len"]) == (64, 16, 256)
+    assert peer._plc.digest(ev) == rec["eval_windows_sha256"]
+    assert peer._plc.digest(cal) == rec["calib_windows_sha256"]
