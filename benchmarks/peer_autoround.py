@@ -641,7 +641,7 @@ def write_markdown(path: Path, res: dict) -> None:
                 row += ["failed", "", "", c.get("algo") or "default", ""]
             else:
                 row += [f"{c['ppl']:.4f}", f"{100 * (c['ppl'] / fl - 1):+.2f} %", f"{c['wall_s']:.0f}",
-                        f"{c.get('algo') or 'default'}" + (f" ({c['quant_target']})" if c.get("quant_target") else ""),
+                        _recipe_label(c) + (f" ({c['quant_target']})" if c.get("quant_target") else ""),
                         _count_cell(c["quantized_modules"]["groups"], c["quantized_modules"]["total"])]
             lines.append("| " + " | ".join(row) + " |")
     some = next((c for c in res.get("cells", {}).values() if "quantized_modules" in c), None)
@@ -657,6 +657,14 @@ def write_markdown(path: Path, res: dict) -> None:
         lines += ["", "**Failed runs**:", ""] + [f"- `{k}`: {v.splitlines()[0][:400]}" for k, v in fails.items()]
     body = "\n".join(lines) + "\n"
     atomic_write(path, lambda tmp: Path(tmp).write_text(body, encoding="utf-8"))
+
+
+def _recipe_label(cell: dict) -> str:
+    """``clip,gptq@float`` (default) from the recipe run_ptq recorded in report.json."""
+    r = cell.get("recipe")
+    label = (",".join(a["name"] for a in r["algorithms"]) + "@" + r.get("propagate", "?")
+             if isinstance(r, dict) and "algorithms" in r else str(cell.get("algo") or "?"))
+    return label + ("" if cell.get("algo") else " (default)")
 
 
 def _count_cell(groups: dict, total: int) -> str:
