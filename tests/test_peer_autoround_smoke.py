@@ -195,3 +195,19 @@ def test_committed_peer_results_used_our_windows(peer, wiki_test_raw):
     assert (rec["eval_windows"], rec["calib_samples"], rec["seq_len"]) == (64, 16, 256)
     assert peer._plc.digest(ev) == rec["eval_windows_sha256"]
     assert peer._plc.digest(cal) == rec["calib_windows_sha256"]
+
+
+def test_results_section_quotes_the_committed_numbers(peer):
+    """RESULTS.md §3.1 quotes, per scheme, the committed auto-round PPL and our default's PPL."""
+    text = (BENCH / "RESULTS.md").read_text(encoding="utf-8")
+    sec = text[text.index("### 3.1 Intel auto-round"):text.index("## 4. One V4-Flash")]
+    res = json.loads(peer.DEFAULT_JSON.read_text())
+    rows = [r for r in sec.splitlines() if re.match(r"^\| w\d", r)]
+    assert len(rows) == len(res["cells"]) == 3
+    for row in rows:
+        cols = [c.strip() for c in row.strip("|").split("|")]
+        scheme = cols[0].split()[0]
+        (ours,) = [c for k, c in res["ours"].items() if k == f"{scheme}|default|default"]
+        assert cols[1].strip("*") == f"{res['cells'][scheme]['ppl']:.4f}", row
+        assert cols[5].split()[0].strip("*") == f"{ours['ppl']:.4f}", row
+        assert cols[4].endswith(f"= {res['cells'][scheme]['quantized_modules']['total']}")
