@@ -534,7 +534,8 @@ def our_quantized_modules(scheme: str, quant_target: str | None, model_path: Pat
     return {"by_kind": counts, "total": sum(counts.values()), "groups": _groups(counts)}
 
 
-def run_ours(scheme: str, algo: str | None, quant_target: str | None, threads: int) -> dict:
+def run_ours(scheme: str, algo: str | None, quant_target: str | None, threads: int,
+             propagate: str | None = None) -> dict:
     """``tools/run_ptq.py`` with the headline protocol (benchmarks/quality_headlines.py) in a
     subprocess of the project venv; its PTQ PPL from report.json."""
     cmd = [sys.executable, str(REPO / "tools" / "run_ptq.py"), "--model", "tiny-trained", "--scheme", scheme,
@@ -543,6 +544,8 @@ def run_ours(scheme: str, algo: str | None, quant_target: str | None, threads: i
         cmd += ["--algo", algo]
     if quant_target:
         cmd += ["--quant-target", quant_target]
+    if propagate:
+        cmd += ["--propagate", propagate]
     with tempfile.TemporaryDirectory(prefix="amct-peer-ar-ours-") as tmp:
         t0 = time.perf_counter()
         proc = subprocess.run(cmd + ["--output-dir", tmp], capture_output=True, text=True,
@@ -571,12 +574,15 @@ def ours_main(args) -> int:
     ours = res.setdefault("ours", {})
     for scheme in args.schemes:
         key = f"{scheme}|{args.algo or 'default'}|{args.quant_target or 'default'}"
+        if args.propagate:
+            key += f"|{args.propagate}"
         if key in ours and not args.redo and "error" not in ours[key]:
             print(f"ours {key}: kept ({ours[key]['ppl']:.4f})", flush=True)
             continue
         print(f"ours {key}: running tools/run_ptq.py ...", flush=True)
-        cell = run_ours(scheme, args.algo, args.quant_target, args.threads)
+        cell = run_ours(scheme, args.algo, args.quant_target, args.threads, args.propagate)
         cell.update({"scheme": scheme, "algo": args.algo, "quant_target": args.quant_target,
+                     "propagate": args.propagate,
                      "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
         ours[key] = cell
         print(f"ours {key}: " + (f"PPL {cell['ppl']:.4f}, {cell['wall_s']} s wall, "
@@ -811,6 +817,8 @@ def parse_args(argv):
                     help="run the project's side (tools/run_ptq.py) in this venv; needs no auto-round")
     ap.add_argument("--algo", default=None, help="--ours: run_ptq --algo (default: the scheme's default recipe)")
     ap.add_argument("--quant-target", default=None, help="--ours: run_ptq --quant-target (default attn-linear,moe)")
+    ap.add_argument("--propagate", choices=("float", "quant"), default=None,
+                    help="--ours: run_ptq --propagate (default: the recipe's)")
     ap.add_argument("--smoke", action="store_true",
                     help="check the protocol code paths in this venv; needs no auto-round")
     args = ap.parse_args(argv)
