@@ -211,3 +211,21 @@ def test_results_section_quotes_the_committed_numbers(peer):
         assert cols[1].strip("*") == f"{res['cells'][scheme]['ppl']:.4f}", row
         assert cols[5].split()[0].strip("*") == f"{ours['ppl']:.4f}", row
         assert cols[4].endswith(f"= {res['cells'][scheme]['quantized_modules']['total']}")
+
+
+def test_results_w4a16_candidates_quote_the_committed_numbers(peer):
+    """The w4a16 candidates table of RESULTS.md §3.1: reported and dev PPLs as committed."""
+    text = (BENCH / "RESULTS.md").read_text(encoding="utf-8")
+    sec = text[text.index("w4a16 candidates of ours"):text.index("## 4. One V4-Flash")]
+    res = json.loads(peer.DEFAULT_JSON.read_text())
+    rows = [r for r in sec.splitlines() if re.match(r"^\| (clip|autoround)", r)]
+    assert len(rows) == 6
+    for row in rows:
+        cols = [c.strip().strip("*") for c in row.strip("|").split("|")]
+        algo, prop = cols[0].split()[0].split("@")
+        key = f"w4a16|{algo}|default" + ("|quant" if prop == "quant" else "")
+        if algo == "clip" and prop == "float":
+            key = "w4a16|default|default"          # today's default recipe is clip@float
+        assert cols[1] == f"{res['ours'][key]['ppl']:.4f}", row
+        dev = res["ours_dev"].get(f"w4a16|{algo}|default|{prop}")
+        assert cols[3] == (f"{dev['ppl']:.4f}" if dev else "not run"), row
