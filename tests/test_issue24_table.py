@@ -57,3 +57,26 @@ def test_repeats_give_median_and_spread_and_a_stopped_run_is_listed(tmp_path):
     assert len(row["stopped"]) == 1 and "capture 7.5 s (stopped here)" in row["stopped"][0]
     md = t.markdown([row], {}, None, "")
     assert "12.0 [10.0-50.0]" in md and "1 run(s) stopped" in md
+
+
+def test_results_0_10_is_the_table_of_the_committed_h200_runs(tmp_path):
+    """RESULTS §0.10 quotes, row by row, what issue24_table.py makes of the committed H200 JSONs
+    (benchmarks/gpu/h200_2026-12-02/res): a number edited by hand, or a run's JSON changed, fails."""
+    import shutil
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    res = repo / "benchmarks" / "gpu" / "h200_2026-12-02" / "res"
+    work = tmp_path / "res"
+    shutil.copytree(res, work)
+    md = tmp_path / "t.md"
+    subprocess.run([sys.executable, str(repo / "benchmarks" / "scripts" / "issue24_table.py"), "--results", str(work),
+                    "--layer", "2", "--gptq-scheme", "w8a8", "--md", str(md), "--json", str(tmp_path / "t.json")],
+                   check=True, cwd=repo, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"}, capture_output=True)
+    rows = [r for r in md.read_text().splitlines() if r.startswith("| def-") or r.startswith("| gptq-")
+            or r.startswith("| llmc-")]
+    text = (repo / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    sec = text[text.index("### 0.10 "):text.index("## 1. Empty-weight skeletons")]
+    quoted = [r for r in sec.splitlines() if r.startswith("| def-") or r.startswith("| gptq-") or r.startswith("| llmc-")]
+    assert len(rows) == 11 and quoted == rows

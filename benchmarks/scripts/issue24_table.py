@@ -171,6 +171,27 @@ def what_of(tag: str, run_args: dict) -> tuple[str, str, str]:
     return "alternative", scheme, "`" + " ".join([f"--algo {algo}"] * bool(algo) + rest) + "`"
 
 
+def recipe_text(entries: list[dict]) -> str | None:
+    """The --algo string of a run's recorded recipe (ptq_params/meta.json solver.recipe): each
+    algorithm with the options that differ from its defaults, so a default run is named by what
+    RAN, not by what the tree's default is today."""
+    try:
+        import dataclasses
+
+        from amct_ext.algorithms.recipe import algorithm_class
+
+        parts = []
+        for e in entries:
+            cls = algorithm_class(e["name"])
+            base = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+            opts = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in e.items()
+                    if k != "name" and k in base and base[k] != v]
+            parts.append(":".join([e["name"], *opts]))
+        return ",".join(parts)
+    except Exception:  # noqa: BLE001  an older tree / an unknown algorithm: fall back to the tag
+        return None
+
+
 def failed_or_stopped(log: Path) -> str:
     """A run without its result: the error it ended with, else how far its time limit let it get."""
     from defaults_table import stopped
@@ -206,7 +227,11 @@ def ours_rows(res: Path, layer: int, rates: dict, sh: dict | None) -> list[dict]
             p = r.get("ptq")
             m = f.with_name(f.name[: -len(".json")] + ".meta.json")
             if m.is_file():
-                meta = json.loads(m.read_text()).get("calibration", {}).get("windows_sha256")
+                mj = json.loads(m.read_text())
+                meta = mj.get("calibration", {}).get("windows_sha256")
+                ran = recipe_text(mj.get("solver", {}).get("recipe") or [])
+                if kind == "default" and ran:
+                    algo = f"default (`{ran}`)"
             if not p:
                 stops.append(failed_or_stopped(f.with_suffix(".log")))
                 continue
