@@ -77,6 +77,14 @@ HEADLINES = (
 BY_NAME = {h.name: h for h in HEADLINES}
 
 
+def run_folder(h: Headline) -> str:
+    """The output folder of a headline's run: one per distinct command (scheme, named recipe,
+    reference PPLs), so two headlines share a folder only when they share the run (float and
+    w8a8); a default and a best run of one scheme in one folder would be refused by the resume
+    check ("holds PTQ parameters of another run", casebook H3)."""
+    return f"{h.scheme}-{h.recipe}-{h.ppl_modes or 'none'}"
+
+
 def run_report(argv: list[str], out_dir: Path, cache: dict | None = None) -> dict:
     """run_ptq ARGV in this process (threads restored after); report.json. Headlines that share a
     command (float and w8a8) share one run through ``cache``."""
@@ -187,9 +195,9 @@ def main(argv=None) -> int:
         cache: dict = {}
         for n in names:
             h = BY_NAME[n]
-            e = run_headline(h, root / f"{h.scheme}-{h.recipe}-{h.ppl_modes or 'none'}", cache=cache)
+            e = run_headline(h, root / run_folder(h), cache=cache)
             if args.threads_check:
-                e2 = run_headline(h, root / f"{h.scheme}-{h.recipe}-{h.ppl_modes or 'none'}-t2", threads=2, cache=cache)
+                e2 = run_headline(h, root / (run_folder(h) + "-t2"), threads=2, cache=cache)
                 e["threads_2"] = {"value": e2["value"], "rel_diff": abs(e2["value"] / e["value"] - 1),
                                   "wall_s": e2["wall_s"]}
             print(f"{n:12s} {e['value']:.4f}  {e['recipe']}  ({e['wall_s']:.0f} s)"

@@ -37,14 +37,23 @@ def test_headlines_json_covers_every_headline_with_its_command():
 
 
 def test_recorded_recipe_is_todays_default():
-    """A changed default without rewriting the headlines fails here, before the slow reruns."""
-    from amct_ext.algorithms.recipe import default_recipe
+    """A changed default (or best) recipe without rewriting the headlines fails here, before the
+    slow reruns. headlines.json records the algorithm names of what ran (options left out)."""
+    from amct_ext.algorithms.recipe import named_recipe, parse_algo
 
     for name, e in entries().items():
         if e["metric"] != "quant":
             continue
-        algo, prop = default_recipe(e["scheme"])
-        assert e["recipe"] == f"{algo}@{prop}", (name, e["recipe"], algo, prop)
+        algo, prop = named_recipe(e["scheme"], qh.BY_NAME[name].recipe)
+        assert e["recipe"] == ",".join(parse_algo(algo).names) + f"@{prop}", (name, e["recipe"], algo, prop)
+
+
+def test_every_headline_run_has_its_own_folder():
+    """Headlines share a run folder only when they share the command (casebook H3)."""
+    by_folder = {}
+    for h in qh.HEADLINES:
+        by_folder.setdefault(qh.run_folder(h), set()).add(tuple(h.argv()))
+    assert all(len(cmds) == 1 for cmds in by_folder.values()), by_folder
 
 
 @pytest.mark.parametrize("path", [README, RESULTS], ids=["README", "RESULTS-0"])
