@@ -755,7 +755,7 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
                     else:
                         collector, hessians, next_hidden = _collect_hessians(adapter, block, calib, passes[0])
                     calls = {}
-                    observe_static(adapter, block, calib, i)
+                    result.unobserved_static += observe_static(adapter, block, calib, i)
                 elif todo:
                     calls, next_hidden = capture_unit_io(
                         [u for u in units if u.name in todo],
