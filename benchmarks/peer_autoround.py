@@ -240,16 +240,7 @@ def layer_config_for(model) -> dict:
 
 # =========================================================================== peer side
 def versions() -> dict:
-    import importlib.metadata as md
-    import platform
-
-    out = {"python": platform.python_version()}
-    for pkg in ("auto-round", "torch", "transformers", "accelerate"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
-    return out
+    return _plc.versions(("auto-round", "torch", "transformers", "accelerate"))
 
 
 def load_model(model_path: Path, unfuse: bool = False):
@@ -698,19 +689,8 @@ def load_peer_table(path=DEFAULT_JSON) -> dict:
 # =========================================================================== venv
 def ensure_peer_venv(venv: Path) -> Path:
     """Create / reuse ``venv`` with torch (CPU wheel) then auto-round 0.16; its python."""
-    py = venv / "bin" / "python"
-    if not py.is_file():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    probe = subprocess.run([str(py), "-c", "import auto_round, transformers, torch; "
-                            "import importlib.metadata as m; print(m.version('auto-round'))"],
-                           capture_output=True, text=True)
-    lines = probe.stdout.strip().splitlines()
-    if probe.returncode != 0 or not lines or not lines[-1].startswith(PEER_VERSION_PREFIX):
-        pip = [str(py), "-m", "pip", "install"]
-        # torch first: pinning it before auto-round resolves keeps pip on the CPU wheel
-        subprocess.run(pip + [PEER_REQUIREMENTS[0]], check=True)
-        subprocess.run(pip + list(PEER_REQUIREMENTS), check=True)
-    return py
+    return _plc.ensure_peer_venv(venv, module="auto_round", dist="auto-round", version_prefix=PEER_VERSION_PREFIX,
+                                 requirements=PEER_REQUIREMENTS)
 
 
 # =========================================================================== smoke
@@ -852,13 +832,8 @@ def main(argv=None) -> int:
         return ours_main(args)
     if os.environ.get(IN_PEER_ENV) == "1":
         return peer_main(args)
-    py = ensure_peer_venv(args.venv)
-    env = dict(os.environ, **{IN_PEER_ENV: "1"})
-    env.setdefault("OMP_NUM_THREADS", str(args.threads))
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return subprocess.run([str(py), str(Path(__file__).resolve())] + argv, env=env).returncode
+    return _plc.rerun_in_peer_venv(ensure_peer_venv(args.venv), __file__, argv, IN_PEER_ENV, args.threads,
+                                   pythonpath=str(REPO))
 
 
 if __name__ == "__main__":

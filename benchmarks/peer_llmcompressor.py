@@ -274,11 +274,12 @@ def build_recipe(spec: list[dict]):
 
 
 # =========================================================================== peer side
-def versions() -> dict:
+def versions(packages=("torch", "transformers", "llmcompressor", "compressed-tensors", "accelerate")) -> dict:
+    """Python and the installed versions of ``packages`` (None: not installed); every peer's record."""
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "llmcompressor", "compressed-tensors", "accelerate"):
+    for pkg in packages:
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -675,23 +676,40 @@ def merge_main(args) -> int:
 
 
 # =========================================================================== venv
-def ensure_peer_venv(venv: Path, quiet: bool = False) -> Path:
-    """Create / reuse ``venv`` with torch (local CPU wheel) then llm-compressor; its python."""
+def ensure_peer_venv(venv: Path, quiet: bool = False, *, module: str = "llmcompressor",
+                     dist: str = "llmcompressor", version_prefix: str = "0.14",
+                     requirements=PEER_REQUIREMENTS) -> Path:
+    """Create / reuse ``venv`` with torch (local CPU wheel) then the peer (``requirements``, whose
+    ``dist`` must import as ``module`` at ``version_prefix``); its python. Shared by every peer
+    script (peer_autoround.py passes its own names)."""
     py = venv / "bin" / "python"
     if not py.is_file():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     # Only the LAST stdout line counts: importing llmcompressor logs a "No accelerator
     # available!" warning to stdout on a CPU box (casebook/peer-llm-compressor.md P11).
-    probe = subprocess.run([str(py), "-c", "import llmcompressor, transformers, torch; "
-                            "import importlib.metadata as m; print(m.version('llmcompressor'))"],
+    probe = subprocess.run([str(py), "-c", f"import {module}, transformers, torch; "
+                            f"import importlib.metadata as m; print(m.version({dist!r}))"],
                            capture_output=True, text=True)
     lines = probe.stdout.strip().splitlines()
-    if probe.returncode != 0 or not lines or not lines[-1].startswith("0.14"):
+    if probe.returncode != 0 or not lines or not lines[-1].startswith(version_prefix):
         pip = [str(py), "-m", "pip", "install"] + (["-q"] if quiet else [])
-        # torch first: pinning it before llm-compressor resolves keeps pip on the CPU wheel.
-        subprocess.run(pip + [PEER_REQUIREMENTS[0]], check=True)
-        subprocess.run(pip + list(PEER_REQUIREMENTS), check=True)
+        # torch first: pinning it before the peer resolves keeps pip on the CPU wheel.
+        subprocess.run(pip + [requirements[0]], check=True)
+        subprocess.run(pip + list(requirements), check=True)
     return py
+
+
+def rerun_in_peer_venv(py: Path, script: str, argv: list, inside_env: str, threads: int,
+                       pythonpath: str | None = None) -> int:
+    """Run ``script argv`` again with the peer venv's python ``py``, marked by ``inside_env=1``,
+    offline, ``threads`` OpenMP threads (and ``pythonpath`` first on PYTHONPATH); its exit code."""
+    env = dict(os.environ, **{inside_env: "1"})
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return subprocess.run([str(py), str(Path(script).resolve())] + list(argv), env=env).returncode
 
 
 # =========================================================================== smoke
@@ -803,12 +821,7 @@ def main(argv=None) -> int:
         return merge_main(args)
     if os.environ.get(IN_PEER_ENV) == "1":
         return peer_main(args)
-    py = ensure_peer_venv(args.venv)
-    env = dict(os.environ, **{IN_PEER_ENV: "1"})
-    env.setdefault("OMP_NUM_THREADS", str(args.threads))
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    return subprocess.run([str(py), str(Path(__file__).resolve())] + argv, env=env).returncode
+    return rerun_in_peer_venv(ensure_peer_venv(args.venv), __file__, argv, IN_PEER_ENV, args.threads)
 
 
 if __name__ == "__main__":
