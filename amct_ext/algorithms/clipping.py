@@ -52,7 +52,7 @@ from .base import Algorithm, SolveContext, UnitData
 from .gptq import leaf_targets as _targets
 from .learned_clip import solve_unit
 from .recipe import RecipeError, register
-from .stacked import StackedCalls, common_group_blocker, expert_call_blocker, solve_ready_in_chunks, ste_clamp
+from .stacked import StackedCalls, common_group_blocker, expert_call_blocker, expert_projections, solve_ready_in_chunks, ste_clamp
 from .runner import restore_unit, snapshot_unit
 
 # torch.optim.Adam's defaults, which solve_unit's learned clipping uses
@@ -247,9 +247,7 @@ class Clip(Algorithm):
         why = common_group_blocker(self.expert_chunk, units)
         if why:
             return why
-        m0 = units[0].module
-        for name in type(m0).GROUPED_PROJECTIONS:
-            lins = [getattr(u.module, name) for u in units]
+        for name, lins in expert_projections(units).items():
             ref = lins[0]
             for lin in lins:
                 wq = lin.weight_quantizer
@@ -282,9 +280,8 @@ class Clip(Algorithm):
         dev = ctx.device
         members = [u.module for u in units]
         cls = type(members[0])
-        names = cls.GROUPED_PROJECTIONS
-        E = len(members)
-        lins = {n: [getattr(m, n) for m in members] for n in names}
+        lins = expert_projections(units)
+        names, E = tuple(lins), len(members)
         specs = {n: lins[n][0].weight_quantizer.spec for n in names}
         splits = [ctx.split(d.calls) for d in datas]
         n_train = [len(t) for t, _ in splits]

@@ -51,7 +51,7 @@ from ..quant.quantizers import CLIP_MIN
 from ..pipeline.replay import call_sq_err as _sq_err, unit_mse, unit_seed
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
-from .stacked import StackedCalls as _StackedCalls, common_group_blocker, expert_call_blocker, solve_ready_in_chunks, ste_clamp as _ste_clamp
+from .stacked import StackedCalls as _StackedCalls, common_group_blocker, expert_call_blocker, expert_projections, solve_ready_in_chunks, ste_clamp as _ste_clamp
 
 
 def _weight_leaves(module: nn.Module):
@@ -219,9 +219,7 @@ class AutoRound(Algorithm):
         why = common_group_blocker(self.expert_chunk, units)
         if why:
             return why
-        m0 = units[0].module
-        for name in type(m0).GROUPED_PROJECTIONS:
-            lins = [getattr(u.module, name) for u in units]
+        for name, lins in expert_projections(units).items():
             spec = lins[0].weight_quantizer.spec
             for lin in lins:
                 wq = lin.weight_quantizer
@@ -251,9 +249,8 @@ class AutoRound(Algorithm):
         dev = ctx.device
         members = [u.module for u in units]
         cls = type(members[0])
-        names = cls.GROUPED_PROJECTIONS
-        E = len(members)
-        lins = {n: [getattr(m, n) for m in members] for n in names}
+        lins = expert_projections(units)
+        names, E = tuple(lins), len(members)
         specs = {n: lins[n][0].weight_quantizer.spec for n in names}
         # the members' own parameters first (as apply makes them): they receive the result
         own_v = {n: [l.weight_quantizer.init_round_offset(l.weight) for l in lins[n]] for n in names}

@@ -54,7 +54,7 @@ from ..pipeline.replay import unit_mse
 from ..quant import formats
 from .base import Algorithm, SolveContext, UnitData
 from .recipe import register
-from .stacked import StackedCalls, common_group_blocker, expert_call_blocker, solve_ready_in_chunks
+from .stacked import StackedCalls, common_group_blocker, expert_call_blocker, expert_projections, solve_ready_in_chunks
 
 #: floor of channel statistics (a dead channel must not give s = 0 or inf)
 STAT_EPS = 1e-5
@@ -449,7 +449,6 @@ class AWQ(Algorithm):
         why = common_group_blocker(self.expert_chunk, units)
         if why:
             return why
-        m0 = units[0].module
         for u in units:
             pairs = _pairs(u.module, self.pairs)
             if [(p.name, p.producer, p.readers) for p in pairs] != [("w3", "w3", ["w2"])]:
@@ -458,8 +457,7 @@ class AWQ(Algorithm):
                 return "w2 does not quantize in every expert"
             if any(isinstance(m, ActivationQuantizer) and m.is_static and m.mode != "off" for m in u.module.modules()):
                 return "static activation quantizers are re-observed one unit at a time"
-        for name in type(m0).GROUPED_PROJECTIONS:
-            lins = [getattr(u.module, name) for u in units]
+        for name, lins in expert_projections(units).items():
             ref = lins[0]
             for lin in lins:
                 wq = lin.weight_quantizer
@@ -490,9 +488,8 @@ class AWQ(Algorithm):
         dev = ctx.device
         members = [u.module for u in units]
         cls = type(members[0])
-        names = cls.GROUPED_PROJECTIONS
-        E = len(members)
-        lins = {n: [getattr(m, n) for m in members] for n in names}
+        lins = expert_projections(units)
+        names, E = tuple(lins), len(members)
         held = [_held_out(d, ctx, self.validate) for d in datas]
         n_train = [len(d) - len(h) for d, h in zip(datas, held)]
         rows_all = StackedCalls(datas, dev)

@@ -23,6 +23,14 @@ def common_group_blocker(expert_chunk: int, units) -> str | None:
     return blocker([u.module for u in units]) or None
 
 
+def expert_projections(units) -> dict[str, list]:
+    """Each grouped projection's leaf in every expert, in the units' order:
+    ``{name: [leaf of expert 0, leaf of expert 1, ...]}`` for ``GROUPED_PROJECTIONS`` of the
+    units' class (the stacked problem's weights, one list per projection)."""
+    names = type(units[0].module).GROUPED_PROJECTIONS
+    return {n: [getattr(u.module, n) for u in units] for n in names}
+
+
 def expert_call_blocker(datas) -> str | None:
     """A reason the stacked forward cannot replay the captured calls: every expert call must be
     ``(x, routing weights)`` (None: all are)."""
