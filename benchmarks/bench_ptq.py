@@ -146,6 +146,10 @@ def summarize(timer: PhaseTimer, layers: range) -> dict[int, dict]:
         rec["store_peak_bytes"] = max((r.tags.get("in_memory_peak_bytes", 0) for r in cap), default=0)
         rec["call_memory_peak_bytes"] = max((r.tags.get("call_memory_peak_bytes", 0) for r in timer.records
                                              if r.layer == i), default=0)
+        # sequential GPTQ on statistics re-runs the layer once per later stage, inside its solve
+        solve = [r for r in timer.records if r.layer == i and r.name.startswith("solve:")]
+        rec["recollect_seconds"] = sum(r.tags.get("recollect_seconds", 0.0) for r in solve)
+        rec["recollect_forwards"] = sum(r.tags.get("recollect_forwards", 0) for r in solve)
         out[i] = rec
     return out
 

@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 from amct_ext.io.io_utils import atomic_write, atomic_write_json  # noqa: E402
+from amct_ext.algorithms.recipe import recipe_label  # noqa: E402
 
 HEADLINES_JSON = REPO / "benchmarks" / "quality" / "headlines.json"
 TOLERANCE = 1e-4          # relative; the reruns are bit-identical at a fixed thread count (see --threads-check)
@@ -116,7 +117,7 @@ def run_headline(h: Headline, out_dir: Path, threads: int = 1, cache: dict | Non
     recipe = rep.get("recipe")
     return {"name": h.name, "scheme": h.scheme, "metric": h.metric, "ci": h.ci,
             "recipe": None if h.metric != "quant" else
-            ",".join(a["name"] for a in recipe["algorithms"]) + "@" + recipe["propagate"],
+            recipe_label(recipe["algorithms"]) + "@" + recipe["propagate"],
             "command": h.command(), "value": rep["ppl"][h.metric], "threads": rep["threads"],
             "eval": _repo_relative(rep["eval"]), "wall_s": rep["_wall_s"]}
 

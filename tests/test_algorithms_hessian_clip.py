@@ -242,7 +242,8 @@ def test_options_needs_and_refusals():
         parse_algo("hclip:exact_top=0")
     r = parse_algo("hclip,gptq:sequential=false")
     assert not r.needs().calls and r.needs().statistics
-    assert parse_algo("hclip,gptq").needs().calls
+    assert not parse_algo("hclip,gptq").needs().calls          # sequential GPTQ re-runs the layer instead
+    assert parse_algo("hclip,gptq:all_tokens=true").needs().calls and parse_algo("clip,gptq").needs().calls
     # after GPTQ / AutoRound wrote a grid or a weight, the float weight is gone: refused, naming the leaf
     for mark in ("fixed", "replaced"):
         mods, stats = _experts(n=2)

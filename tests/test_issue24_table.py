@@ -59,24 +59,41 @@ def test_repeats_give_median_and_spread_and_a_stopped_run_is_listed(tmp_path):
     assert "12.0 [10.0-50.0]" in md and "1 run(s) stopped" in md
 
 
-def test_results_0_10_is_the_table_of_the_committed_h200_runs(tmp_path):
-    """RESULTS §0.10 quotes, row by row, what issue24_table.py makes of the committed H200 JSONs
-    (benchmarks/gpu/h200_2026-12-02/res): a number edited by hand, or a run's JSON changed, fails."""
+def _committed_rows(tmp_path, folder: str) -> list[str]:
+    """The table rows issue24_table.py makes of a committed H200 run folder."""
     import shutil
     import subprocess
     import sys
 
-    repo = Path(__file__).resolve().parents[1]
-    res = repo / "benchmarks" / "gpu" / "h200_2026-12-02" / "res"
-    work = tmp_path / "res"
-    shutil.copytree(res, work)
-    md = tmp_path / "t.md"
-    subprocess.run([sys.executable, str(repo / "benchmarks" / "scripts" / "issue24_table.py"), "--results", str(work),
-                    "--layer", "2", "--gptq-scheme", "w8a8", "--md", str(md), "--json", str(tmp_path / "t.json")],
-                   check=True, cwd=repo, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"}, capture_output=True)
-    rows = [r for r in md.read_text().splitlines() if r.startswith("| def-") or r.startswith("| gptq-")
-            or r.startswith("| llmc-")]
-    text = (repo / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
-    sec = text[text.index("### 0.10 "):text.index("## 1. Empty-weight skeletons")]
-    quoted = [r for r in sec.splitlines() if r.startswith("| def-") or r.startswith("| gptq-") or r.startswith("| llmc-")]
-    assert len(rows) == 11 and quoted == rows
+    work = tmp_path / folder
+    shutil.copytree(REPO / "benchmarks" / "gpu" / folder / "res", work)
+    md = tmp_path / f"{folder}.md"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "scripts" / "issue24_table.py"), "--results", str(work),
+                    "--layer", "2", "--gptq-scheme", "w8a8", "--md", str(md), "--json", str(tmp_path / f"{folder}.json")],
+                   check=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True)
+    return [r for r in md.read_text().splitlines() if r.startswith(ROW_PREFIXES)]
+
+
+ROW_PREFIXES = ("| def-", "| gptq-", "| llmc-", "| alt-")
+
+
+def _quoted_rows(start: str, end: str) -> list[str]:
+    text = (REPO / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    sec = text[text.index(start):text.index(end)]
+    return [r for r in sec.splitlines() if r.startswith(ROW_PREFIXES)]
+
+
+def test_results_0_10_is_the_table_of_the_committed_h200_runs(tmp_path):
+    """RESULTS §0.10 quotes, row by row, what issue24_table.py makes of the committed H200 JSONs
+    (benchmarks/gpu/h200_2026-12-02/res): a number edited by hand, or a run's JSON changed, fails."""
+    rows = _committed_rows(tmp_path, "h200_2026-12-02")
+    assert len(rows) == 11 and _quoted_rows("### 0.10 ", "### 0.11 ") == rows
+
+
+def test_results_0_11_is_the_table_of_the_committed_h200_runs(tmp_path):
+    """The same for §0.11 (benchmarks/gpu/h200_2026-12-02b/res: sequential GPTQ on statistics,
+    the fp8 / mxfp8 / w4a16-g128 defaults, llm-compressor at 8 and 32, --recipe best)."""
+    rows = _committed_rows(tmp_path, "h200_2026-12-02b")
+    assert len(rows) == 10 and _quoted_rows("### 0.11 ", "## 1. Empty-weight skeletons") == rows
+    seq = [r for r in rows if r.startswith("| gptq-seq-")]
+    assert len(seq) == 3 and all("3 re-runs of the layer" in r for r in seq)

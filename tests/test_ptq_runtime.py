@@ -245,16 +245,16 @@ def test_ptq_builds_layers_on_the_compute_device(tiny_adapter, calib, reference,
 
 @pytest.fixture(scope="module")
 def recipe_reference(tiny_adapter, calib, tmp_path_factory):
-    """GPTQ (grouped over experts, sequential stages: a recipe that replays stored calls) on one
-    device, everything in memory. (w8a8's default recipe is now rtn, which replays nothing: it
-    takes the statistics path, tests/test_hessian_capture.py.)"""
+    """GPTQ (grouped over experts, sequential stages) on one device from STORED calls (the
+    statistics path off: GPTQ alone would re-run the layer instead, tests/
+    test_gptq_sequential_statistics.py; a sharded layer always stores calls), everything in memory."""
     from amct_ext.algorithms.recipe import resolve_recipe
 
     recipe = resolve_recipe("gptq")
-    assert recipe.needs().calls
     out = tmp_path_factory.mktemp("recipe-ref")
     res = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe),
-                            out, layers=LAYERS, calib_windows=calib)
+                            out, layers=LAYERS, calib_windows=calib, runtime=PtqRuntime(statistics=False))
+    assert all(u.n_calls > 0 for u in res.units if u.kind == "attn")
     return recipe, out, res
 
 
@@ -288,7 +288,8 @@ def test_recipe_run_reads_spilled_calls_lazily(tiny_adapter, calib, recipe_refer
 
     monkeypatch.setattr(algo_base.UnitData, "__init__", spy)
     spill = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe), tmp_path,
-                              layers=LAYERS, calib_windows=calib, runtime=PtqRuntime(capture_memory_bytes=0))
+                              layers=LAYERS, calib_windows=calib,
+                              runtime=PtqRuntime(capture_memory_bytes=0, statistics=False))
     assert spill.memory.capture_spilled_bytes > 0 and kept and all(kept)
     _equal_params(_params(ref_out), _params(tmp_path))
     assert [u.loss_after for u in spill.units] == [u.loss_after for u in ref.units]

@@ -38,14 +38,15 @@ def test_headlines_json_covers_every_headline_with_its_command():
 
 def test_recorded_recipe_is_todays_default():
     """A changed default (or best) recipe without rewriting the headlines fails here, before the
-    slow reruns. headlines.json records the algorithm names of what ran (options left out)."""
-    from amct_ext.algorithms.recipe import named_recipe, parse_algo
+    slow reruns. headlines.json records what ran: each algorithm with the options that differ
+    from its defaults (``hclip,gptq:sequential=false``: the sequential GPTQ is another recipe)."""
+    from amct_ext.algorithms.recipe import named_recipe, parse_algo, recipe_label
 
     for name, e in entries().items():
         if e["metric"] != "quant":
             continue
         algo, prop = named_recipe(e["scheme"], qh.BY_NAME[name].recipe)
-        assert e["recipe"] == ",".join(parse_algo(algo).names) + f"@{prop}", (name, e["recipe"], algo, prop)
+        assert e["recipe"] == recipe_label(parse_algo(algo).settings()) + f"@{prop}", (name, e["recipe"], algo, prop)
 
 
 def test_every_headline_run_has_its_own_folder():

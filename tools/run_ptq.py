@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "OUTPUT/.scratch (removed as units finish). Default: V4 8, tiny unlimited; 0 = spill all")
     rt.add_argument("--hessian-memory-gb", type=float, default=None,
                     help="device memory for one capture pass's Hessians (recipes that replay no calls: rtn, "
-                         "gptq:sequential=false); a layer needing more is captured in several passes "
+                         "hclip, gptq); a layer needing more is captured in several passes "
                          "(default: 35%% of the accelerator's memory, no limit on cpu)")
     rt.add_argument("--boundary", choices=("recompute", "send"), default="recompute",
                     help="under torchrun: how a rank gets the float inputs of its first layer (recompute the "

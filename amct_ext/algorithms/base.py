@@ -89,6 +89,15 @@ class SolveContext:
     dtype: torch.dtype | None = None
     holdout: float = 0.25
     layer_idx: int | None = None
+    #: statistics path only (``UnitData.hessians``): ``recollect(units, {unit name: leaf names})``
+    #: runs the layer's calibration forward once more with quantization on in ``units`` only
+    #: (every other unit float) and returns fresh statistics of those leaves, {unit name: {leaf:
+    #: LeafStat}}: the inputs a leaf sees once the leaves before it are quantized. None where
+    #: the layer cannot be re-run (stored calls, a unit solved on its own in a test).
+    recollect: Callable[[Sequence[PtqUnit], dict[str, set[str]]], dict[str, dict]] | None = None
+    #: no later algorithm of the recipe reads the capture statistics: an algorithm may free
+    #: them as it goes (``LeafStat.H = None``), the device memory of a layer's Hessians
+    consume_statistics: bool = False
 
     def split(self, calls: Sequence[UnitCall]) -> tuple[list[UnitCall], list[UnitCall]]:
         """(training calls, held-out calls). Lazy calls (``capture.LazyCalls``: spilled, rescaled)
@@ -155,6 +164,12 @@ class Algorithm(abc.ABC):
 
     def check(self) -> None:
         """Validate the fields; raise ``recipe.RecipeError`` naming the field."""
+
+    def solves_layer_jointly(self, statistics: bool) -> bool:
+        """True: :meth:`apply_group` gets every unit of the layer at once (all kinds, in the
+        layer's forward order) instead of one call per ``group_kinds`` kind; ``statistics``: the
+        recipe runs on capture statistics. Default False."""
+        return False
 
     @abc.abstractmethod
     def apply(self, unit: PtqUnit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:

@@ -27,16 +27,27 @@ weight and ``export()`` writes GPTQ's integers and scales. Saved as ``{leaf}.wei
 
 Within a unit GPTQ is sequential: leaves are grouped into stages by the tensor they read (for
 an attention: {wq_a, wkv, compressor and indexer linears reading x} -> {wq_b, indexer.wq_b
-reading qr} -> {wo_a} -> {wo_b}; for an expert {w1, w3} -> {w2}); each stage's Hessians come
-from a replay of the unit's calls in which every earlier stage is already GPTQ-quantized (and
-all activation quantizers are on), so w2 sees the inputs of the quantized w1 / w3.
+reading qr} -> {wo_a} -> {wo_b}; for an expert {w1, w3} -> {w2}); each stage's Hessians are
+those of the inputs the unit's float calls produce with every earlier stage already
+GPTQ-quantized (and all of the unit's activation quantizers on), so w2 sees the inputs of the
+quantized w1 / w3. Where they come from:
+- capture statistics (no call stored, the default): stage 0 from the capture's Hessians, each
+  later stage from one more forward of the layer with quantization on in the units being solved
+  only (``SolveContext.recollect``), collecting just that stage's leaves. The layer's units are
+  solved downstream first, in runs of parallel units (``ptq_units.parallel_groups``: the routed
+  and shared experts, then the attention), so every unit upstream of a run is still float while
+  the run is re-collected: one forward serves all experts' w2, and V4's attention adds one per
+  stage after the first (two with the attn-linear targets, wo_a float; three with wo_a). Equal to the replayed calls bit for bit on the tiny layer
+  (tests/test_gptq_sequential_statistics.py);
+- stored calls (another algorithm of the recipe needs them, e.g. ``clip,gptq``): a replay of the
+  unit's calls per stage.
+Either way a stage is solved by one joint solver: leaves reading one tensor share a Hessian and
+are solved as one matrix of stacked rows (w1 / w3), experts batched.
 ``sequential=false`` takes every Hessian from the FLOAT unit instead (llm-compressor's choice:
-all Hessians of a layer from one pass of the unquantized layer): such a GPTQ replays no calls
-(``needs().calls`` False), so the workflow accumulates the Hessians during the capture itself
-(``hessians.HessianCollector``: no call stored, the MoE's grouped path kept); with stored calls
-(another algorithm of the recipe needs them) one float replay gives the same sums. w1 / w3 of an
-expert read one tensor: they share one Hessian and are solved as one matrix of stacked rows.
-Each leaf keeps GPTQ's weights only where the exact loss ``tr(dW H dW^T)`` is not above RTN's.
+all Hessians of a layer from one pass of the unquantized layer), from the capture alone, or with
+stored calls (``all_tokens``) from one replay with quantization off.
+Each leaf keeps GPTQ's weights only where the exact loss ``tr(dW H dW^T)`` (on the stage's
+Hessian) is not above RTN's.
 
 Routed experts: :meth:`GPTQ.apply_group` gets every expert of the layer; each stage's Hessians
 are stacked [E, D, D] and solved in one batched pass, ``expert_chunk`` experts at a time (a
@@ -50,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
@@ -323,14 +335,35 @@ def _stages(module: nn.Module, targets: list[_Target], call: UnitCall, device) -
     return list(stages.values())
 
 
-def _accumulate(module: nn.Module, stage: list[_Target], calls: Sequence[UnitCall], device) -> None:
+def _accumulate_stages(module: nn.Module, stages: list[list[_Target]], calls: Sequence[UnitCall],
+                       device) -> dict:
+    """One replay of ``calls`` accumulating the Hessian of each stage's input: {leaf name:
+    LeafStat}. A stage's leaves read one tensor, so within a stage the leaves of one input
+    layout (width, groups) share one statistic (counted once), as on the statistics path;
+    different stages never share (they read different tensors, maybe of one width)."""
+    from .hessians import LeafStat
+
+    shared: dict[tuple[int, int, int], _Target] = {}
+    members: dict[tuple[int, int, int], list[str]] = {}
+    for k, stage in enumerate(stages):
+        for t in stage:
+            key = (k, t.C, t.groups)
+            shared.setdefault(key, t)
+            members.setdefault(key, []).append(t.name)
     handles = [t.hook_module.register_forward_pre_hook(lambda _m, args, t=t: t.add(args[0], device))
-               for t in stage]
+               for t in shared.values()]
     try:
         _replay(module, calls, device)
     finally:
         for h in handles:
             h.remove()
+    out = {}
+    for key, t in shared.items():
+        ls = LeafStat(H=t.H, n=t.n, leaves=list(members[key]))
+        t.H = None
+        for name in members[key]:
+            out[name] = ls
+    return out
 
 
 def _all_token_calls(datas: Sequence[UnitData], chunk_rows: int = 4096) -> list[UnitCall]:
@@ -368,17 +401,39 @@ class GPTQ(Algorithm):
             raise RecipeError(f"gptq.expert_chunk must be >= 1, got {self.expert_chunk}")
 
     def needs(self) -> Needs:
-        # sequential stages replay the unit with earlier stages quantized; all_tokens feeds every
-        # token to every expert: both need the stored calls. Otherwise every Hessian comes from
-        # the float layer, accumulated during the capture (algorithms/hessians.py)
-        return Needs(calls=self.sequential or self.all_tokens)
+        # all_tokens feeds every token to every expert: it needs the stored calls. Otherwise the
+        # Hessians come from the capture's statistics (no call stored): the float layer's for
+        # sequential=false; for the sequential GPTQ stage 0's from the capture and each later
+        # stage's from a re-run of the layer with the earlier stages quantized
+        # (SolveContext.recollect). With stored calls (another algorithm of the recipe replays
+        # them) replays of the calls give the same Hessians.
+        return Needs(calls=self.all_tokens)
+
+    def solves_layer_jointly(self, statistics: bool) -> bool:
+        # sequential on statistics: every unit of the layer at once, downstream first, so one
+        # re-run of the layer per stage serves a whole run of parallel units (all experts)
+        return statistics and self.sequential and not self.all_tokens
 
     def apply(self, unit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
         return self.apply_group([unit], [data], ctx)[0]
 
     def apply_group(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
-        if not self.needs().calls:
+        on_statistics = bool(datas) and all(d.hessians is not None for d in datas)
+        if on_statistics and self.sequential:
+            return self._apply_sequential_statistics(units, datas, ctx)
+        if not self.sequential and not self.all_tokens:
             return self._apply_float_hessians(units, datas, ctx)
+        return self._apply_replayed(units, datas, ctx)
+
+    @staticmethod
+    def _new_stats() -> dict[str, Any]:
+        return {"leaves": 0, "gptq_loss": 0.0, "hessian_tokens": 0, "kept_rtn": 0, "leaf_loss": {}}
+
+    # ------------------------------------------------------------------ replayed calls
+    def _apply_replayed(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
+        """Sequential stages from the stored calls: stage s's Hessians from a replay of each
+        unit's calls with its earlier stages already solved (all quantizers on); each stage
+        solved by the same joint solver as the statistics path (w1 / w3 stacked, the RTN guard)."""
         dev = ctx.device
         # all_tokens concerns routed experts only (the other kinds already see every token)
         routed = all(u.kind == "expert" for u in units)
@@ -387,74 +442,76 @@ class GPTQ(Algorithm):
         for u, d in zip(units, datas):
             calls = all_calls if all_calls is not None else d.calls
             targets = leaf_targets(u.module)
-            per_unit.append((u, calls, targets))
-        stats = [{"leaves": 0, "gptq_loss": 0.0, "hessian_tokens": 0} for _ in units]
-        # stage structure from the first unit with data (all units of a kind share it)
-        plans = []
-        for u, calls, targets in per_unit:
-            if calls and targets:
-                plans.append(_stages(u.module, targets, calls[0], dev))
-            else:
-                plans.append([])
-        n_stages = max((len(p) for p in plans), default=0)
+            plan = _stages(u.module, targets, calls[0], dev) if calls and targets else []
+            per_unit.append((u, calls, plan))
+        out = [self._new_stats() for _ in units]
+        if not self.sequential:
+            # all_tokens without stages: every stage's Hessian from ONE float replay (each stage
+            # its own statistic: the stages read different tensors), then every leaf solved
+            items = []
+            for ui, (u, calls, plan) in enumerate(per_unit):
+                if plan:
+                    with _quant_off(u.module):
+                        stats = _accumulate_stages(u.module, plan, calls, dev)
+                    items.append((ui, u, stats, set(stats)))
+            self._solve_statistics(items, out, dev, free=True)
+        n_stages = max((len(p) for _, _, p in per_unit), default=0) if self.sequential else 0
         for s in range(n_stages):
-            if not self.sequential and s > 0:
-                break
-            for (u, calls, _), plan in zip(per_unit, plans):
+            items = []
+            for ui, (u, calls, plan) in enumerate(per_unit):
                 if s < len(plan):
-                    stage = plan[s] if self.sequential else [t for st in plan for t in st]
-                    _accumulate(u.module, stage, calls, dev)
-            # every unit's leaves of this stage, grouped by (name, shape, dtype, spec): batched
-            buckets: dict[tuple, list[tuple[int, _Target]]] = {}
-            for ui, plan in enumerate(plans):
-                if s < len(plan):
-                    stage = plan[s] if self.sequential else [t for st in plan for t in st]
-                    for t in stage:
-                        if t.n > 0:
-                            buckets.setdefault(t.key(), []).append((ui, t))
-            for items in buckets.values():
-                self._solve_bucket(items, stats, dev)
-        return stats
+                    stats = _accumulate_stages(u.module, [plan[s]], calls, dev)
+                    items.append((ui, u, stats, set(stats)))
+            self._solve_statistics(items, out, dev, free=True)
+        for o in out:
+            o.pop("leaf_loss")
+            o["hessian"] = "sequential, replayed calls" if self.sequential else "replayed calls"
+        return out
 
-    def _solve_bucket(self, items: list[tuple[int, _Target]], stats: list[dict], dev) -> None:
-        spec = items[0][1].spec
-        dynamic = spec.format == "int" and spec.granularity == "group" and not self.act_order
-        per_chunk = max(1, self.expert_chunk // items[0][1].B)
-        graphs: dict = {}   # the column sweep's CUDA graph, captured once per bucket
-        for c0 in range(0, len(items), per_chunk):
-            chunk = items[c0:c0 + per_chunk]
-            ts = [t for _, t in chunk]
-            W = torch.cat([t.weight3d(dev) for t in ts])
-            H = torch.cat([t.hessian() for t in ts])
-            S = Z = clip = None
-            if dynamic:
-                clips = [t.clip() for t in ts]
-                if any(c is not None for c in clips):
-                    clip = torch.cat([(torch.ones(formats.scale_shape(t.leaf.weight.shape, spec)) if c is None else c)
-                                      .to(dev).reshape(t.B, t.R, -1) for t, c in zip(ts, clips)])
-            else:
-                Ss, Zs = [], []
-                for t in ts:
-                    w2 = t.leaf.weight.detach().to(dev)
-                    sc, zp = formats.qparams(w2, spec, None if t.clip() is None else t.clip().to(dev))
-                    Ss.append(formats.expand_qparam(sc, w2.shape, spec).reshape(t.B, t.R, t.C))
-                    if zp is not None:
-                        Zs.append(formats.expand_qparam(zp, w2.shape, spec).reshape(t.B, t.R, t.C))
-                S = torch.cat(Ss)
-                Z = torch.cat(Zs) if Zs else None
-            Q, S, Z, loss = gptq_solve(W, H, spec, S=S, Z=Z, clip=clip, block_size=self.block_size,
-                                       percdamp=self.percdamp, act_order=self.act_order, graphs=graphs)
-            b0 = 0
-            for (ui, t) in chunk:
-                sl = slice(b0, b0 + t.B)
-                t.write(Q[sl], S[sl], None if Z is None else Z[sl])
-                st = stats[ui]
-                st["leaves"] += 1
-                st["gptq_loss"] += float(loss[sl].sum())
-                st["hessian_tokens"] += t.n
-                t.H = None   # free the Hessian as soon as its leaf is solved
-                b0 += t.B
+    # ------------------------------------------------------------------ statistics, sequential
+    def _apply_sequential_statistics(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
+        """Sequential GPTQ on capture statistics, no call stored. The layer's units are taken
+        in runs of parallel units (``ptq_units.parallel_groups``: the attention; the routed +
+        shared experts), the LAST run first: while a run is solved, every unit upstream of it is
+        still unsolved, so a re-run of the layer with quantization on in that run only gives
+        each unit exactly the inputs a replay of its float calls would, with its own earlier
+        stages quantized. Per run: stage 0 from the capture's Hessians (float inputs), then per
+        later stage one re-run of the layer collecting only that stage's leaves
+        (``SolveContext.recollect``). Stages come from the capture (``LeafStat.stage``)."""
+        from ..pipeline.ptq_units import parallel_groups
 
+        if ctx.recollect is None:
+            raise RecipeError("gptq (sequential) on capture statistics needs the layer's re-run "
+                              "(SolveContext.recollect); give gptq:sequential=false or stored calls")
+        dev = ctx.device
+        index = {u.name: i for i, u in enumerate(units)}
+        out = [self._new_stats() for _ in units]
+        forwards, forward_s = 0, 0.0
+        for group in reversed(parallel_groups(units)):
+            captured = {u.name: datas[index[u.name]].hessians for u in group}
+            stages = sorted({ls.stage for st in captured.values() for ls in st.values()})
+            for k, stage in enumerate(stages):
+                want = {u.name: {n for n, ls in captured[u.name].items() if ls.stage == stage} for u in group}
+                want = {n: leaves for n, leaves in want.items() if leaves}
+                if k == 0:
+                    source = captured
+                else:
+                    if ctx.consume_statistics:        # superseded by the re-collection: free first
+                        for name, leaves in want.items():
+                            for leaf in leaves:
+                                captured[name][leaf].H = None
+                    t0 = time.perf_counter()
+                    source = ctx.recollect([u for u in group if u.name in want], want)
+                    forward_s += time.perf_counter() - t0
+                    forwards += 1
+                items = [(index[u.name], u, source.get(u.name, {}), want[u.name]) for u in group if u.name in want]
+                # a re-collection is this algorithm's own; the capture's only once nobody reads it
+                self._solve_statistics(items, out, dev, free=k > 0 or ctx.consume_statistics)
+        for o in out:
+            o["hessian"] = "sequential"
+        if out:   # the layer's re-runs, once (on the first unit; the others say 0)
+            out[0]["recollect_forwards"], out[0]["recollect_seconds"] = forwards, round(forward_s, 3)
+        return out
 
     # ------------------------------------------------------------------ float Hessians
     def _apply_float_hessians(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
@@ -467,11 +524,11 @@ class GPTQ(Algorithm):
         Guard per leaf, exact: the leaf keeps GPTQ's weights only where
         ``tr(dW H dW^T)`` (= its output error on the calibration rows, float inputs) is not
         above RTN's; otherwise it stays RTN."""
-        from .hessians import HessianCollector, fake_quant_weight, quant_leaves
+        from .hessians import HessianCollector
 
         dev = ctx.device
-        stats_of = []
-        for u, d in zip(units, datas):
+        items = []
+        for ui, (u, d) in enumerate(zip(units, datas)):
             st = d.hessians
             if st is None:          # stored calls: replay the float unit once
                 col = HessianCollector([u])
@@ -482,32 +539,42 @@ class GPTQ(Algorithm):
                 finally:
                     col.detach()
                 st = col.stats(u.name)
-            stats_of.append(st)
-        out = [{"leaves": 0, "gptq_loss": 0.0, "hessian_tokens": 0, "kept_rtn": 0, "leaf_loss": {}}
-               for _ in units]
+            items.append((ui, u, st, set(st)))
+        out = [self._new_stats() for _ in units]
+        self._solve_statistics(items, out, dev, free=ctx.consume_statistics)
+        for o in out:
+            o["hessian"] = "float"
+        return out
+
+    def _solve_statistics(self, items, out, dev, free: bool) -> None:
+        """Solve the named leaves of each unit from their statistics, every unit's leaves of
+        one shape / spec batched: ``items`` = [(index into ``out``, unit, {leaf: LeafStat},
+        leaf names to solve)]. ``free``: drop each statistic once its leaves are solved."""
+        from .hessians import fake_quant_weight, quant_leaves
+
         buckets: dict[tuple, list[tuple[int, list[tuple[str, nn.Module]], Any]]] = {}
-        for ui, (u, st) in enumerate(zip(units, stats_of)):
+        for ui, u, st, names in items:
             leaves = dict(quant_leaves(u.module))
             joint: dict[int, list[str]] = {}
             for name in leaves:
                 ls = st.get(name)
-                if ls is not None and ls.n > 0 and ls.H is not None:
+                if name in names and ls is not None and ls.n > 0 and ls.H is not None:
                     joint.setdefault(id(ls), []).append(name)
-            for names in joint.values():
+            for names_j in joint.values():
                 # leaves sharing a Hessian are stacked only with equal spec / dtype / width
                 sub: dict[tuple, list[str]] = {}
-                for n in names:
+                for n in names_j:
                     lf = leaves[n]
                     sub.setdefault((lf.weight_quantizer.spec, lf.weight.dtype, _groups_of(lf)), []).append(n)
                 for (spec, dtype, g), ns in sub.items():
                     ls = st[ns[0]]
                     key = (tuple(ns), tuple(leaves[n].weight.shape for n in ns), dtype, spec, g)
                     buckets.setdefault(key, []).append((ui, [(n, leaves[n]) for n in ns], ls))
-        for items in buckets.values():
-            self._solve_joint(items, out, dev, fake_quant_weight)
-        for o in out:
-            o["hessian"] = "float"
-        return out
+        for bucket in buckets.values():
+            self._solve_joint(bucket, out, dev, fake_quant_weight)
+            if free:
+                for _, _, ls in bucket:
+                    ls.H = None
 
     def _solve_joint(self, items, out, dev, fake_quant_weight) -> None:
         first = items[0][1][0][1]

@@ -54,8 +54,8 @@ scales: no clip to choose) and leaves without a weight grid are left alone ("not
 as ``clip`` does. Static activation ranges are not clipped (that needs the unit's output, i.e.
 stored calls: use ``clip``); the statistics say so.
 
-With stored calls (the recipe also holds a call-replaying algorithm, e.g. ``hclip,gptq`` with
-the sequential GPTQ), the Hessians are computed from one float replay of the calls, as
+With stored calls (the recipe also holds a call-replaying algorithm, e.g. ``hclip,autoround``),
+the Hessians are computed from one float replay of the calls, as
 ``gptq:sequential=false`` does. After an algorithm that replaced the weight or fixed the grid
 (``gptq``, ``autoround``) the float weight is gone: :class:`RecipeError`, naming the leaf.
 """

@@ -2,11 +2,12 @@
 
 GPTQ needs, per quantized leaf, only ``H = sum_x x^T x`` over the leaf's calibration inputs
 (fp32, on the device) and the number of rows. When no algorithm of a recipe replays the
-captured unit calls (``Recipe.needs().calls`` is False: ``rtn``, ``gptq:sequential=false``), the
+captured unit calls (``Recipe.needs().calls`` is False: ``rtn``, ``hclip``, ``gptq``), the
 workflow stores no calls at all: a :class:`HessianCollector` is attached to the layer during its
 ONE float forward and every leaf's Hessian is folded in as the rows go by. Nothing of the
 calibration activations is kept. This is llm-compressor's sequential pipeline as well: all
-Hessians of a layer come from the float (not yet quantized) layer in one pass.
+Hessians of a layer come from the float (not yet quantized) layer in one pass (the sequential
+GPTQ then re-runs the layer for its later stages, collecting only those leaves).
 
 Where the rows are seen
 - a QuantLinear called as a module: a forward pre-hook (its input, before any input
@@ -19,6 +20,12 @@ Where the rows are seen
   read of the counts per forward; the loop path's per-expert calls reach the pre-hooks instead
   and give the same sums, in the same order). The experts' Hessians are stacked [E, C, C] per
   projection input, allocated on first use.
+
+Stages: the collector also records, per unit, the order in which the leaves' input tensors are
+first used during the block's first call (``LeafStat.stage``: 0 for the tensor read first, e.g. x
+for an attention's wq_a / wkv, then qr for wq_b, ...). Every tensor a leaf reads depends only on
+tensors of earlier stages, so a sequential GPTQ can re-collect stage k with stages < k
+quantized (``HessianCollector(units, only=...)`` collects just those leaves).
 
 Leaves that read the same tensor share one statistic (``w1`` / ``w3`` of an expert; ``wq_a`` /
 ``wkv`` of an attention): found by identity of the input tensor on the first call, so w1 / w3's
@@ -48,6 +55,7 @@ class LeafStat:
     H: torch.Tensor | None = None
     n: int = 0
     leaves: list[str] = field(default_factory=list)   # leaf names (in the unit) that read this input
+    stage: int = 0          # order of first use of this input within the unit (module doc)
 
     def add(self, x: torch.Tensor, groups: int = 0) -> None:
         C = x.shape[-1]
@@ -138,11 +146,34 @@ def plan_hessian_passes(units: Sequence[Any], budget_bytes: int | None) -> list[
 
 
 class _UnitStats:
-    """The statistics of one unit: leaf name -> LeafStat (shared by leaves reading one tensor)."""
+    """The statistics of one unit: leaf name -> LeafStat (shared by leaves reading one tensor).
+
+    While ``recording`` (until the unit's module returns from its first call), the distinct input
+    tensors are kept in order of first use, so each new statistic gets its stage; the references
+    are dropped after that call (identity, not equality: two tensors with equal values are two
+    stages). Routed experts on the MoE's grouped path are never called: the row observer gives
+    their stages."""
 
     def __init__(self) -> None:
         self.by_leaf: dict[str, LeafStat] = {}
         self._last: tuple[torch.Tensor, LeafStat] | None = None   # the input seen last, for aliasing
+        self.recording = True
+        self._inputs: list[torch.Tensor] = []                    # distinct inputs, first-use order
+        self.n_stages = 0
+
+    def stage_of(self, x: torch.Tensor) -> int:
+        for k, t in enumerate(self._inputs):
+            if t is x:
+                return k
+        self.n_stages += 1          # a new tensor; first seen after the first call: a stage of its own
+        if self.recording:
+            self._inputs.append(x)
+        return self.n_stages - 1
+
+    def stop_recording(self) -> None:
+        self.recording = False
+        self._inputs = []
+        self._last = None
 
     def feed(self, name: str, leaf: nn.Module, x: torch.Tensor) -> None:
         st = self.by_leaf.get(name)
@@ -153,7 +184,7 @@ class _UnitStats:
                 st.leaves.append(name)
                 self.by_leaf[name] = st
                 return
-            st = self.by_leaf[name] = LeafStat(leaves=[name])
+            st = self.by_leaf[name] = LeafStat(leaves=[name], stage=self.stage_of(x))
         elif name != st.leaves[0]:
             return                           # an alias: its rows were counted by the first reader
         st.add(x, _groups(leaf))
@@ -165,10 +196,13 @@ class HessianCollector:
 
     ``attach(block)`` / ``detach()`` (or use as a context manager); ``stats(unit_name)`` ->
     {leaf name: LeafStat}. Routed experts of a MoE exposing ``row_observer`` (its grouped path)
-    are matched to the units by identity of the expert modules."""
+    are matched to the units by identity of the expert modules. ``only``: {unit name: leaf
+    names} to collect (None: every quantized leaf); a re-collection of one stage's leaves
+    allocates nothing for the others."""
 
-    def __init__(self, units: Sequence[Any]):
+    def __init__(self, units: Sequence[Any], only: dict[str, set[str]] | None = None):
         self.units = list(units)
+        self.only = only
         self._stats = {u.name: _UnitStats() for u in self.units}
         self._removers: list[Callable[[], None]] = []
         self._stacks: dict[tuple[int, str], torch.Tensor] = {}
@@ -177,11 +211,18 @@ class HessianCollector:
     def stats(self, name: str) -> dict[str, LeafStat]:
         return self._stats[name].by_leaf
 
+    def wants(self, unit_name: str, leaf: str) -> bool:
+        return self.only is None or leaf in self.only.get(unit_name, ())
+
     def attach(self, block: nn.Module) -> "HessianCollector":
         for u in self.units:
             ust = self._stats[u.name]
             for name, leaf in quant_leaves(u.module):
-                self._removers.append(observe_leaf(leaf, lambda x, n=name, lf=leaf, s=ust: s.feed(n, lf, x)))
+                if self.wants(u.name, name):
+                    self._removers.append(observe_leaf(leaf, lambda x, n=name, lf=leaf, s=ust: s.feed(n, lf, x)))
+            # stages are recorded during the unit's first call only (one call's tensors kept)
+            handle = u.module.register_forward_hook(lambda *_, s=ust: s.stop_recording() if s.recording else None)
+            self._removers.append(handle.remove)
         by_module = {id(u.module): u for u in self.units}
         for moe in block.modules():
             experts = getattr(moe, "experts", None)
@@ -193,6 +234,12 @@ class HessianCollector:
             moe.row_observer = self._row_observer(moe, index)
             self._removers.append(lambda m=moe: m.__dict__.pop("row_observer", None))
         return self
+
+    def release(self) -> None:
+        """Drop the collector's own references to the stacked expert Hessians: the LeafStats
+        alone hold them afterwards, so a consumer that sets ``LeafStat.H = None`` for every
+        expert of a stack frees it (GPTQ consumes each stage's statistics as it solves)."""
+        self._stacks.clear()
 
     def detach(self) -> None:
         for r in reversed(self._removers):
@@ -207,33 +254,42 @@ class HessianCollector:
 
     def _row_observer(self, moe: nn.Module, index: dict[int, Any]):
         cache: dict[str, Any] = {"counts": None, "list": None}
-        slot = {e: k for k, e in enumerate(sorted(index))}
         # expert leaves: w1 and w3 read the sorted rows, w2 the SwiGLU output rows
         readers = {"w1": ("w1", "w3"), "w2": ("w2",)}
+        # per projection the experts that want it (``only``), and their slots in its stack
+        wanted = {p: {e: u for e, u in index.items() if any(self.wants(u.name, lf) for lf in leaves)}
+                  for p, leaves in readers.items()}
+        slots = {p: {e: k for k, e in enumerate(sorted(w))} for p, w in wanted.items()}
+        stage_of: dict[str, int] = {}     # projection -> order of first use (w1 before w2)
 
         def observe(rows: torch.Tensor, projection: str, counts: torch.Tensor) -> None:
             if cache["counts"] is not counts:   # one host read of the counts per forward
                 cache["counts"], cache["list"] = counts, counts.tolist()
                 self.host_reads += 1
+            stage_of.setdefault(projection, len(stage_of))
+            index_p, slot = wanted[projection], slots[projection]
+            if not index_p:
+                return
             n_per = cache["list"]
             C = rows.shape[-1]
             key = (id(moe), projection)
             stack = self._stacks.get(key)
             if stack is None:
                 # one slot per expert collected here (a pass may hold only some of the experts)
-                stack = self._stacks[key] = torch.zeros(len(index), C, C, dtype=torch.float32, device=rows.device)
-                for e, u in index.items():
+                stack = self._stacks[key] = torch.zeros(len(index_p), C, C, dtype=torch.float32, device=rows.device)
+                for e, u in index_p.items():
                     ust = self._stats[u.name]
-                    st = LeafStat(H=stack[slot[e]:slot[e] + 1], n=0, leaves=list(readers[projection]))
+                    st = LeafStat(H=stack[slot[e]:slot[e] + 1], n=0, leaves=list(readers[projection]),
+                                  stage=stage_of[projection])
                     for leaf in readers[projection]:
                         ust.by_leaf[leaf] = st
             x = rows.detach().float()
             start = 0
             for e, n in enumerate(n_per):
-                if n and e in index:
+                if n and e in index_p:
                     seg = x[start:start + n]
                     stack[slot[e]].addmm_(seg.t(), seg)
-                    self._stats[index[e].name].by_leaf[readers[projection][0]].n += n
+                    self._stats[index_p[e].name].by_leaf[readers[projection][0]].n += n
                 start += n
         return observe
 

@@ -148,6 +148,25 @@ class Recipe:
         return ",".join(self.names) or "(empty)"
 
 
+def recipe_label(settings: Sequence[dict[str, Any]]) -> str:
+    """The ``--algo`` text of recorded settings (``Recipe.settings()``, as report.json and
+    ptq_params/meta.json keep them): each algorithm with the options that differ from its
+    defaults (``hclip,gptq:sequential=false``), so a run is named by what RAN, whatever the
+    defaults are today. Unknown names or options are kept as recorded."""
+    parts = []
+    for e in settings:
+        name = e["name"]
+        try:
+            base = {f.name: f.default for f in dataclasses.fields(algorithm_class(name))
+                    if f.default is not dataclasses.MISSING}
+        except RecipeError:
+            base = None
+        opts = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in e.items()
+                if k != "name" and (base is None or (k in base and base[k] != v))]
+        parts.append(":".join([name, *opts]))
+    return ",".join(parts)
+
+
 # ----------------------------------------------------------------------------- parsing
 def _cli_value(text: str) -> Any:
     try:

@@ -110,14 +110,20 @@ def hessian_leaf_errors(unit: PtqUnit, stats: dict) -> dict[str, tuple[torch.Ten
     return out
 
 
-def _apply_algorithm(algo, units, datas, ctxs, stats, seconds) -> None:
+def _apply_algorithm(algo, units, datas, ctxs, stats, seconds, statistics: bool = False) -> None:
     """One algorithm of a recipe over a layer's units: the kinds it solves jointly
     (``algo.group_kinds``, e.g. all routed experts) through ``apply_group``, the others one by
-    one. Each unit's result goes to ``stats[name][algo.name]``, its time (a group's time
-    shared equally) to ``seconds[name]``."""
-    kinds = sorted({u.kind for u in units if u.kind in algo.group_kinds})
-    for kind in kinds:
-        members = [u for u in units if u.kind == kind]
+    one; or every unit in one ``apply_group`` when the algorithm solves the layer jointly
+    (``solves_layer_jointly``). Each unit's result goes to ``stats[name][algo.name]``, its time
+    (a group's time shared equally) to ``seconds[name]``."""
+    if algo.solves_layer_jointly(statistics):
+        groups = [("layer", list(units))] if units else []
+        singles = []
+    else:
+        kinds = sorted({u.kind for u in units if u.kind in algo.group_kinds})
+        groups = [(kind, [u for u in units if u.kind == kind]) for kind in kinds]
+        singles = [u for u in units if u.kind not in algo.group_kinds]
+    for kind, members in groups:
         tg = time.perf_counter()
         # one context for the group: the seed of its first unit (the group is solved jointly)
         results = algo.apply_group(members, [datas[u.name] for u in members], ctxs[members[0].name])
@@ -130,7 +136,6 @@ def _apply_algorithm(algo, units, datas, ctxs, stats, seconds) -> None:
     # unit by unit: a per-kind running total, logged as each kind completes and every
     # PROGRESS_EVERY_S meanwhile (a layer's 256 experts one by one can take minutes; an
     # interrupted run still tells where its time went)
-    singles = [u for u in units if u.kind not in algo.group_kinds]
     total = {k: sum(1 for u in singles if u.kind == k) for k in dict.fromkeys(u.kind for u in singles)}
     spent: dict[str, list] = {}           # kind -> [units done, seconds]
     last_report = time.perf_counter()
@@ -148,21 +153,28 @@ def _apply_algorithm(algo, units, datas, ctxs, stats, seconds) -> None:
             last_report = now
 
 
-def _run_on_hessians(units, hessians, recipe, *, device, seed, dtype, holdout, on_algorithm):
+def _run_on_hessians(units, hessians, recipe, *, device, seed, dtype, holdout, on_algorithm, recollect=None):
     """Recipe run on capture statistics (no calls): losses are the exact per-leaf output errors
-    of the weights on the float calibration rows, summed over the unit's leaves, per output
-    element; the guard is the algorithms' own (GPTQ keeps a leaf's result only where it is not
-    above RTN's on that exact loss), so no snapshot of the layer is taken."""
+    of the weights, summed over the unit's leaves, per output element -- before: RTN on the float
+    calibration rows; after: on the rows each leaf was solved on (the float rows, or for a
+    sequential GPTQ's later stages the rows through its quantized earlier stages); the guard is the algorithms' own (GPTQ keeps a leaf's result only where it is not
+    above RTN's on that exact loss), so no snapshot of the layer is taken. ``recollect``: the
+    workflow's re-run of the layer (``SolveContext.recollect``)."""
     datas = {u.name: UnitData([], hessians=hessians.get(u.name, {})) for u in units}
     ctxs = {u.name: SolveContext(device=device, seed=unit_seed(seed, u.name), dtype=dtype, holdout=holdout,
-                                 layer_idx=u.layer_idx) for u in units}
+                                 layer_idx=u.layer_idx, recollect=recollect) for u in units}
     before_leaf = {u.name: hessian_leaf_errors(u, datas[u.name].hessians) for u in units}
     seconds = {u.name: 0.0 for u in units}
     stats: dict[str, dict[str, Any]] = {u.name: {} for u in units}
     leaf_after: dict[str, dict[str, float]] = {u.name: {} for u in units}
-    for algo in recipe.algorithms:
+    algos = list(recipe.algorithms)
+    for k, algo in enumerate(algos):
         ta = time.perf_counter()
-        _apply_algorithm(algo, units, datas, ctxs, stats, seconds)
+        # the last reader of the capture statistics may free them as it solves
+        last_reader = not any(a.needs().statistics for a in algos[k + 1:])
+        for c in ctxs.values():
+            c.consume_statistics = last_reader
+        _apply_algorithm(algo, units, datas, ctxs, stats, seconds, statistics=True)
         for u in units:
             r = stats[u.name].get(algo.name) or {}
             leaf_after[u.name].update(r.pop("leaf_loss", {}) if isinstance(r, dict) else {})
@@ -182,7 +194,9 @@ def _run_on_hessians(units, hessians, recipe, *, device, seed, dtype, holdout, o
             before = sum(rtn[(u.name, leaf)] for leaf in leaves) / elems
             after = sum(leaf_after[u.name].get(leaf, rtn[(u.name, leaf)]) for leaf in leaves) / elems
         stats[u.name]["reverted_to_rtn"] = False
-        stats[u.name]["loss"] = "hessian: sum over leaves of ||X (W_q - W)^T||^2 / output elements (float inputs)"
+        stats[u.name]["loss"] = ("hessian: sum over leaves of ||X (W_q - W)^T||^2 / output elements; X: the "
+                                 "float rows (loss_before), the rows each leaf was solved on (loss_after: "
+                                 "a sequential GPTQ's later stages read their quantized earlier stages)")
         out.append(UnitResult(name=u.name, kind=u.kind, layer=u.layer_idx, loss_before=before, loss_after=after,
                               seconds=seconds[u.name], n_calls=0, n_params=0, best_epoch=0, stats=stats[u.name]))
     return out
@@ -192,18 +206,21 @@ def run_recipe_on_units(units: Sequence[PtqUnit], calls: dict[str, list[UnitCall
                         device: torch.device, seed: int, dtype: torch.dtype | None = None,
                         holdout: float = 0.25, guard: bool = True,
                         on_algorithm: Callable[[str, float], None] | None = None,
-                        hessians: dict[str, dict] | None = None) -> list[UnitResult]:
+                        hessians: dict[str, dict] | None = None,
+                        recollect: Callable | None = None) -> list[UnitResult]:
     """Apply ``recipe`` to ``units`` (already on ``device``, quantizers on); returns one
     UnitResult per unit (loss_before = RTN, loss_after = the kept state).
 
     ``hessians``: per unit the capture's statistics (``hessians.HessianCollector``) instead of
     calls, for a recipe that needs no calls (``recipe.needs().calls`` False); see
-    ``_run_on_hessians`` for what the losses and the guard are then."""
+    ``_run_on_hessians`` for what the losses and the guard are then. ``recollect``: with
+    ``hessians``, the workflow's re-run of the layer for fresh statistics
+    (``SolveContext.recollect``; sequential GPTQ)."""
     if hessians is not None:
         if recipe.needs().calls:
             raise ValueError(f"recipe {recipe} replays calls: it cannot run on capture statistics")
         return _run_on_hessians(units, hessians, recipe, device=device, seed=seed, dtype=dtype, holdout=holdout,
-                                on_algorithm=on_algorithm)
+                                on_algorithm=on_algorithm, recollect=recollect)
     datas = {u.name: UnitData(calls.get(u.name, [])) for u in units}
     ctxs = {u.name: SolveContext(device=device, seed=unit_seed(seed, u.name), dtype=dtype, holdout=holdout,
                                  layer_idx=u.layer_idx) for u in units}

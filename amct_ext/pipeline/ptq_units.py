@@ -47,6 +47,25 @@ class UnitResult:
         return asdict(self)
 
 
+def parallel_groups(units: Iterable[PtqUnit]) -> list[list[PtqUnit]]:
+    """A layer's units (in forward order) cut into runs of PARALLEL units: no unit of a run
+    reads another's output. Consecutive units with the same ``metadata["reads"]`` (the name of
+    the tensor they read, set by the model adapter: an MoE's routed and shared experts all read
+    the FFN input) form one run; without it, consecutive units of one kind do (the routed
+    experts of a layer). Used where units must be solved downstream first (sequential GPTQ on
+    capture statistics: re-collecting a unit's inputs needs every unit upstream still float)."""
+    groups: list[list[PtqUnit]] = []
+    last = None
+    for u in units:
+        key = ("reads", u.metadata["reads"]) if u.metadata.get("reads") is not None else ("kind", u.kind)
+        if groups and key == last:
+            groups[-1].append(u)
+        else:
+            groups.append([u])
+        last = key
+    return groups
+
+
 def make_ptq_unit(kind: str, name: str, layer_idx: int, module: nn.Module, **metadata: Any) -> PtqUnit:
     return PtqUnit(kind=kind, name=name, layer_idx=layer_idx, module=module, metadata=dict(metadata))
 

@@ -719,7 +719,7 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
             adapter.quantize_block(block, scheme, targets)
         units = list(adapter.iter_ptq_units(block, i, targets))
         todo = {u.name for u in units if not (pdir / f"{u.file_stem}.pt").is_file()}
-        # a recipe that replays no calls (rtn, gptq:sequential=false) gets per-leaf Hessians
+        # a recipe that replays no calls (rtn, hclip, gptq) gets per-leaf Hessians
         # accumulated during the float forward instead of stored calls (algorithms/hessians.py);
         # the layer then keeps its fast paths (the MoE's grouped GEMMs report their rows)
         stats_mode = not needs.calls and not sharded and runtime.statistics
@@ -774,10 +774,7 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
             ph.note(capture_bytes=sum(call_bytes(c) for c in calls.values() if isinstance(c, Sequence)),
                     spilled_bytes=store.spilled_bytes, in_memory_peak_bytes=store.peak_in_memory)
             adapter.set_quant_enabled(block, True)
-            if propagate == "quant":   # the next layer's inputs go through the units done earlier
-                for unit in units:
-                    if unit.name not in todo:
-                        load_unit_params(unit, pdir)
+            if propagate == "quant":
                 finish_static(block, i)   # counted once, by the observe pass above
             from ..algorithms.runner import run_recipe_on_units
 
@@ -796,9 +793,12 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
                                                                        keep_output=False)
                             adapter.set_quant_enabled(block, True)
                     with ph.phase("solve:recipe", layer=i, device=str(dev)):
+                        rerun = LayerRerun(adapter, block, calib)
                         rs = run_recipe_on_units(pass_units, {}, recipe, device=dev, seed=cfg.seed,
                                                  dtype=adapter.run.dtype, holdout=holdout, guard=guard,
-                                                 hessians=hessians)
+                                                 hessians=hessians, recollect=rerun)
+                    if rerun.forwards:   # a note goes to the phase just finished: solve:recipe
+                        ph.note(recollect_forwards=rerun.forwards, recollect_seconds=round(rerun.seconds, 3))
                     done.update({u.name: r for u, r in zip(pass_units, rs)})
                     # written pass by pass: an interrupted layer resumes at its next pass
                     for unit in pass_units:
@@ -844,6 +844,12 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
         mem.call_memory_peak_bytes = max(mem.call_memory_peak_bytes, layer_calls_peak)
         ph.note(call_memory_peak_bytes=layer_calls_peak)
         if propagate == "quant":
+            # the next layer's inputs go through the units an earlier run finished too: loaded
+            # only now, after this run's solve -- loaded before it, their in-place weights would
+            # feed a re-run of the layer (sequential GPTQ) a non-float input (casebook i24-sq4)
+            for unit in units:
+                if unit.name not in todo:
+                    load_unit_params(unit, pdir)
             with ph.phase("propagate", layer=i):
                 next_hidden = adapter.do_block_forward(block, calib.hidden, calib.state)
         calib = Stream(next_hidden, calib.state)
@@ -866,18 +872,47 @@ def _mtp_layers(adapter: BaseModel, layers: range) -> list[int]:
 
 
 def _collect_hessians(adapter: BaseModel, block: nn.Module, calib: Stream, units: Sequence,
-                      keep_output: bool = True):
-    """One float forward of ``block`` over ``calib`` with a HessianCollector on ``units``:
-    (collector, {unit name: its statistics}, the layer's output, or [] without ``keep_output``)."""
+                      keep_output: bool = True, only: dict[str, set[str]] | None = None):
+    """One forward of ``block`` over ``calib`` with a HessianCollector on ``units`` (``only``:
+    those leaves): (collector, {unit name: its statistics}, the layer's output, or [] without
+    ``keep_output``). The collector lets go of its stacks: the statistics own them."""
     from ..algorithms.hessians import HessianCollector
 
-    collector = HessianCollector(units)
+    collector = HessianCollector(units, only=only)
     collector.attach(block)
     try:
         out = adapter.do_block_forward(block, calib.hidden, calib.state, keep_outputs=keep_output)
     finally:
         collector.detach()
+    collector.release()
     return collector, {u.name: collector.stats(u.name) for u in units}, out
+
+
+class LayerRerun:
+    """``SolveContext.recollect`` of the statistics path: the layer's calibration forward once
+    more, with quantization on in the given units only (every other unit and the rest of the
+    layer float, as in the capture), collecting the given leaves' statistics. Counts its
+    forwards and their time for the report."""
+
+    def __init__(self, adapter: BaseModel, block: nn.Module, calib: Stream):
+        self.adapter, self.block, self.calib = adapter, block, calib
+        self.forwards = 0
+        self.seconds = 0.0
+
+    def __call__(self, units: Sequence, leaves: dict[str, set[str]]) -> dict[str, dict]:
+        t0 = time.perf_counter()
+        self.adapter.set_quant_enabled(self.block, False)
+        try:
+            for u in units:
+                self.adapter.set_quant_enabled(u.module, True)
+            _, stats, _ = _collect_hessians(self.adapter, self.block, self.calib, units, keep_output=False,
+                                            only=leaves)
+        finally:
+            # the recipe runs with the whole layer's quantization on (run_blockwise_ptq): back to it
+            self.adapter.set_quant_enabled(self.block, True)
+        self.forwards += 1
+        self.seconds += time.perf_counter() - t0
+        return stats
 
 
 def float_layer_output(adapter: BaseModel, block: nn.Module, calib: Stream, like_quantized: bool,

@@ -31,7 +31,7 @@
 #   I24_ALTS ["": ';'-separated "SCHEME RUN_PTQ_ARGS", e.g. "w4a16-g128 --recipe best;w8a8 --algo clip"]
 #   I24_SEQ_WINDOWS [$I24_WINDOWS]: the windows of gptq-seq-* (the last window count always runs)
 #   I24_GPTQ_SCHEME [w8a8]  I24_LLMC_ROUTED_ONLY [0]: 1 = moe_calibrate_all_experts=False
-#   I24_LIMIT_DEF [110] I24_LIMIT_GPTQ [150] I24_LIMIT_LLMC [330]: seconds per run
+#   I24_LIMIT_DEF [110] I24_LIMIT_GPTQ [150] I24_LIMIT_LLMC [330] I24_LIMIT_ALT [$I24_LIMIT_DEF]: seconds per run
 #   I24_PY [python3]  I24_LLMC_PY [""]: a python with llmcompressor (CPU: /work/venvs/llmc/bin/python);
 #   empty = $I24_PY with PYTHONPATH=$I24/site, filled by stage wheels from $I24_WHEELS [.dev/wheels-llmc]
 #   I24_BF16_DIR [$I24/bf16]  I24_KEEP_BF16 [0]  I24_REDO [0]: rerun stages already done
@@ -93,6 +93,7 @@ LLMC_PY=${I24_LLMC_PY:-}
 WHEELS=${I24_WHEELS:-.dev/wheels-llmc}
 GPTQ_SCHEME=${I24_GPTQ_SCHEME:-w8a8}
 LIMIT_DEF=${I24_LIMIT_DEF:-110}; LIMIT_GPTQ=${I24_LIMIT_GPTQ:-150}; LIMIT_LLMC=${I24_LIMIT_LLMC:-330}
+LIMIT_ALT=${I24_LIMIT_ALT:-$LIMIT_DEF}   # --recipe best runs take minutes: give them their own limit
 [ "$SMALL" = 1 ] && { LIMIT_DEF=${I24_LIMIT_DEF:-900}; LIMIT_GPTQ=${I24_LIMIT_GPTQ:-900}; LIMIT_LLMC=${I24_LIMIT_LLMC:-900}; }
 BUDGET=${I24_CALL_BUDGET:-540}
 [ "$SMALL" = 1 ] && BUDGET=${I24_CALL_BUDGET:-100000}
@@ -147,8 +148,10 @@ est() {       # full-scale seconds of a stage (small mode: a token 1 s; its budg
   [ "$SCALE" = 0 ] && { echo 1; return; }
   case $1 in
     env) echo 5 ;; ckpt) echo 40 ;; wheels) echo 30 ;; probe) echo 15 ;; bf16) echo 100 ;; rmbf16|table) echo 5 ;;
-    def-w8a8|def-mxfp4) echo 60 ;; def-*|alt-*) echo "$LIMIT_DEF" ;;
-    gptq-nseq-*) [ "${1#gptq-nseq-}" -ge 128 ] && echo 110 || echo 75 ;; gptq-seq-*) echo "$LIMIT_GPTQ" ;;
+    def-w8a8|def-mxfp4) echo 60 ;; def-*) echo "$LIMIT_DEF" ;; alt-*) echo "$LIMIT_ALT" ;;
+    gptq-nseq-*) [ "${1#gptq-nseq-}" -ge 128 ] && echo 110 || echo 75 ;;
+    # statistics path now (stage re-runs of the layer, no stored calls): like sequential=false + ~3 forwards
+    gptq-seq-*) [ "${1#gptq-seq-}" -ge 128 ] && echo "$LIMIT_GPTQ" || echo 90 ;;
     llmc-*) local w=${1#llmc-}; echo $(( 75 + w * 11 / 10 )) ;;   # import 15 + load ~45 + 12.4 s + 1.02 s a window (issue)
     *) echo 30 ;;
   esac
@@ -161,9 +164,20 @@ limit_for() {  # a run's time limit: its cap, but never past the call's budget
   echo "$cap"
 }
 
+disk_ok() {   # a run of ours writes its layer (and may spill calls) under $WORK: refuse early when full
+  local free_gib
+  free_gib=$(df -Pk "$WORK" | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "${free_gib:-0}" -lt "${I24_MIN_FREE_GIB:-16}" ]; then
+    echo "error: $WORK has ${free_gib} GiB free (< ${I24_MIN_FREE_GIB:-16}): the bf16 copy ($BF16, ~40 GiB) is still there?" \
+         "run the llmc stages and rmbf16 before more runs of ours (casebook i24-or-4)"
+    return 1
+  fi
+}
+
 bench() {     # tag, limit, calib samples, bench_ptq args... (one bench_ptq run per repeat)
   local tag=$1 cap=$2 n=$3; shift 3
   local r rc=0
+  disk_ok || return 2
   for r in $(seq 1 "$REPEATS"); do
     local j="$RES/ours_$tag.r$r.json" lim
     [ -f "$j" ] && [ "${I24_REDO:-0}" != 1 ] && { echo "  $tag r$r: kept"; continue; }
@@ -239,7 +253,7 @@ st_alt() {   # index into $I24_ALTS: "SCHEME RUN_PTQ_ARGS"
   scheme=${line%% *}; args=${line#"$scheme"}
   echo "$line" > "$RES/ours_alt-$1.what"
   # shellcheck disable=SC2086
-  bench "alt-$1" "$LIMIT_DEF" "$CALIB" -- --scheme "$scheme" $args
+  bench "alt-$1" "$LIMIT_ALT" "$CALIB" -- --scheme "$scheme" $args
 }
 
 st_gptq() {  # seq|nseq, windows

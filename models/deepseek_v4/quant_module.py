@@ -693,12 +693,18 @@ def iter_block_ptq_units(block: Block, layer_idx: int, targets: list[str] | str)
     """attn-linear / attn-cache: one 'attn' unit; moe: one unit per routed expert + the shared one."""
     targets = parse_targets(targets)
     prefix = f"layers.{layer_idx}"
+    # ``reads``: the tensor a unit reads (ptq_units.parallel_groups): the routed and the shared
+    # experts all read the FFN's input, so none feeds another
     if any(t in targets for t in ATTN_TARGETS):
-        yield make_ptq_unit("attn", f"{prefix}.attn", layer_idx, block.attn, ratio=block.attn.ratio)
+        yield make_ptq_unit("attn", f"{prefix}.attn", layer_idx, block.attn, ratio=block.attn.ratio,
+                            reads="attn_input")
     if "moe" in targets:
-        yield from iter_indexed_units("expert", f"{prefix}.ffn.experts", layer_idx, block.ffn.experts, "expert_idx")
+        for u in iter_indexed_units("expert", f"{prefix}.ffn.experts", layer_idx, block.ffn.experts, "expert_idx"):
+            u.metadata["reads"] = "ffn_input"
+            yield u
         if block.ffn.shared_experts is not None:
-            yield make_ptq_unit("shared_expert", f"{prefix}.ffn.shared_experts", layer_idx, block.ffn.shared_experts)
+            yield make_ptq_unit("shared_expert", f"{prefix}.ffn.shared_experts", layer_idx, block.ffn.shared_experts,
+                                reads="ffn_input")
 
 
 def set_quant_enabled(module: nn.Module, enabled: bool) -> None:
