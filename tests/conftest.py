@@ -19,6 +19,19 @@ WIKI_VALID = DATA / "wikitext-2" / "wiki.valid.tokens"        # calibration / tr
 import models.deepseek_v4  # noqa: E402,F401  (registers V4's ModelBinding: amct_ext.base.model_binding)
 
 CONFIGS = REPO / "models" / "deepseek_v4" / "configs"         # V4-Flash / V4-Pro config.json
+
+
+def load_script(relpath: str, name: str | None = None):
+    """A repository script that is no package module (benchmarks/scripts/*.py, tools/*.py) as a
+    module; registered in sys.modules under ``name`` (dataclasses look their module up there)."""
+    import importlib.util
+
+    name = name or Path(relpath).stem
+    spec = importlib.util.spec_from_file_location(name, REPO / relpath)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)
+    spec.loader.exec_module(mod)
+    return mod
 SPEC = REPO / "models" / "deepseek_v4" / "SPEC.md"
 
 

@@ -10,7 +10,6 @@ import torch
 from amct_ext.algorithms.hessians import HessianCollector
 from amct_ext.algorithms.recipe import RecipeError, parse_algo
 from amct_ext.algorithms.runner import run_recipe_on_units
-from amct_ext.io.io_utils import safe_torch_load
 from amct_ext.pipeline.capture import capture_unit_io
 from amct_ext.pipeline.phases import PhaseTimer
 from amct_ext.pipeline.ptq_spec import PtqSpec
@@ -18,7 +17,8 @@ from amct_ext.pipeline.ptq_units import make_ptq_unit, parallel_groups
 from amct_ext.pipeline.workflow import PARAMS_DIR, PtqRuntime, load_calib_windows, run_blockwise_ptq
 from amct_ext.quant.schemes import QuantScheme, load_scheme
 
-from tests.test_hessian_capture import PTQ, TARGETS, W4G32, _collect, _forward, _layer
+from tests.test_hessian_capture import (PTQ, TARGETS, W4G32, _collect, _forward, _layer, assert_same_saved_params,
+                                        saved_params, units_params_equal)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,17 +41,6 @@ def _rerun(block, x, ids, log):
         col.release()
         return {u.name: col.stats(u.name) for u in units}
     return recollect
-
-
-def _params_equal(units_a, units_b) -> int:
-    replaced = 0
-    for a, b in zip(units_a, units_b):
-        pa, pb = a.module.export_ptq_params(), b.module.export_ptq_params()
-        assert pa.keys() == pb.keys(), a.name
-        for k in pa:
-            assert torch.equal(pa[k], pb[k]), (a.name, k)
-        replaced += sum(k.endswith((".weight", ".weight_codes")) for k in pa)
-    return replaced
 
 
 def test_capture_records_each_leafs_stage():
@@ -145,7 +134,7 @@ def test_sequential_gptq_on_statistics_equals_replayed_calls(scheme):
     set_quant_enabled(twin, True)
     rt = run_recipe_on_units(twin_units, calls, recipe, device=torch.device("cpu"), seed=0, guard=False)
     assert rt[0].stats["gptq"]["hessian"] == "sequential, replayed calls"
-    assert _params_equal(units, twin_units) > 20
+    assert units_params_equal(units, twin_units) > 20
     # the sequential Hessians are not the float ones: sequential=false gives other weights
     third_units = list(iter_block_ptq_units(third, 1, TARGETS))
     c3, _ = _collect(third, third_units, x, ids, grouped=True)
@@ -153,7 +142,7 @@ def test_sequential_gptq_on_statistics_equals_replayed_calls(scheme):
     run_recipe_on_units(third_units, {}, parse_algo("gptq:sequential=false"), device=torch.device("cpu"), seed=0,
                         hessians={u.name: c3.stats(u.name) for u in third_units})
     with pytest.raises(AssertionError):
-        _params_equal(units, third_units)
+        units_params_equal(units, third_units)
 
 
 def test_sequential_on_statistics_without_a_rerun_says_so():
@@ -195,14 +184,9 @@ def test_workflow_sequential_gptq_stores_no_calls_and_equals_stored_calls(tiny_a
     expert = next(u for u in tiny_adapter.iter_ptq_units(block, 1, TARGETS) if u.kind == "expert")
     many = run_blockwise_ptq(tiny_adapter, spec, tmp_path / "many", layers=range(1, 2), calib_windows=calib,
                              runtime=PtqRuntime(hessian_memory_bytes=2 * estimated_hessian_bytes(expert)))
-    pa = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "calls" / PARAMS_DIR).glob("*.pt"))}
+    pa = saved_params(tmp_path / "calls")
     for other in ("stats", "many"):
-        pb = {p.name: safe_torch_load(p) for p in sorted((tmp_path / other / PARAMS_DIR).glob("*.pt"))}
-        assert pa.keys() == pb.keys() and len(pa) > 3
-        for name in pa:
-            assert pa[name].keys() == pb[name].keys()
-            for k in pa[name]:
-                assert torch.equal(pa[name][k], pb[name][k]), (other, name, k)
+        assert_same_saved_params(pa, saved_params(tmp_path / other), other)
     assert all(u.n_calls == 0 for u in res.units)
     assert res.units[0].stats["gptq"]["recollect_forwards"] == 3
     assert [u.loss_after for u in res.units] == [u.loss_after for u in many.units]
@@ -228,7 +212,7 @@ def test_float_gptq_over_all_tokens_gives_each_stage_its_own_hessian():
     rb = run_recipe_on_units(twin_units[:1], calls_t, parse_algo("gptq:sequential=false"),
                              device=torch.device("cpu"), seed=0, guard=False)
     assert ra[0].stats["gptq"]["hessian"] == "replayed calls" and rb[0].stats["gptq"]["hessian"] == "float"
-    assert _params_equal(units[:1], twin_units[:1]) >= 4
+    assert units_params_equal(units[:1], twin_units[:1]) >= 4
 
 
 def test_a_resumed_layer_solves_its_remaining_units_as_an_uninterrupted_run(tiny_adapter, tmp_path):
@@ -250,9 +234,4 @@ def test_a_resumed_layer_solves_its_remaining_units_as_an_uninterrupted_run(tiny
         p.unlink()
     again = run_blockwise_ptq(tiny_adapter, spec, tmp_path / "cut", **kw)
     assert sum(u.resumed for u in again.units) == 1        # the attention
-    pa = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "ref" / PARAMS_DIR).glob("*.pt"))}
-    pb = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "cut" / PARAMS_DIR).glob("*.pt"))}
-    assert pa.keys() == pb.keys()
-    for name in pa:
-        for k in pa[name]:
-            assert torch.equal(pa[name][k], pb[name][k]), (name, k)
+    assert_same_saved_params(saved_params(tmp_path / "ref"), saved_params(tmp_path / "cut"))

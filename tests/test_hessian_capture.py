@@ -58,6 +58,33 @@ def _collect(block, units, x, ids, grouped: bool):
     return col, out
 
 
+def units_params_equal(units_a, units_b) -> int:
+    """Assert two sets of solved units export the same parameters, bit for bit; returns how many
+    replaced weights (or codes) they hold."""
+    replaced = 0
+    for a, b in zip(units_a, units_b):
+        pa, pb = a.module.export_ptq_params(), b.module.export_ptq_params()
+        assert pa.keys() == pb.keys(), a.name
+        for k in pa:
+            assert torch.equal(pa[k], pb[k]), (a.name, k)
+        replaced += sum(k.endswith((".weight", ".weight_codes")) for k in pa)
+    return replaced
+
+
+def saved_params(out) -> dict:
+    """Every unit file a run wrote under OUT/ptq_params, by file name."""
+    return {p.name: safe_torch_load(p) for p in sorted((out / PARAMS_DIR).glob("*.pt"))}
+
+
+def assert_same_saved_params(pa: dict, pb: dict, what="") -> None:
+    """Two runs' saved parameters: the same files, the same keys, bit for bit."""
+    assert pa.keys() == pb.keys() and len(pa) > 3, what
+    for name in pa:
+        assert pa[name].keys() == pb[name].keys(), (what, name)
+        for k in pa[name]:
+            assert torch.equal(pa[name][k], pb[name][k]), (what, name, k)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_capture_hessians_equal_the_loop_and_the_output_is_unchanged(dtype):
     block, units, x, ids = _layer(dtype)
@@ -138,14 +165,7 @@ def test_gptq_on_statistics_equals_gptq_on_stored_calls():
     calls, _ = capture_unit_io(twin_units, lambda: _forward(twin, x, ids))
     set_quant_enabled(twin, True)
     rt = run_recipe_on_units(twin_units, calls, recipe, device=torch.device("cpu"), seed=0, guard=False)
-    replaced = 0
-    for a, b in zip(units, twin_units):
-        pa, pb = a.module.export_ptq_params(), b.module.export_ptq_params()
-        assert pa.keys() == pb.keys(), a.name
-        for k in pa:
-            assert torch.equal(pa[k], pb[k]), (a.name, k)
-        replaced += sum(k.endswith((".weight", ".weight_codes")) for k in pa)
-    assert replaced > 20
+    assert units_params_equal(units, twin_units) > 20
     # the exact Hessian losses: GPTQ never above RTN per unit, and below it on the whole layer
     assert all(r.loss_after <= r.loss_before for r in rs if r.loss_before is not None)
     assert sum(r.loss_after for r in rs if r.loss_after) < 0.9 * sum(r.loss_before for r in rs if r.loss_before)
@@ -192,13 +212,7 @@ def test_workflow_stores_no_calls_for_a_statistics_recipe(tiny_adapter, tmp_path
     monkeypatch.setattr(wf, "capture_unit_io", no_calls)
     res = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe, guard=False),
                             tmp_path / "stats", layers=range(1, 2), calib_windows=calib)
-    pa = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "calls" / PARAMS_DIR).glob("*.pt"))}
-    pb = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "stats" / PARAMS_DIR).glob("*.pt"))}
-    assert pa.keys() == pb.keys() and len(pa) > 3
-    for name in pa:
-        assert pa[name].keys() == pb[name].keys()
-        for k in pa[name]:
-            assert torch.equal(pa[name][k], pb[name][k]), (name, k)
+    assert_same_saved_params(saved_params(tmp_path / "calls"), saved_params(tmp_path / "stats"))
     assert len(res.units) == len(ref.units)
     assert all(u.n_calls == 0 for u in res.units)
 
@@ -256,13 +270,7 @@ def test_workflow_in_several_hessian_passes_equals_one_pass(tiny_adapter, tmp_pa
     many = run_blockwise_ptq(tiny_adapter, PtqSpec(load_scheme("w8a8"), TARGETS, PTQ, recipe=recipe, guard=False),
                              tmp_path / "many", layers=range(1, 2), calib_windows=calib,
                              runtime=PtqRuntime(hessian_memory_bytes=2 * estimated_hessian_bytes(expert)))
-    pa = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "one" / PARAMS_DIR).glob("*.pt"))}
-    pb = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "many" / PARAMS_DIR).glob("*.pt"))}
-    assert pa.keys() == pb.keys() and len(pa) > 3
-    for name in pa:
-        assert pa[name].keys() == pb[name].keys()
-        for k in pa[name]:
-            assert torch.equal(pa[name][k], pb[name][k]), (name, k)
+    assert_same_saved_params(saved_params(tmp_path / "one"), saved_params(tmp_path / "many"))
     assert [u.loss_after for u in one.units] == [u.loss_after for u in many.units]
     assert [len(p) for p in planned] == [1, len(planned[1])] and len(planned[1]) >= 3
     # later passes drop their output (it is pass 0's again): no second host copy of the layer's
@@ -288,12 +296,7 @@ def test_rtn_skips_hessians_that_would_need_extra_passes(tiny_adapter, tmp_path,
     assert not made
     assert all(u.loss_before is not None for u in full.units)
     assert all(u.loss_before is None and u.loss_after is None for u in tight.units)
-    pa = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "full" / PARAMS_DIR).glob("*.pt"))}
-    pb = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "tight" / PARAMS_DIR).glob("*.pt"))}
-    assert pa.keys() == pb.keys() and len(pa) > 3
-    for name in pa:
-        assert pa[name].keys() == pb[name].keys()
-        assert all(torch.equal(pa[name][k], pb[name][k]) for k in pa[name]), name
+    assert_same_saved_params(saved_params(tmp_path / "full"), saved_params(tmp_path / "tight"))
     assert PtqRuntime(hessian_memory_bytes=123).hessian_budget(torch.device("cpu")) == 123
     assert PtqRuntime().hessian_budget(torch.device("cpu")) is None      # no budget on the host
 
@@ -374,8 +377,4 @@ def test_an_interrupted_multi_pass_layer_resumes_at_its_next_pass(tiny_adapter, 
     assert len(kept) == len(first_pass) >= 1
     again = run_blockwise_ptq(tiny_adapter, spec, tmp_path / "cut", **kw)
     assert sum(u.resumed for u in again.units) == len(first_pass) and len(again.units) == len(ref.units)
-    pa = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "ref" / PARAMS_DIR).glob("*.pt"))}
-    pb = {p.name: safe_torch_load(p) for p in sorted((tmp_path / "cut" / PARAMS_DIR).glob("*.pt"))}
-    assert pa.keys() == pb.keys()
-    for name in pa:
-        assert all(torch.equal(pa[name][k], pb[name][k]) for k in pa[name]), name
+    assert_same_saved_params(saved_params(tmp_path / "ref"), saved_params(tmp_path / "cut"))

@@ -2,20 +2,16 @@
 (casebook/peer-llm-compressor.md P13)."""
 from __future__ import annotations
 
-import importlib.util
 import zipfile
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import load_script
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("install_wheels", REPO / "benchmarks/scripts/install_wheels.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/scripts/install_wheels.py")
 
 
 def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:

@@ -1,18 +1,14 @@
 """benchmarks/scripts/issue24_table.py: the GPTQ floor it prints and how it reads repeats."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO, load_script
 
 
 def _table():
-    spec = importlib.util.spec_from_file_location("issue24_table", REPO / "benchmarks/scripts/issue24_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/scripts/issue24_table.py")
 
 
 def test_gptq_floor_of_the_flash_experts_is_the_hand_count_of_results_0_9():

@@ -2,7 +2,6 @@
 casebook/peer-llm-compressor.md P14)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,15 +10,12 @@ from safetensors import safe_open
 
 from amct_ext.io.storage_formats import decode_fp4, decode_fp8_block
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import load_script
 INDEX = "model.safetensors.index.json"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("release_to_bf16", REPO / "benchmarks/scripts/release_to_bf16.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/scripts/release_to_bf16.py")
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:

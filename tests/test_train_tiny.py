@@ -1,23 +1,16 @@
 """tools/train_tiny.py: a short CPU training run of the real V4 float model on WikiText-2 validation text."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-from tests.conftest import WIKI_VALID as VALID  # noqa: E402 (shipped validation split)
+from tests.conftest import WIKI_VALID as VALID  # shipped validation split
+from tests.conftest import load_script
 
 
 
 def _load_tool():
-    spec = importlib.util.spec_from_file_location("train_tiny", REPO / "tools" / "train_tiny.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("train_tiny", mod)  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("tools/train_tiny.py")
 
 
 tt = _load_tool()

