@@ -26,6 +26,7 @@ Configuration travels in small explicit dataclasses (``RunConfig``, ``PtqConfig`
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -318,8 +319,15 @@ class BaseModel(abc.ABC):
     def do_block_forward(self, block: nn.Module, inputs: Sequence[torch.Tensor],
                          sample_state: Sequence[dict[str, Any]] | None = None,
                          progress: bool | str = False, graphed: bool = False,
-                         keep_outputs: bool = True) -> list[torch.Tensor]:
+                         keep_outputs: bool = True,
+                         stop_after: Sequence[nn.Module] = ()) -> list[torch.Tensor]:
         """Run ``block`` over every sample; returns the outputs in input order.
+
+        ``stop_after`` (with ``keep_outputs=False``): a sample's forward ends as soon as each of
+        these sub-modules has returned once, for a forward run only for what hooks inside them
+        see (sequential GPTQ's re-run of a layer for its attention's leaves need not run the
+        MoE after it). Each must be called at most once per sample, as a module (its forward
+        hooks fire); one that is never called just lets the sample run to its end.
 
         ``keep_outputs=False``: the outputs are dropped as they come (an empty list is
         returned), for a forward run only for what hooks see (a later Hessian capture pass,
@@ -342,7 +350,10 @@ class BaseModel(abc.ABC):
         dev = self.block_device(block)
         from tqdm.auto import tqdm
 
+        if stop_after and (keep_outputs or graphed):
+            raise ValueError("do_block_forward: stop_after needs keep_outputs=False and no graph")
         call = devmod.GraphedForward(block, dev) if graphed else block
+        stopper = _StopAfter(stop_after) if stop_after else contextlib.nullcontext()
         outs = []
         desc = progress if isinstance(progress, str) else "block"
         for x, kw in tqdm(list(zip(inputs, state)), desc=desc, leave=False,
@@ -350,10 +361,11 @@ class BaseModel(abc.ABC):
             kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
             # the quantizers' NaN/Inf flags are read once per sample, not once per quantizer
             # (device_checks, casebook S14)
-            with device_checks.deferred_checks():
-                y = call(x.to(dev), **kw)
+            y = None
+            with device_checks.deferred_checks(), stopper:
+                y = call(x.to(dev, non_blocking=True), **kw)
             if keep_outputs:
-                outs.append(y.to("cpu") if self.run.offload_hidden else y)
+                outs.append(devmod.to_host(y) if self.run.offload_hidden else y)
             del y
         return outs
 
@@ -414,3 +426,34 @@ class BaseModel(abc.ABC):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _SampleDone(Exception):
+    """Raised by ``_StopAfter`` inside a sample's forward; never leaves ``do_block_forward``."""
+
+
+class _StopAfter:
+    """Per-sample scope of ``do_block_forward(stop_after=...)``: forward hooks on the modules
+    mark each one done; once all are, the sample's forward is ended by ``_SampleDone``, which the
+    scope swallows (so the sample's deferred device checks, opened outside it, are still read)."""
+
+    def __init__(self, modules: Sequence[nn.Module]):
+        self.modules = list({id(m): m for m in modules}.values())
+        self.done: set[int] = set()
+        self.handles: list = []
+
+    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.done.add(id(module))
+        if len(self.done) == len(self.modules):
+            raise _SampleDone
+
+    def __enter__(self) -> "_StopAfter":
+        self.done = set()
+        self.handles = [m.register_forward_hook(self._hook) for m in self.modules]
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        return exc_type is _SampleDone

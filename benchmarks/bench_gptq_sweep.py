@@ -1,7 +1,9 @@
 """GPTQ's batched solve (``gptq_solve``) on one chunk of V4-Flash-sized experts: the lean sweep
-replayed from a CUDA graph, the same sweep eager (AMCT_GRAPHS=0), and the frozen reference loop
-it replaced (tests/gptq_reference.py). Checks that all three give the same grid values, scales and
-zero points bit for bit on the device, and times each (median of ``--repeats`` after a warm-up).
+as one Triton kernel (runtime/fused_gptq.py, the CUDA default for integer grids), the torch sweep
+it replaces replayed from a CUDA graph and eager (AMCT_GRAPHS=0), and the frozen reference loop
+(tests/gptq_reference.py). Checks that all four give the same grid values, scales and zero points
+on the device (the kernel against the torch sweep bit for bit, the objective too), and times each
+(median of ``--repeats`` after a warm-up).
 
 Floor: the solve's FLOPs (two Cholesky factorizations and one Cholesky inverse of each [C, C]
 Hessian, ~(1/3 + 1/3 + 2/3) C^3 multiply-adds, and the sweep's R C^2 / 2 multiply-adds) at the
@@ -28,13 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 from common import D  # noqa: E402
 
+import amct_ext.algorithms.gptq as gptq_mod  # noqa: E402
 from amct_ext.algorithms.gptq import gptq_solve  # noqa: E402
 from amct_ext.quant import formats  # noqa: E402
 from amct_ext.quant.schemes import TensorSpec  # noqa: E402
 from tests.gptq_reference import reference_solve  # noqa: E402
 
 SPECS = {"int8-channel": TensorSpec("int", 8, True, "channel"),
-         "int4-g128-asym": TensorSpec("int", 4, False, "group", 128)}
+         "int4-g128-asym": TensorSpec("int", 4, False, "group", 128),
+         "int3-g128-asym": TensorSpec("int", 3, False, "group", 128)}
 
 
 def problem(E, R, Cc, spec, dev, seed=0):
@@ -89,6 +93,12 @@ def main() -> int:
         spec = SPECS[name]
         W, H, S, Z = problem(E, R, Cc, spec, dev)
         case = {}
+        # the default on CUDA for integer grids: the block sweep as one Triton kernel (fused_gptq)
+        out_f, case["fused"] = timed(lambda: gptq_solve(W, H, spec, S=S, Z=Z, graphs={}), dev, a.repeats)
+        case["fused_taken"] = gptq_mod.fused_kernels_enabled(dev) and spec.format == "int"
+        # the torch sweep it replaces: graphed, then eager
+        enabled = gptq_mod.fused_kernels_enabled
+        gptq_mod.fused_kernels_enabled = lambda device: False
         graphs: dict = {}
         out_g, case["graphed"] = timed(lambda: gptq_solve(W, H, spec, S=S, Z=Z, graphs=graphs), dev, a.repeats)
         case["graph_replays"] = sum(g.replays for g in graphs.values())
@@ -96,6 +106,7 @@ def main() -> int:
         os.environ[D.GRAPHS_ENV] = "0"
         out_e, case["eager"] = timed(lambda: gptq_solve(W, H, spec, S=S, Z=Z), dev, a.repeats)
         os.environ.pop(D.GRAPHS_ENV)
+        gptq_mod.fused_kernels_enabled = enabled
         if a.no_reference:
             out_r, _ = reference_solve(W, H, spec, S=S, Z=Z), None
         else:
@@ -104,6 +115,11 @@ def main() -> int:
             if out_r[k] is not None:
                 case[f"equal_{'QSZ'[k]}_graphed_vs_reference"] = bool(torch.equal(out_g[k], out_r[k]))
                 case[f"equal_{'QSZ'[k]}_eager_vs_reference"] = bool(torch.equal(out_e[k], out_r[k]))
+                case[f"equal_{'QSZ'[k]}_fused_vs_reference"] = bool(torch.equal(out_f[k], out_r[k]))
+                # bit patterns (-0.0 included) of the kernel against the torch sweep it replaces
+                case[f"equal_{'QSZ'[k]}_bits_fused_vs_graphed"] = bool(torch.equal(
+                    out_f[k].contiguous().view(torch.int32), out_g[k].contiguous().view(torch.int32)))
+        case["equal_loss_fused_vs_graphed"] = bool(torch.equal(out_f[3], out_g[3]))
         case["loss_rel_diff"] = float(((out_g[3] - out_r[3]).abs() / out_r[3].abs()).max())
         res["cases"][name] = case
         print(name, json.dumps(case), flush=True)

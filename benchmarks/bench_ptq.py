@@ -150,6 +150,7 @@ def summarize(timer: PhaseTimer, layers: range) -> dict[int, dict]:
         solve = [r for r in timer.records if r.layer == i and r.name.startswith("solve:")]
         rec["recollect_seconds"] = sum(r.tags.get("recollect_seconds", 0.0) for r in solve)
         rec["recollect_forwards"] = sum(r.tags.get("recollect_forwards", 0) for r in solve)
+        rec["recollect_runs"] = [run for r in solve for run in r.tags.get("recollect_runs", [])]
         out[i] = rec
     return out
 

@@ -3,11 +3,10 @@ attn-linear + moe of layer 1 only (ratio 4: attention with compressor and indexe
 shared experts; the other layers float), 8 calibration windows x 256 of valid.txt, the first 24
 test windows x 256.
 
-Measured on this protocol (2026-12-01, 2-core CPU, fp32, 1 thread): RTN 287.937; the default
-recipe (autoround, propagate float) 284.527, -1.18 % vs RTN, in 20.5 s of PTQ; the previous
-default (clip,gptq, propagate quant) 284.854, -1.07 %, in 5.4 s. The test demands a cut of at
-least MIN_GAIN = 0.6 %, about half the effect: a recipe that stops helping (an AutoRound / guard
-regression) fails it."""
+Measured on this protocol (2026-12-02, 2-core CPU, fp32, 1 thread): RTN 288.574; the default
+recipe (hclip,gptq: sequential GPTQ on capture statistics, propagate quant) 284.371, -1.46 %.
+The test demands a cut of at least MIN_GAIN = 0.6 %, under half the effect: a recipe that stops
+helping (a GPTQ / clip / guard regression) fails it."""
 from __future__ import annotations
 
 import pytest

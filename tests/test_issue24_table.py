@@ -90,6 +90,20 @@ def test_results_0_11_is_the_table_of_the_committed_h200_runs(tmp_path):
     """The same for §0.11 (benchmarks/gpu/h200_2026-12-02b/res: sequential GPTQ on statistics,
     the fp8 / mxfp8 / w4a16-g128 defaults, llm-compressor at 8 and 32, --recipe best)."""
     rows = _committed_rows(tmp_path, "h200_2026-12-02b")
-    assert len(rows) == 10 and _quoted_rows("### 0.11 ", "## 1. Empty-weight skeletons") == rows
+    assert len(rows) == 10 and _quoted_rows("### 0.11 ", "### 0.12 ") == rows
     seq = [r for r in rows if r.startswith("| gptq-seq-")]
     assert len(seq) == 3 and all("3 re-runs of the layer" in r for r in seq)
+
+
+def test_results_0_12_is_the_table_of_the_committed_h200_runs(tmp_path):
+    """The same for §0.12's two leases (benchmarks/gpu/h200_2026-12-02c/res: re-runs that stop
+    and pinned hidden states; h200_2026-12-02d/res: the Triton sweep, gptq-seq-128 three times)."""
+    lease1 = _committed_rows(tmp_path, "h200_2026-12-02c")
+    lease2 = _committed_rows(tmp_path, "h200_2026-12-02d")
+    assert len(lease1) == 5 and len(lease2) == 7
+    assert _quoted_rows("**Lease 1**", "**Lease 2**") == lease1
+    assert _quoted_rows("**Lease 2**", "Against issue 24's targets:\n\n| target | measured | verdict |\n| --- | --- | --- |\n"
+                        "| `gptq` (sequential) solve <= 20 s at 8 / 32 / 128") == lease2
+    seq128 = next(r for r in lease2 if r.startswith("| gptq-seq-128 |"))
+    # a median over three runs, each re-run's time split out
+    assert "14.7 [14.5-15.0]" in seq128 and "(expert+shared_expert 2.5, attn 0.7, attn 1.3)" in seq128

@@ -49,6 +49,10 @@ stored calls (``all_tokens``) from one replay with quantization off.
 Each leaf keeps GPTQ's weights only where the exact loss ``tr(dW H dW^T)`` (on the stage's
 Hessian) is not above RTN's.
 
+The column sweep of a lazy block (``gptq_solve``): on CUDA with an integer grid it is one Triton
+kernel (``runtime/fused_gptq.py``, bit-identical); otherwise the torch sweep ``_sweep_block``,
+replayed from a CUDA graph where there is one.
+
 Routed experts: :meth:`GPTQ.apply_group` gets every expert of the layer; each stage's Hessians
 are stacked [E, D, D] and solved in one batched pass, ``expert_chunk`` experts at a time (a
 V4-Flash expert's w1 Hessian is 4096^2 fp32 = 64 MiB). An expert no calibration token reached
@@ -69,7 +73,8 @@ import torch
 from torch import nn
 
 from ..quant import formats
-from ..runtime.device import GraphedCall
+from ..runtime.device import GraphedCall, fused_kernels_enabled
+from ..runtime.fused_gptq import fused_sweep_block, fused_sweep_supported
 from ..pipeline.capture import UnitCall
 from ..quant.quant_linear import QuantLinear
 from ..pipeline.replay import replay_calls as _replay
@@ -222,11 +227,26 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, spec, *, S: torch.Tensor | None
     if key not in graphs:
         graphs[key] = GraphedCall(functools.partial(_sweep_block, spec=spec, gs=gs), W.device)
     sweep = graphs[key]
+    # integer grids on CUDA: the block's sweep as one Triton kernel (runtime/fused_gptq.py), bit
+    # for bit; dynamic groups only where one group is the whole block (its qparams come first)
+    fused = spec.format == "int" and (not dynamic or block_size == gs) and fused_kernels_enabled(W.device) \
+        and fused_sweep_supported(W[:, :, :block_size])
+    if fused:
+        qmin, qmax = formats._int_range(spec.bits, spec.symmetric)
     for i1 in range(0, C, block_size):
         i2 = min(i1 + block_size, C)
         clip1 = None if (clip is None or not dynamic) else clip[:, :, i1 // gs:math.ceil(i2 / gs)]
-        Q1, E1, S1, Z1 = sweep(W[:, :, i1:i2], U[:, i1:i2, i1:i2], None if dynamic else S[:, :, i1:i2],
-                               None if (dynamic or Z is None) else Z[:, :, i1:i2], clip1)
+        if fused:
+            W1 = W[:, :, i1:i2]
+            if dynamic:
+                s, z = _group_qparams(W1, spec, None if clip1 is None else clip1[:, :, 0:1])
+                S1, Z1 = s.expand(W1.shape), None if z is None else z.expand(W1.shape)
+            else:
+                S1, Z1 = S[:, :, i1:i2], None if Z is None else Z[:, :, i1:i2]
+            Q1, E1 = fused_sweep_block(W1, U[:, i1:i2, i1:i2], S1, Z1, qmin, qmax)
+        else:
+            Q1, E1, S1, Z1 = sweep(W[:, :, i1:i2], U[:, i1:i2, i1:i2], None if dynamic else S[:, :, i1:i2],
+                                   None if (dynamic or Z is None) else Z[:, :, i1:i2], clip1)
         Q[:, :, i1:i2] = Q1
         if dynamic:
             S[:, :, i1:i2] = S1

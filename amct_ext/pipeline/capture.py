@@ -54,6 +54,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..runtime import device as devmod
+
 
 class StopForward(Exception):
     """Raised by Catcher after recording; private to this module and its callers."""
@@ -103,7 +105,11 @@ class Catcher(nn.Module):
                             f"{type(self.module).__name__}.forward names only {self._pos_names}")
         bound = dict(zip(self._pos_names, args))
         bound.update(kwargs)
-        self.inputs.append(detach_to(inp, self.store_device))
+        if isinstance(inp, torch.Tensor) and self.store_device is not None and torch.device(self.store_device).type == "cpu":
+            # the hidden state goes back to the device once per pass over the layer: pinned
+            self.inputs.append(devmod.to_host(inp.detach()))
+        else:
+            self.inputs.append(detach_to(inp, self.store_device))
         self.kwargs.append(detach_to(bound, self.store_device))
         raise StopForward
 

@@ -14,7 +14,9 @@ Per phase:
   only per-phase view. Short spikes between two samples can be missed: it is a lower bound.
   RSS counts the checkpoint's memory-mapped shard pages (file-backed, reclaimable page cache);
   host_anon_peak_bytes is the anonymous part alone (``RssAnon`` of /proc/self/status, Linux):
-  tensors, Python, libraries -- the memory a job really needs.
+  tensors, Python, libraries -- the memory a job really needs -- plus the page-locked host memory
+  of the accelerator's pinned allocator (the hidden states between layers,
+  ``device.pinned_host_bytes``), which the driver maps outside ``RssAnon``.
 """
 from __future__ import annotations
 
@@ -42,6 +44,11 @@ class PhaseRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def job_memory_bytes() -> int:
+    """The host memory a job holds: ``RssAnon`` plus the accelerator's pinned host memory."""
+    return rss_anon_bytes() + devmod.pinned_host_bytes()
 
 
 def rss_anon_bytes() -> int:
@@ -97,7 +104,7 @@ class PhaseTimer:
             rss = devmod.memory_allocated("cpu")
             if rss > self._host_peak:
                 self._host_peak = rss
-            anon = rss_anon_bytes()
+            anon = job_memory_bytes()
             if anon > self._anon_peak:
                 self._anon_peak = anon
             self._stop.wait(self.interval)
@@ -119,7 +126,7 @@ class PhaseTimer:
             devmod.synchronize(d)
             devmod.reset_peak_memory(d)
         self._host_peak = devmod.memory_allocated("cpu")
-        self._anon_peak = rss_anon_bytes()
+        self._anon_peak = job_memory_bytes()
         t0 = time.perf_counter()
         ended_by = None
         try:
@@ -134,7 +141,7 @@ class PhaseTimer:
                 devmod.synchronize(d)
             seconds = time.perf_counter() - t0
             host = max(self._host_peak, devmod.memory_allocated("cpu"))
-            anon = max(self._anon_peak, rss_anon_bytes())
+            anon = max(self._anon_peak, job_memory_bytes())
             rec_tags = dict(tags) if ended_by is None else {**tags, "ended_by": ended_by}
             self.records.append(PhaseRecord(name, layer, seconds,
                                             {str(d): devmod.peak_memory_bytes(d) for d in self.devices},

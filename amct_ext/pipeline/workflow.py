@@ -798,7 +798,8 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
                                                  dtype=adapter.run.dtype, holdout=holdout, guard=guard,
                                                  hessians=hessians, recollect=rerun)
                     if rerun.forwards:   # a note goes to the phase just finished: solve:recipe
-                        ph.note(recollect_forwards=rerun.forwards, recollect_seconds=round(rerun.seconds, 3))
+                        ph.note(recollect_forwards=rerun.forwards, recollect_seconds=round(rerun.seconds, 3),
+                                recollect_runs=rerun.runs)
                     done.update({u.name: r for u, r in zip(pass_units, rs)})
                     # written pass by pass: an interrupted layer resumes at its next pass
                     for unit in pass_units:
@@ -872,16 +873,21 @@ def _mtp_layers(adapter: BaseModel, layers: range) -> list[int]:
 
 
 def _collect_hessians(adapter: BaseModel, block: nn.Module, calib: Stream, units: Sequence,
-                      keep_output: bool = True, only: dict[str, set[str]] | None = None):
+                      keep_output: bool = True, only: dict[str, set[str]] | None = None,
+                      stop_after_units: bool = False):
     """One forward of ``block`` over ``calib`` with a HessianCollector on ``units`` (``only``:
     those leaves): (collector, {unit name: its statistics}, the layer's output, or [] without
-    ``keep_output``). The collector lets go of its stacks: the statistics own them."""
+    ``keep_output``). ``stop_after_units``: each sample's forward ends once every unit's module
+    has returned (nothing after them feeds their leaves). The collector lets go of its stacks:
+    the statistics own them."""
     from ..algorithms.hessians import HessianCollector
 
     collector = HessianCollector(units, only=only)
     collector.attach(block)
+    stop_after = [u.module for u in units] if stop_after_units else ()
     try:
-        out = adapter.do_block_forward(block, calib.hidden, calib.state, keep_outputs=keep_output)
+        out = adapter.do_block_forward(block, calib.hidden, calib.state, keep_outputs=keep_output,
+                                       stop_after=stop_after)
     finally:
         collector.detach()
     collector.release()
@@ -891,13 +897,17 @@ def _collect_hessians(adapter: BaseModel, block: nn.Module, calib: Stream, units
 class LayerRerun:
     """``SolveContext.recollect`` of the statistics path: the layer's calibration forward once
     more, with quantization on in the given units only (every other unit and the rest of the
-    layer float, as in the capture), collecting the given leaves' statistics. Counts its
-    forwards and their time for the report."""
+    layer float, as in the capture), collecting the given leaves' statistics. Each sample's
+    forward ends once the given units' modules have returned: a re-run for the attention's
+    later stages does not run the MoE after it (the routed experts on the MoE's grouped path
+    are never called as modules, so their re-run goes to the layer's end). Counts its forwards
+    and their time for the report (``runs``: [unit kinds, leaves collected, seconds] each)."""
 
     def __init__(self, adapter: BaseModel, block: nn.Module, calib: Stream):
         self.adapter, self.block, self.calib = adapter, block, calib
         self.forwards = 0
         self.seconds = 0.0
+        self.runs: list[list] = []
 
     def __call__(self, units: Sequence, leaves: dict[str, set[str]]) -> dict[str, dict]:
         t0 = time.perf_counter()
@@ -906,12 +916,16 @@ class LayerRerun:
             for u in units:
                 self.adapter.set_quant_enabled(u.module, True)
             _, stats, _ = _collect_hessians(self.adapter, self.block, self.calib, units, keep_output=False,
-                                            only=leaves)
+                                            only=leaves, stop_after_units=True)
         finally:
             # the recipe runs with the whole layer's quantization on (run_blockwise_ptq): back to it
             self.adapter.set_quant_enabled(self.block, True)
+        devmod.synchronize(self.adapter.block_device(self.block))   # the time is the forward's
+        dt = time.perf_counter() - t0
         self.forwards += 1
-        self.seconds += time.perf_counter() - t0
+        self.seconds += dt
+        self.runs.append(["+".join(sorted({u.kind for u in units})), sum(len(v) for v in leaves.values()),
+                          round(dt, 3)])
         return stats
 
 

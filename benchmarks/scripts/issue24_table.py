@@ -238,6 +238,8 @@ def ours_rows(res: Path, layer: int, rates: dict, sh: dict | None) -> list[dict]
                          # sequential GPTQ's re-runs of the layer (one per later stage), inside its solve
                          "recollect_s": rec.get("recollect_seconds", 0.0),
                          "recollect_forwards": rec.get("recollect_forwards", 0),
+                         # [unit kinds, leaves, seconds] per re-run (absent in runs before 2026-12-02c)
+                         "recollect_runs": rec.get("recollect_runs", []),
                          "host": rec["host_peak_bytes"], "anon": rec["host_anon_peak_bytes"],
                          # a run cut after its layer, in bench_ptq's probes, has no floors: still a row
                          "device": rec["device_peak_bytes"], "floors": rec.get("floors", {}),
@@ -254,6 +256,9 @@ def ours_rows(res: Path, layer: int, rates: dict, sh: dict | None) -> list[dict]
                       "recollect_s"):
                 row[k] = _stats([x[k] for x in recs])
             row["recollect_forwards"] = recs[0]["recollect_forwards"]
+            if recs[0]["recollect_runs"]:   # per re-run: median over the runs of the row
+                row["recollect_runs"] = [[run[0], statistics.median(x["recollect_runs"][j][2] for x in recs)]
+                                         for j, run in enumerate(recs[0]["recollect_runs"])]
             row["kinds_s"] = {k: statistics.median([x["kinds"].get(k, 0.0) for x in recs]) for k in recs[0]["kinds"]}
             f0 = recs[0]["floors"]
             row["bench_flop_floor_s"] = f0.get("solve_flops_floor_s")
@@ -340,8 +345,11 @@ def markdown(rows: list[dict], rates: dict, sh: dict | None, env: str) -> str:
                 verdict.append(f"solve {'met' if r['solve_s']['median'] <= 20 else 'MISSED'} <= 20 s")
                 if r.get("recollect_forwards"):
                     rest = r["solve_s"]["median"] - r["recollect_s"]["median"]
+                    each = ""
+                    if r.get("recollect_runs"):
+                        each = " (" + ", ".join(f"{k} {s_:.1f}" for k, s_ in r["recollect_runs"]) + ")"
                     verdict.append(f"of the solve, {r['recollect_forwards']} re-runs of the layer "
-                                   f"{r['recollect_s']['median']:.1f} s, the rest {rest:.1f} s")
+                                   f"{r['recollect_s']['median']:.1f} s{each}, the rest {rest:.1f} s")
                 peer = next((p for p in rows if p["source"] != "ours" and p.get("windows") == r["windows"]
                              and p.get("oneshot_s")), None)
                 if peer:
