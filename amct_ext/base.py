@@ -428,8 +428,9 @@ class BaseModel(abc.ABC):
         self.close()
 
 
-class _SampleDone(Exception):
-    """Raised by ``_StopAfter`` inside a sample's forward; never leaves ``do_block_forward``."""
+class _SampleDone(BaseException):
+    """Raised by ``_StopAfter`` inside a sample's forward; never leaves ``do_block_forward``.
+    A BaseException, so a model's own ``except Exception`` fallback cannot swallow it."""
 
 
 class _StopAfter:

@@ -94,19 +94,26 @@ def main() -> int:
         W, H, S, Z = problem(E, R, Cc, spec, dev)
         case = {}
         # the default on CUDA for integer grids: the block sweep as one Triton kernel (fused_gptq)
-        out_f, case["fused"] = timed(lambda: gptq_solve(W, H, spec, S=S, Z=Z, graphs={}), dev, a.repeats)
-        case["fused_taken"] = gptq_mod.fused_kernels_enabled(dev) and spec.format == "int"
+        kernel, launches = gptq_mod.fused_sweep_block, []
+        gptq_mod.fused_sweep_block = lambda *args, **kw: launches.append(1) or kernel(*args, **kw)
+        try:
+            out_f, case["fused"] = timed(lambda: gptq_solve(W, H, spec, S=S, Z=Z, graphs={}), dev, a.repeats)
+        finally:
+            gptq_mod.fused_sweep_block = kernel
+        case["fused_blocks_swept"] = len(launches)      # 0: the kernel was not taken (CPU, other grids)
         # the torch sweep it replaces: graphed, then eager
         enabled = gptq_mod.fused_kernels_enabled
         gptq_mod.fused_kernels_enabled = lambda device: False
-        graphs: dict = {}
-        out_g, case["graphed"] = timed(lambda: gptq_solve(W, H, spec, S=S, Z=Z, graphs=graphs), dev, a.repeats)
-        case["graph_replays"] = sum(g.replays for g in graphs.values())
-        case["graph_capture_error"] = next((g.capture_error for g in graphs.values() if g.capture_error), None)
-        os.environ[D.GRAPHS_ENV] = "0"
-        out_e, case["eager"] = timed(lambda: gptq_solve(W, H, spec, S=S, Z=Z), dev, a.repeats)
-        os.environ.pop(D.GRAPHS_ENV)
-        gptq_mod.fused_kernels_enabled = enabled
+        try:
+            graphs: dict = {}
+            out_g, case["graphed"] = timed(lambda: gptq_solve(W, H, spec, S=S, Z=Z, graphs=graphs), dev, a.repeats)
+            case["graph_replays"] = sum(g.replays for g in graphs.values())
+            case["graph_capture_error"] = next((g.capture_error for g in graphs.values() if g.capture_error), None)
+            os.environ[D.GRAPHS_ENV] = "0"
+            out_e, case["eager"] = timed(lambda: gptq_solve(W, H, spec, S=S, Z=Z), dev, a.repeats)
+        finally:
+            os.environ.pop(D.GRAPHS_ENV, None)
+            gptq_mod.fused_kernels_enabled = enabled
         if a.no_reference:
             out_r, _ = reference_solve(W, H, spec, S=S, Z=Z), None
         else:

@@ -64,10 +64,20 @@ def interpreted_checks() -> dict:
         "int4-asym-g128-clip": (_Spec(4, False, 128), 2, 20, 320, True),
         "int3-asym-g128": (_Spec(3, False, 128), 1, 9, 256, False),
         "int4-sym-g128": (_Spec(4, True, 128), 1, 12, 128, False),
+        # a static grid that changes along a row within a block (groups of 32 taken up front),
+        # 70 rows: three programs of rows, the last one partly masked
+        "int4-sym-static-g32-70-rows": (_Spec(4, True), 1, 70, 160, False),
+        # act-order: columns permuted by decreasing diag(H), the static grid with them
+        "int8-act-order": (_Spec(8, True), 2, 40, 128, False),
     }
     for name, (spec, B, R, C, with_clip) in cases.items():
         W, H = _problem(B, R, C, seed=len(out))
-        if spec.group_size:
+        act_order = name.endswith("act-order")
+        if name.startswith("int4-sym-static-g32"):
+            amax = W.reshape(B, R, C // 32, 32).abs().amax(-1, keepdim=True)
+            S, _ = formats.int_qparams_from_range(-amax, amax, spec.bits, True)
+            S, Z, clip = S.expand(B, R, C // 32, 32).reshape(B, R, C).contiguous(), None, None
+        elif spec.group_size:
             S = Z = None
             clip = (0.8 + 0.2 * torch.rand(B, R, C // spec.group_size + (C % spec.group_size > 0),
                                            generator=torch.Generator().manual_seed(7))) if with_clip else None
@@ -81,12 +91,12 @@ def interpreted_checks() -> dict:
             S, Z = S.expand(B, R, C).contiguous(), None if Z is None else Z.expand(B, R, C).contiguous()
             clip = None
         gptq.fused_kernels_enabled = lambda device: False
-        ref = gptq.gptq_solve(W, H, spec, S=S, Z=Z, clip=clip)
+        ref = gptq.gptq_solve(W, H, spec, S=S, Z=Z, clip=clip, act_order=act_order)
         calls = []
         real = gptq.fused_sweep_block
         gptq.fused_sweep_block = lambda *a, **k: calls.append(1) or real(*a, **k)
         gptq.fused_kernels_enabled = lambda device: True
-        got = gptq.gptq_solve(W, H, spec, S=S, Z=Z, clip=clip)
+        got = gptq.gptq_solve(W, H, spec, S=S, Z=Z, clip=clip, act_order=act_order)
         gptq.fused_sweep_block = real
         out[name] = {"fused_blocks": len(calls),
                      "equal": [_bits_equal(a, b) for a, b in zip(got[:3], ref[:3])] + [torch.equal(got[3], ref[3])]}
@@ -112,7 +122,8 @@ def interpreted():
 
 
 @pytest.mark.parametrize("case", ["int8-sym-channel", "int4-asym-channel", "int4-asym-g128-clip",
-                                  "int3-asym-g128", "int4-sym-g128"])
+                                  "int3-asym-g128", "int4-sym-g128", "int4-sym-static-g32-70-rows",
+                                  "int8-act-order"])
 def test_fused_sweep_is_bit_identical_to_the_torch_sweep(interpreted, case):
     res = interpreted[case]
     assert res["fused_blocks"] > 0, "the fused path was not taken"

@@ -235,3 +235,26 @@ def test_a_resumed_layer_solves_its_remaining_units_as_an_uninterrupted_run(tiny
     again = run_blockwise_ptq(tiny_adapter, spec, tmp_path / "cut", **kw)
     assert sum(u.resumed for u in again.units) == 1        # the attention
     assert_same_saved_params(saved_params(tmp_path / "ref"), saved_params(tmp_path / "cut"))
+
+
+def test_a_rerun_that_misses_rows_is_refused():
+    """A re-collection with fewer rows than the capture (a re-run stopped before a second call of
+    a unit's module) is a clear error naming the leaf, not a thinner Hessian."""
+    from amct_ext.errors import AmctError
+    from models.deepseek_v4.quant_module import set_quant_enabled
+
+    block, units, x, ids = _layer(torch.float32)
+    col, _ = _collect(block, units, x, ids, grouped=True)
+    col.release()
+    set_quant_enabled(block, True)
+    real = _rerun(block, x, ids, [])
+
+    def short(us, leaves):
+        stats = real(us, leaves)
+        for st in stats.values():
+            for ls in st.values():
+                ls.n -= 1
+        return stats
+    with pytest.raises(AmctError, match=r"re-run gave .*w2 \d+ rows, the capture \d+"):
+        run_recipe_on_units(units, {}, parse_algo("gptq"), device=torch.device("cpu"), seed=0,
+                            hessians={u.name: col.stats(u.name) for u in units}, recollect=short)

@@ -65,6 +65,21 @@ def test_stop_after_refuses_kept_outputs_and_graphs():
     chain, ad = _Chain(), _Adapter()
     with pytest.raises(ValueError, match="stop_after needs keep_outputs=False"):
         ad.do_block_forward(chain, [torch.ones(2)], stop_after=[chain.a])
+    with pytest.raises(ValueError, match="and no graph"):
+        ad.do_block_forward(chain, [torch.ones(2)], keep_outputs=False, graphed=True, stop_after=[chain.a])
+
+
+def test_the_hooks_are_removed_when_a_sample_fails():
+    """An error inside a stopped sample propagates, and leaves no hook behind."""
+    chain, ad = _Chain(), _Adapter()
+
+    def boom(module, args):
+        raise RuntimeError("bad sample")
+    h = chain.b.register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="bad sample"):
+        ad.do_block_forward(chain, [torch.ones(2)], keep_outputs=False, stop_after=[chain.a, chain.c])
+    h.remove()
+    assert not chain.a._forward_hooks and not chain.c._forward_hooks
 
 
 def test_a_stopped_sample_still_reads_its_device_checks():
@@ -119,6 +134,3 @@ def test_phase_memory_counts_the_pinned_host_memory(monkeypatch):
         pass
     assert timer.records[0].host_anon_peak_bytes >= base + 5 * 2 ** 30
 
-
-def test_pinned_host_bytes_is_zero_without_an_accelerator():
-    assert devmod.pinned_host_bytes() == 0 or devmod.detect_backend() != "cpu"

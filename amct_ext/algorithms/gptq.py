@@ -49,9 +49,10 @@ stored calls (``all_tokens``) from one replay with quantization off.
 Each leaf keeps GPTQ's weights only where the exact loss ``tr(dW H dW^T)`` (on the stage's
 Hessian) is not above RTN's.
 
-The column sweep of a lazy block (``gptq_solve``): on CUDA with an integer grid it is one Triton
-kernel (``runtime/fused_gptq.py``, bit-identical); otherwise the torch sweep ``_sweep_block``,
-replayed from a CUDA graph where there is one.
+The column sweep of a lazy block (``gptq_solve``): on CUDA, for an integer grid in fp32 (static,
+or dynamic groups as wide as the lazy block), it is one Triton kernel (``runtime/fused_gptq.py``,
+bit-identical); otherwise the torch sweep ``_sweep_block``, replayed from a CUDA graph where there
+is one.
 
 Routed experts: :meth:`GPTQ.apply_group` gets every expert of the layer; each stage's Hessians
 are stacked [E, D, D] and solved in one batched pass, ``expert_chunk`` experts at a time (a
@@ -80,6 +81,7 @@ from ..quant.quant_linear import QuantLinear
 from ..pipeline.replay import replay_calls as _replay
 from .base import Algorithm, Needs, SolveContext, UnitData
 from .recipe import RecipeError, register
+from ..errors import AmctError
 
 
 # ----------------------------------------------------------------------------- the solver
@@ -230,7 +232,7 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, spec, *, S: torch.Tensor | None
     # integer grids on CUDA: the block's sweep as one Triton kernel (runtime/fused_gptq.py), bit
     # for bit; dynamic groups only where one group is the whole block (its qparams come first)
     fused = spec.format == "int" and (not dynamic or block_size == gs) and fused_kernels_enabled(W.device) \
-        and fused_sweep_supported(W[:, :, :block_size])
+        and fused_sweep_supported(W[:, :, :block_size], U)
     if fused:
         qmin, qmax = formats._int_range(spec.bits, spec.symmetric)
     for i1 in range(0, C, block_size):
@@ -261,6 +263,19 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, spec, *, S: torch.Tensor | None
         Q, S = Q.gather(2, idx), S.gather(2, idx)
         Z = None if Z is None else Z.gather(2, idx)
     return Q, S, Z, loss
+
+
+def _check_recollected_rows(captured: dict, source: dict, want: dict[str, set[str]]) -> None:
+    """A re-collection sees the same calibration rows as the capture (same samples, same
+    routing: every unit upstream is still float). Fewer rows mean the re-run missed calls --
+    e.g. a unit module called twice in a sample, whose re-run stops after the first (
+    ``BaseModel.do_block_forward(stop_after=...)``): a clear error, not a thinner Hessian."""
+    for name, leaves in want.items():
+        for leaf in leaves:
+            before, now = captured[name].get(leaf), source.get(name, {}).get(leaf)
+            if before is not None and now is not None and now.n != before.n:
+                raise AmctError(f"sequential gptq: the layer's re-run gave {name}.{leaf} {now.n} rows, the capture "
+                                f"{before.n}; does a unit's module run more than once per sample?")
 
 
 # ----------------------------------------------------------------------------- leaves
@@ -524,6 +539,7 @@ class GPTQ(Algorithm):
                     source = ctx.recollect([u for u in group if u.name in want], want)
                     forward_s += time.perf_counter() - t0
                     forwards += 1
+                    _check_recollected_rows(captured, source, want)
                 items = [(index[u.name], u, source.get(u.name, {}), want[u.name]) for u in group if u.name in want]
                 # a re-collection is this algorithm's own; the capture's only once nobody reads it
                 self._solve_statistics(items, out, dev, free=k > 0 or ctx.consume_statistics)

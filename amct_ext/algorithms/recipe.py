@@ -275,7 +275,7 @@ __all__ = ["Recipe", "RecipeError", "register", "known_algorithms", "algorithm_c
 #:    0-63; tiny-trained, 16 x 256 calibration, vLLM target set), the cheaper one within 0.1 %.
 #: The call-replaying recipes that were the defaults until then are each scheme's BEST_RECIPES
 #: (``--recipe best``); they are better on the reported windows by 0.1-2.1 % (RESULTS §3.1) and
-#: take minutes a layer at real size. Dev PPLs, 2026-12-01 (hclip helper's table, RESULTS §3.1):
+#: take minutes a layer at real size. Dev PPLs, 2026-12-01 / 02 (RESULTS §3.1 and its addenda):
 DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
     "w8a8": ("rtn", "float"),                 # dev: RTN 244.295 (clip 244.277 within 0.1 %, replays calls)
     # dev: hclip:sweeps=2,gptq:sequential=false@float 244.567 is better but took 60.4 s on the H200
@@ -305,7 +305,7 @@ BEST_FALLBACK = ("clip", "float")
 #: A scheme not listed here has no slower recipe worth its cost: ``best`` is its default.
 BEST_RECIPES: dict[str, tuple[str, str]] = {
     "w4a16-g128": ("clip,gptq", "float"),     # test 274.350 (default 276.665); > 280 s a Flash layer (§0.8)
-    "w3a16-g128": ("autoround", "float"),     # test 278.832 (default 284.295); ~6 min a Flash layer (issue 24)
+    "w3a16-g128": ("autoround", "float"),     # test 278.832 (default 284.210); ~6 min a Flash layer (issue 24)
     "w4a16": ("clip,gptq", "quant"),          # dev 245.876 < clip 246.525; test 274.670 (default 276.507), auto-round 275.116
     "w4a8": ("clip,gptq", "float"),           # test 274.443 (default 274.732)
     "w2a16-g64": ("clip", "float"),           # test 331.480 (default 338.446)

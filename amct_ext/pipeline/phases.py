@@ -39,7 +39,7 @@ class PhaseRecord:
     seconds: float
     device_peak_bytes: dict[str, int] = field(default_factory=dict)
     host_peak_bytes: int = 0
-    host_anon_peak_bytes: int = 0
+    host_anon_peak_bytes: int = 0      # RssAnon + pinned host memory (job_memory_bytes)
     tags: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

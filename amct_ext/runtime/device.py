@@ -249,12 +249,17 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     page-locked (pinned) memory. A layer's hidden states cross the host link once per pass (the
     capture, every re-run, evaluation): 8.6 GB for one V4-Flash layer at 128 x 2048, which a
     pageable copy moves at 6-9 GB/s on the H200's host and a pinned one at ~55 GB/s
-    (RESULTS §5). A cpu tensor is returned as it is; where pinned memory is refused (or
-    ``AMCT_PINNED_HOST=0``) the copy is an ordinary pageable one. The copy is complete on
-    return (the host may read it)."""
+    (RESULTS §5). A cpu tensor is returned as it is. Pinned only on CUDA, where
+    ``pinned_host_bytes`` counts it for the host-memory bound (NPU: pageable, uncounted
+    otherwise); where pinned memory is refused, or with ``AMCT_PINNED_HOST=0``, the copy is an
+    ordinary pageable one. The copy is complete on return (the host may read it).
+
+    Cost: torch's caching host allocator rounds each block up to a power of two (a V4-Flash
+    window of 2048 x 4 x 4096 bf16 is exactly 64 MiB; a V4-Pro one, 112 MiB, takes 128 MiB) and
+    keeps freed blocks for reuse, so the pinned pool stays at its high-water mark."""
     if t.device.type == "cpu":
         return t
-    if _pinned_host_allowed():
+    if t.device.type == "cuda" and _pinned_host_allowed():
         try:
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         except RuntimeError:
@@ -268,7 +273,9 @@ def pinned_host_bytes() -> int:
     """Page-locked host memory held by the accelerator's caching host allocator (blocks in use
     and cached), in bytes: what ``to_host`` keeps there. The driver maps it outside the
     process's ``RssAnon``, so a memory bound read from /proc alone would miss it (casebook
-    i24-pin-1). 0 on cpu, before CUDA is initialized, and on NPU (no such statistic is read)."""
+    i24-pin-1). 0 on cpu, before CUDA is initialized, and on NPU (``to_host`` pins only on CUDA).
+    With ``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True`` the pinned blocks are
+    ordinary malloc memory registered with the driver, already in ``RssAnon``: counted twice."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return 0
     stats = getattr(torch.cuda, "host_memory_stats", None)

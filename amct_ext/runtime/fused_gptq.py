@@ -2,15 +2,15 @@
 
 ``algorithms.gptq._sweep_block`` quantizes the block's columns one after the other: per column
 
-    q = clamp(round_half_even(w / s) [+ z], qmin, qmax) [- z]) * s;   e = (w - q) / d
+    q = (clamp(round_half_even(w / s) [+ z], qmin, qmax) [- z]) * s;   e = (w - q) / d
     W[:, i+1:] -= e * U[i, i+1:]                         (mul, then sub: two roundings)
 
 as ~10 launches over the whole [B, R, n] block, replayed from a CUDA graph. The sweep is then
 bound by those launches' memory traffic, 7x its FLOP floor (RESULTS §0.9). Rows are independent
 (U is shared by every row of a matrix), so this kernel gives each program a tile of rows of one
 matrix, holds the tile [rows, n] in registers for the whole block and writes only the grid values
-and the scaled errors. It is bit-identical to ``_sweep_block``: the same fp32 operations in the
-same order, an IEEE division (``div_rn``; Triton's default fp32 division is approximate), round
+and the scaled errors. It is bit-identical to ``_sweep_block`` for finite inputs: the same fp32
+operations in the same order, an IEEE division (``div_rn``; Triton's default fp32 division is approximate), round
 half to even, and no fused multiply-add (``enable_fp_fusion=False``: a contracted ``w - e * u``
 rounds once, torch rounds twice; casebook A10). A column is read out of the register tile by an
 integer sum of its bit pattern, so even a -0.0 comes out as it went in.
@@ -28,19 +28,18 @@ import torch
 from .device import device_guard
 from .triton_support import triton, tl  # noqa: F401  (None without Triton)
 
+if triton is not None:
+    from .fused_quant import _round_half_even   # torch.round, -0.0 included
+
 MAX_BLOCK = 256        # columns of one lazy block held in registers (GPTQ's default block: 128)
 
 if triton is not None:
 
     @triton.jit
-    def _round_half_even(y):
-        # torch.round, exact for |y| < 2^22 (fused_quant._round_half_even); larger |y| are
-        # clamped to the grid right after, to the same bound whatever the rounding gave
-        r = tl.floor(y + 0.5)
-        odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
-        r = tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
-        # a zero keeps y's sign, as torch.round(-0.3) is -0.0 (then q = -0.0 * s, bit for bit)
-        return tl.where(r == 0.0, y * 0.0, r)
+    def _clamp(x, lo, hi):
+        # torch.clamp_ for finite x. (A NaN would come out clamped, where torch keeps it: weights
+        # are refused non-finite on load and activations by the device checks, so none gets here.)
+        return tl.minimum(tl.maximum(x, lo), hi)
 
     @triton.jit
     def _column(tile, sel):
@@ -71,10 +70,10 @@ if triton is not None:
             if HAS_Z:
                 z = tl.load(z_rows + i * szc, mask=rmask, other=0.0)
                 col = col + z
-                col = tl.minimum(tl.maximum(col, QMIN), QMAX)
+                col = _clamp(col, QMIN, QMAX)
                 col = col - z
             else:
-                col = tl.minimum(tl.maximum(col, QMIN), QMAX)
+                col = _clamp(col, QMIN, QMAX)
             q = col * s
             d = tl.load(u_ptr + b * sub + i * suc + i * sur)
             e = tl.math.div_rn(w - q, d)
@@ -86,9 +85,14 @@ if triton is not None:
             W = W - e[:, None] * u[None, :]
 
 
-def fused_sweep_supported(W1: torch.Tensor) -> bool:
-    """Whether the kernel can sweep this block (fp32, at most MAX_BLOCK columns)."""
-    return triton is not None and W1.dtype == torch.float32 and 0 < W1.shape[-1] <= MAX_BLOCK
+MAX_MATRICES = 65535   # the launch grid's second axis
+
+
+def fused_sweep_supported(W1: torch.Tensor, U: torch.Tensor) -> bool:
+    """Whether the kernel can sweep this block: fp32 weights and factor, at most MAX_BLOCK
+    columns, at most MAX_MATRICES matrices."""
+    return (triton is not None and W1.dtype == torch.float32 and U.dtype == torch.float32
+            and 0 < W1.shape[-1] <= MAX_BLOCK and W1.shape[0] <= MAX_MATRICES)
 
 
 def fused_sweep_block(W1: torch.Tensor, U1: torch.Tensor, S1: torch.Tensor, Z1: torch.Tensor | None,

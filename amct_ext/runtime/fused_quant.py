@@ -27,12 +27,15 @@ if triton is not None:
 
     @triton.jit
     def _round_half_even(y):
-        """torch.round for |y| < 2^22 (here |y| <= qmax): y + 0.5 is exact, so floor gives
+        """torch.round, bit for bit, for |y| < 2^22 (larger |y| are clamped to the grid right after,
+        to the same bound whatever this gives): y + 0.5 is exact, so floor gives
         round-half-up; exact ties that landed on an odd integer step back. (libdevice's rint
         would do, but Triton's interpreter lacks it, and the CI tests run there.)"""
         r = tl.floor(y + 0.5)
         odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
-        return tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
+        r = tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
+        # a zero keeps y's sign, as torch.round(-0.3) is -0.0 (casebook A15)
+        return tl.where(r == 0.0, y * 0.0, r)
 
     @triton.jit
     def _fq_int_token_kernel(x_ptr, out_ptr, bad_ptr, D: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr):

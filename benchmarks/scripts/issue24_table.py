@@ -257,7 +257,9 @@ def ours_rows(res: Path, layer: int, rates: dict, sh: dict | None) -> list[dict]
                 row[k] = _stats([x[k] for x in recs])
             row["recollect_forwards"] = recs[0]["recollect_forwards"]
             if recs[0]["recollect_runs"]:   # per re-run: median over the runs of the row
-                row["recollect_runs"] = [[run[0], statistics.median(x["recollect_runs"][j][2] for x in recs)]
+                # the median over the runs that have the j-th re-run (older or cut runs may not)
+                row["recollect_runs"] = [[run[0], statistics.median(x["recollect_runs"][j][2] for x in recs
+                                                                    if len(x["recollect_runs"]) > j)]
                                          for j, run in enumerate(recs[0]["recollect_runs"])]
             row["kinds_s"] = {k: statistics.median([x["kinds"].get(k, 0.0) for x in recs]) for k in recs[0]["kinds"]}
             f0 = recs[0]["floors"]
