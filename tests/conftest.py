@@ -32,6 +32,22 @@ def load_script(relpath: str, name: str | None = None):
     sys.modules.setdefault(name, mod)
     spec.loader.exec_module(mod)
     return mod
+def run_interpreted(module: str, function: str = "interpreted_checks"):
+    """``module.function()`` run in a child process under Triton's interpreter, its JSON result.
+    TRITON_INTERPRET=1 must be set before Triton is imported: Triton's own library functions
+    (tl.sum, tl.max, ...) are jitted at import, so the interpreter cannot be switched on inside
+    this process once Triton is loaded. CI has no GPU: this is how the kernels run there."""
+    import json
+    import subprocess
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    code = f"import json, {module} as t; print(json.dumps(t.{function}()))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 SPEC = REPO / "models" / "deepseek_v4" / "SPEC.md"
 
 

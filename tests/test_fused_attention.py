@@ -5,11 +5,6 @@ CI has no GPU, so the kernel runs here under Triton's interpreter (``TRITON_INTE
 tensors, in fp32: the interpreter's bf16 dot is wrong (it multiplies the raw uint16 storage), so
 the bf16 numerics are checked on the GPU by ``benchmarks/check_fused_attention.py`` (RESULTS.md §4).
 The torch path itself is checked against transformers in tests/test_oracle.py."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +14,7 @@ from amct_ext.runtime import device as D
 from amct_ext.quant.schemes import load_scheme
 from models.deepseek_v4.quant_module import quantize_block
 from models.deepseek_v4.tiny import random_tiny_model
+from tests.conftest import run_interpreted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,16 +27,8 @@ LAUNCHES = [{}, {"block_n": 16, "value_splits": 1}]
 
 @pytest.fixture(scope="module")
 def interpreted_errors():
-    """Run every case in a child process with TRITON_INTERPRET=1 set before Triton is imported:
-    Triton's own library functions (tl.sum, tl.max, ...) are jitted at import, so the interpreter
-    cannot be switched on inside this process once Triton is loaded."""
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo)}
-    code = "import json, tests.test_fused_attention as t; print(json.dumps(t.interpreted_checks()))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """Every case in a child process under Triton's interpreter (conftest.run_interpreted)."""
+    return run_interpreted("tests.test_fused_attention")
 
 
 def interpreted_checks() -> dict:

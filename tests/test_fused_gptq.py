@@ -3,20 +3,14 @@ sweep it replaces (``gptq._sweep_block``, itself pinned to the frozen reference 
 test_gptq_solver_exact.py): bit for bit, -0.0 included, for every integer grid GPTQ runs it on.
 
 CI has no GPU: the kernel runs under Triton's interpreter in a child process (TRITON_INTERPRET=1
-must be set before Triton is imported, tests/test_fused_attention.py), and ``gptq_solve`` is made
+must be set before Triton is imported, conftest.run_interpreted), and ``gptq_solve`` is made
 to take the fused path on CPU there by switching its device check on."""
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import run_interpreted
 
 
 class _Spec:
@@ -113,12 +107,7 @@ def interpreted_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    code = "import json, tests.test_fused_gptq as t; print(json.dumps(t.interpreted_checks()))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_interpreted("tests.test_fused_gptq")
 
 
 @pytest.mark.parametrize("case", ["int8-sym-channel", "int4-asym-channel", "int4-asym-g128-clip",
