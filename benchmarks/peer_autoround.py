@@ -383,10 +383,22 @@ def run_cell(args, scheme: str, tok, calib) -> dict:
     counts = quantized_modules(qmodel, load_model(args.model, unfuse=True), scheme, layer_config)
     ppl = _plc.hf_perplexity(qmodel, args._eval_windows)
     t3 = time.perf_counter()
-    return {"scheme": scheme, "ppl": ppl, "vs_float_pct": 100.0 * (ppl / args._float_ppl - 1.0),
+    cell = {"scheme": scheme, "ppl": ppl, "vs_float_pct": 100.0 * (ppl / args._float_ppl - 1.0),
             "quantize_s": round(t2 - t1, 2), "eval_s": round(t3 - t2, 2), "load_s": round(t1 - t0, 2),
             "scheme_fields": SCHEMES[scheme], "autoround_settings": autoround_settings(ar),
             "quantized_modules": counts}
+    if args._dev_windows is not None:   # the same quantized model on the dev split
+        cell["ppl_dev"] = _plc.hf_perplexity(qmodel, args._dev_windows)
+    return cell
+
+
+def dev_windows(tok, args):
+    """The dev split: the ``eval_windows`` windows that follow the reported ones in the same cut
+    (``tools/run_ptq.py --eval-first-window N``, where the defaults are chosen)."""
+    from amct_ext.pipeline.perplexity import load_eval_text, tokenize_windows
+
+    return tokenize_windows(load_eval_text(args.eval_data), tok, args.seq_len, args.eval_windows,
+                            first_window=args.eval_windows)
 
 
 def autoround_settings(ar) -> dict:
@@ -418,7 +430,11 @@ def peer_main(args) -> int:
     ev, cal = _plc.protocol_windows(tok, args.eval_data, args.calib_data, args.seq_len,
                                     args.eval_windows, args.calib_samples, args.seed)
     args._eval_windows = ev
+    args._dev_windows = dev_windows(tok, args) if args.dev_split else None
     res["protocol"] = _plc.protocol_record(args, ev, cal)
+    if args._dev_windows is not None:
+        res["protocol"]["dev_first_window"] = args.eval_windows
+        res["protocol"]["dev_windows_sha256"] = _plc.digest(args._dev_windows)
     res["versions"] = versions()
     res["machine"] = _plc.machine()
     res["command"] = " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
@@ -444,6 +460,8 @@ def peer_main(args) -> int:
                         "ok": abs(ppl / OUR_FLOAT_PPL - 1.0) <= FLOAT_RTOL
                         and abs(ppl_adapted / ppl - 1.0) <= 1e-6,
                         "eval_s": round(t1 - t0, 2)}
+        if args._dev_windows is not None:
+            res["float"]["ppl_dev"] = _plc.hf_perplexity(plain, args._dev_windows)
         _plc.save(out_path, res)
     f = res["float"]
     print(f"float PPL (transformers, fp32): {f['ppl']:.4f}  ours {OUR_FLOAT_PPL}  adapted + unfused "
@@ -526,7 +544,7 @@ def our_quantized_modules(scheme: str, quant_target: str | None, model_path: Pat
 
 
 def run_ours(scheme: str, algo: str | None, quant_target: str | None, threads: int,
-             propagate: str | None = None) -> dict:
+             propagate: str | None = None, first_window: int = 0) -> dict:
     """``tools/run_ptq.py`` with the headline protocol (benchmarks/quality_headlines.py) in a
     subprocess of the project venv; its PTQ PPL from report.json."""
     cmd = [sys.executable, str(REPO / "tools" / "run_ptq.py"), "--model", "tiny-trained", "--scheme", scheme,
@@ -537,6 +555,8 @@ def run_ours(scheme: str, algo: str | None, quant_target: str | None, threads: i
         cmd += ["--quant-target", quant_target]
     if propagate:
         cmd += ["--propagate", propagate]
+    if first_window:
+        cmd += ["--eval-first-window", str(first_window)]
     with tempfile.TemporaryDirectory(prefix="amct-peer-ar-ours-") as tmp:
         t0 = time.perf_counter()
         proc = subprocess.run(cmd + ["--output-dir", tmp], capture_output=True, text=True,
@@ -567,13 +587,16 @@ def ours_main(args) -> int:
         key = f"{scheme}|{args.algo or 'default'}|{args.quant_target or 'default'}"
         if args.propagate:
             key += f"|{args.propagate}"
+        if args.dev_split:
+            key += "|dev"
         if key in ours and not args.redo and "error" not in ours[key]:
             print(f"ours {key}: kept ({ours[key]['ppl']:.4f})", flush=True)
             continue
         print(f"ours {key}: running tools/run_ptq.py ...", flush=True)
-        cell = run_ours(scheme, args.algo, args.quant_target, args.threads, args.propagate)
+        cell = run_ours(scheme, args.algo, args.quant_target, args.threads, args.propagate,
+                        args.eval_windows if args.dev_split else 0)
         cell.update({"scheme": scheme, "algo": args.algo, "quant_target": args.quant_target,
-                     "propagate": args.propagate,
+                     "propagate": args.propagate, "split": "dev" if args.dev_split else "test",
                      "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
         ours[key] = cell
         print(f"ours {key}: " + (f"PPL {cell['ppl']:.4f}, {cell['wall_s']} s wall, "
@@ -713,7 +736,10 @@ def smoke_main(args) -> int:
                                                    data_path=args.eval_data))
     cal_ref = load_calib_windows(adapter, PtqConfig(seq_len=args.seq_len, n_samples=args.calib_samples,
                                                     seed=args.seed, calib_path=args.calib_data))
+    dev_ref = load_eval_windows(adapter, EvalConfig(seq_len=args.seq_len, max_windows=args.eval_windows,
+                                                    data_path=args.eval_data, first_window=args.eval_windows))
     checks = {"eval_windows_equal_workflow": bool(torch.equal(ev, ev_ref)),
+              "dev_windows_equal_workflow": bool(torch.equal(dev_windows(tok, args), dev_ref)),
               "calib_windows_equal_workflow": bool(torch.equal(cal, cal_ref)),
               "eval_shape": list(ev.shape), "calib_shape": list(cal.shape)}
     # the scheme fields handed to auto-round are the project's scheme files'
@@ -799,6 +825,9 @@ def parse_args(argv):
     ap.add_argument("--quant-target", default=None, help="--ours: run_ptq --quant-target (default attn-linear,moe)")
     ap.add_argument("--propagate", choices=("float", "quant"), default=None,
                     help="--ours: run_ptq --propagate (default: the recipe's)")
+    ap.add_argument("--dev-split", action="store_true",
+                    help="also the PPL on the dev split (the next --eval-windows windows, where the defaults "
+                         "are chosen); --ours: run_ptq on the dev split instead")
     ap.add_argument("--smoke", action="store_true",
                     help="check the protocol code paths in this venv; needs no auto-round")
     args = ap.parse_args(argv)

@@ -55,6 +55,22 @@ def test_repeats_give_median_and_spread_and_a_stopped_run_is_listed(tmp_path):
     assert "12.0 [10.0-50.0]" in md and "1 run(s) stopped" in md
 
 
+def test_a_run_killed_before_its_json_is_listed_from_its_log(tmp_path):
+    """bench_ptq killed by its limit after the layer, before it wrote its JSON (casebook i24-or-6):
+    the row is still there, stopped, with the phases of its log and the recipe of its meta.json."""
+    t = _table()
+    (tmp_path / "ours_gptq-seq-128.r1.log").write_text(
+        "[phase] layer 2 capture: 24.89 s, device peak 36.3 GiB, host RSS 30.9 GiB (anon 17.4)\n"
+        "[phase] layer 2 solve:recipe: 16.51 s, device peak 49.9 GiB, host RSS 31.0 GiB (anon 17.5) {'device': 'cuda:0'}\n")
+    (tmp_path / "ours_gptq-seq-128.r1.meta.json").write_text(json.dumps(
+        {"scheme": "w8a8", "solver": {"recipe": [{"name": "gptq", "sequential": True}]}}))
+    (row,) = t.ours_rows(tmp_path, 2, {}, None)
+    assert row["tag"] == "gptq-seq-128" and row["runs"] == 0 and row["scheme"] == "w8a8"
+    assert row["algo"] == "`gptq`"
+    assert len(row["stopped"]) == 1 and "capture 24.9 s" in row["stopped"][0] and "solve:recipe 16.5 s" in row["stopped"][0]
+    assert "no JSON written" in row["stopped"][0]
+
+
 def _committed_rows(tmp_path, folder: str) -> list[str]:
     """The table rows issue24_table.py makes of a committed H200 run folder."""
     import shutil
@@ -83,7 +99,7 @@ def test_results_0_10_is_the_table_of_the_committed_h200_runs(tmp_path):
     """RESULTS §0.10 quotes, row by row, what issue24_table.py makes of the committed H200 JSONs
     (benchmarks/gpu/h200_2026-12-02/res): a number edited by hand, or a run's JSON changed, fails."""
     rows = _committed_rows(tmp_path, "h200_2026-12-02")
-    assert len(rows) == 11 and _quoted_rows("### 0.10 ", "### 0.11 ") == rows
+    assert len(rows) == 12 and _quoted_rows("### 0.10 ", "### 0.11 ") == rows
 
 
 def test_results_0_11_is_the_table_of_the_committed_h200_runs(tmp_path):
@@ -107,3 +123,14 @@ def test_results_0_12_is_the_table_of_the_committed_h200_runs(tmp_path):
     seq128 = next(r for r in lease2 if r.startswith("| gptq-seq-128 |"))
     # a median over three runs, each re-run's time split out
     assert "14.7 [14.5-15.0]" in seq128 and "(expert+shared_expert 2.5, attn 0.7, attn 1.3)" in seq128
+
+
+def test_results_0_13_is_the_table_of_the_committed_h200_runs(tmp_path):
+    """The same for §0.13 (benchmarks/gpu/h200_2026-12-02e/res: GPTQ and llm-compressor at 8 / 32 /
+    128 windows, the new w4a16-g128 default, w4a16's --recipe best cut by its limit)."""
+    rows = _committed_rows(tmp_path, "h200_2026-12-02e")
+    assert len(rows) == 9 and _quoted_rows("### 0.13 ", "## 1. Empty-weight") == rows
+    seq128 = next(r for r in rows if r.startswith("| gptq-seq-128 |"))
+    assert "capture 24.9 s" in seq128 and "solve:recipe 16.5 s" in seq128 and "no JSON written" in seq128
+    alt1 = next(r for r in rows if r.startswith("| alt-1 |"))
+    assert "| 46.6 |" in alt1 and "hclip:sweeps=2,gptq:sequential=false" in alt1

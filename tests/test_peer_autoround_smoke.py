@@ -229,3 +229,43 @@ def test_results_w4a16_candidates_quote_the_committed_numbers(peer):
         assert cols[1] == f"{res['ours'][key]['ppl']:.4f}", row
         dev = res["ours_dev"].get(f"w4a16|{algo}|default|{prop}")
         assert cols[3] == (f"{dev['ppl']:.4f}" if dev else "not run"), row
+
+
+def test_rerun_section_quotes_the_rerun_json(peer, wiki_test_raw):
+    """RESULTS §3.3 (casebook AR9): every auto-round and our figure of its table is the rerun
+    JSON's (both 64-window splits, the whole test split); the rerun records its package set, a
+    repeat equal to its cell, the same calibration as the first run, and our float equal to
+    transformers' on the whole split."""
+    rerun = json.loads((BENCH / "quality" / "peer_autoround_rerun.json").read_text())
+    first = json.loads(peer.DEFAULT_JSON.read_text())
+    heads = {h["name"]: h["value"] for h in json.loads((BENCH / "quality" / "headlines.json").read_text())["headlines"]}
+    assert any(p.startswith("auto-round==0.16") for p in rerun["pip_freeze"])
+    assert all(r["ppl"] == rerun["cells"]["w4a16-g128"]["ppl"] for r in rerun["repeats"]["w4a16-g128"])
+    assert rerun["protocol"]["calib_windows_sha256"] == first["protocol"]["calib_windows_sha256"]
+    assert rerun["protocol"]["eval_windows_sha256"] == first["protocol"]["eval_windows_sha256"]
+    fs = rerun["full_split"]
+    assert fs["windows"] == 1487 and abs(fs["float"]["rel_diff"]) < 1e-6
+    assert fs["calib_windows_sha256"] == first["protocol"]["calib_windows_sha256"]
+    for c in list(rerun["cells"].values()) + list(fs["peer"].values()):
+        assert c["quantized_modules"]["agree"] and c["quantized_modules"]["total"] == 126
+    text = (BENCH / "RESULTS.md").read_text(encoding="utf-8")
+    sec = text[text.index("### 3.3 auto-round rerun"):text.index("## 4. One V4-Flash")]
+    rows = [r for r in sec.splitlines() if re.match(r"^\| w\d", r)]
+    assert len(rows) == 3
+    best_test = {"w4a16-g128": heads["w4a16-g128-best"], "w3a16-g128": heads["w3a16-g128-best"],
+                 "w4a16": first["ours"]["w4a16|clip,gptq|default|quant"]["ppl"]}
+    for row in rows:
+        cols = [c.strip().strip("*").split(" (")[0] for c in row.strip("|").split("|")]
+        s = cols[0]
+        c = rerun["cells"][s]
+        ours, ours_dev = rerun["ours"][f"{s}|default|default"], rerun["ours"][f"{s}|default|default|dev"]
+        assert cols[1] == f"{first['cells'][s]['ppl']:.4f}" and cols[2] == f"{c['ppl']:.4f}", row
+        assert cols[3] == f"{ours['ppl']:.4f}", row
+        if s in heads:                                  # the default's headline is the same run
+            assert cols[3] == f"{heads[s]:.4f}", row
+        assert cols[4] == f"{best_test[s]:.4f}", row
+        assert cols[5] == f"{c['ppl_dev']:.4f}" and cols[6] == f"{ours_dev['ppl']:.4f}", row
+        assert cols[8] == f"{fs['peer'][s]['ppl']:.4f}", row
+        assert cols[9] == f"{fs['ours'][s + '|default']['ppl']:.4f}" and cols[10] == f"{fs['ours'][s + '|best']['ppl']:.4f}", row
+        # the whole split's verdict as the text says: auto-round ahead of every recipe of ours
+        assert fs["peer"][s]["ppl"] < min(fs["ours"][s + "|default"]["ppl"], fs["ours"][s + "|best"]["ppl"])

@@ -278,9 +278,10 @@ __all__ = ["Recipe", "RecipeError", "register", "known_algorithms", "algorithm_c
 #: take minutes a layer at real size. Dev PPLs, 2026-12-01 / 02 (RESULTS §3.1 and its addenda):
 DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
     "w8a8": ("rtn", "float"),                 # dev: RTN 244.295 (clip 244.277 within 0.1 %, replays calls)
-    # dev: hclip:sweeps=2,gptq:sequential=false@float 244.567 is better but took 60.4 s on the H200
-    # layer (RESULTS §0.10: its two sweeps cost ~20 s, not the ~3 s estimated), past rule 1
-    "w4a16-g128": ("hclip,gptq:sequential=false", "quant"),  # dev 245.324 < @float 245.439; best clip,gptq 245.189
+    # dev 244.567 < hclip:sweeps=2,gptq@float 244.751 < clip,gptq (best) 245.189 < hclip,gptq:sequential=false
+    # @quant 245.324 (the default until 2026-12-02e). 46.6 s a V4-Flash layer on the H200 (RESULTS §0.13;
+    # 60.4 s in §0.10, before the pinned capture and the Triton sweep)
+    "w4a16-g128": ("hclip:sweeps=2,gptq:sequential=false", "float"),
     # dev 252.721 < hclip,gptq:sequential=false@quant 254.499 (the default until 2026-12-02) <
     # hclip:sweeps=2 255.322; best autoround 250.248. 29.6 s a V4-Flash layer on the H200 (RESULTS §0.12)
     "w3a16-g128": ("hclip,gptq", "quant"),
@@ -304,9 +305,9 @@ BEST_FALLBACK = ("clip", "float")
 #: default runs a V4-Flash layer in <= 60 s on one H200; `best` may replay every captured call).
 #: A scheme not listed here has no slower recipe worth its cost: ``best`` is its default.
 BEST_RECIPES: dict[str, tuple[str, str]] = {
-    "w4a16-g128": ("clip,gptq", "float"),     # test 274.350 (default 276.665); > 280 s a Flash layer (§0.8)
+    "w4a16-g128": ("clip,gptq", "float"),     # test 274.350 (default 276.129); 386 s a Flash layer (§0.11)
     "w3a16-g128": ("autoround", "float"),     # test 278.832 (default 284.210); ~6 min a Flash layer (issue 24)
-    "w4a16": ("clip,gptq", "quant"),          # dev 245.876 < clip 246.525; test 274.670 (default 276.507), auto-round 275.116
+    "w4a16": ("clip,gptq", "quant"),          # dev 245.876 < clip 246.525; test 274.670 (default 276.507); auto-round 274.552 (RESULTS §3.3)
     "w4a8": ("clip,gptq", "float"),           # test 274.443 (default 274.732)
     "w2a16-g64": ("clip", "float"),           # test 331.480 (default 338.446)
     "fp8": ("clip", "float"),                 # dev 244.473 (default 244.626)

@@ -204,11 +204,26 @@ def ours_rows(res: Path, layer: int, rates: dict, sh: dict | None) -> list[dict]
         if p.name.endswith(".meta.json"):
             continue
         groups.setdefault(p.name[len("ours_"):].rsplit(".r", 1)[0], []).append(p)
+    # a run killed before bench_ptq wrote its JSON (its limit hit in the probes after the layer, say)
+    # still has its log: listed as stopped, never dropped from the table
+    for log in sorted(res.glob("ours_*.r*.log")):
+        if not log.with_suffix(".json").is_file():
+            groups.setdefault(log.name[len("ours_"):].rsplit(".r", 1)[0], []).append(log.with_suffix(".json"))
     rows = []
     for tag, files in groups.items():
         recs, logs, stops, meta = [], [], [], None
         kind = scheme = algo = None
         for f in files:
+            if not f.is_file():
+                kind, scheme, algo = what_of(tag, {})
+                m = f.with_name(f.name[: -len(".json")] + ".meta.json")
+                if m.is_file():    # what ran, from the layer's saved parameters (no bench args here)
+                    mj = json.loads(m.read_text())
+                    scheme = mj.get("scheme") or scheme
+                    ran = recipe_text(mj.get("solver", {}).get("recipe") or [])
+                    algo = f"`{ran}`" if ran and kind != "default" else (f"default (`{ran}`)" if ran else algo)
+                stops.append(failed_or_stopped(f.with_suffix(".log")) + " (no JSON written)")
+                continue
             try:
                 r = json.loads(f.read_text())
             except (OSError, ValueError) as e:
