@@ -250,8 +250,17 @@ def test_rerun_section_quotes_the_rerun_json(peer, wiki_test_raw):
         assert c["quantized_modules"]["agree"] and c["quantized_modules"]["total"] == 126
     text = (BENCH / "RESULTS.md").read_text(encoding="utf-8")
     sec = text[text.index("### 3.3 auto-round rerun"):text.index("## 4. One V4-Flash")]
-    rows = [r for r in sec.splitlines() if re.match(r"^\| w\d", r)]
-    assert len(rows) == 3
+    all_rows = [r for r in sec.splitlines() if re.match(r"^\| w\d", r)]
+    rows = [r for r in all_rows if r.count("|") == 12]          # the main table: 11 columns
+    ar_rows = [r for r in all_rows if r.count("|") == 5]        # our autoround@quant: 4 columns
+    assert len(rows) == 3 and len(ar_rows) == 3 and len(all_rows) == 6
+    for row in ar_rows:
+        cols = [c.strip().split(" (")[0] for c in row.strip("|").split("|")]
+        s = cols[0]
+        assert cols[1] == f"{rerun['ours'][f'{s}|autoround|default|quant']['ppl']:.4f}", row
+        assert cols[2] == f"{rerun['ours'][f'{s}|autoround|default|quant|dev']['ppl']:.4f}", row
+        assert cols[3] == f"{fs['ours'][f'{s}|autoround@quant']['ppl']:.4f}", row
+        assert fs["peer"][s]["ppl"] < fs["ours"][f"{s}|autoround@quant"]["ppl"]   # "still behind auto-round"
     best_test = {"w4a16-g128": heads["w4a16-g128-best"], "w3a16-g128": heads["w3a16-g128-best"],
                  "w4a16": first["ours"]["w4a16|clip,gptq|default|quant"]["ppl"]}
     for row in rows:
