@@ -261,6 +261,8 @@ def test_rerun_section_quotes_the_rerun_json(peer, wiki_test_raw):
         assert cols[2] == f"{rerun['ours'][f'{s}|autoround|default|quant|dev']['ppl']:.4f}", row
         assert cols[3] == f"{fs['ours'][f'{s}|autoround@quant']['ppl']:.4f}", row
         assert fs["peer"][s]["ppl"] < fs["ours"][f"{s}|autoround@quant"]["ppl"]   # "still behind auto-round"
+    # the one figure quoted in the prose: autoround@float on the whole split
+    assert f"`autoround@float` ({fs['ours']['w4a16-g128|autoround@float']['ppl']:.4f} at" in " ".join(sec.split())
     best_test = {"w4a16-g128": heads["w4a16-g128-best"], "w3a16-g128": heads["w3a16-g128-best"],
                  "w4a16": first["ours"]["w4a16|clip,gptq|default|quant"]["ppl"]}
     for row in rows:
