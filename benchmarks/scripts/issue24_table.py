@@ -214,14 +214,15 @@ def ours_rows(res: Path, layer: int, rates: dict, sh: dict | None) -> list[dict]
         recs, logs, stops, meta = [], [], [], None
         kind = scheme = algo = None
         for f in files:
-            if not f.is_file():
+            # what ran, from the layer's saved parameters beside the run (absent: an older run)
+            m = f.with_name(f.name[: -len(".json")] + ".meta.json")
+            mj = json.loads(m.read_text()) if m.is_file() else None
+            ran = recipe_text(mj.get("solver", {}).get("recipe") or []) if mj else None
+            if not f.is_file():      # no JSON: the scheme and recipe come from meta.json alone
                 kind, scheme, algo = what_of(tag, {})
-                m = f.with_name(f.name[: -len(".json")] + ".meta.json")
-                if m.is_file():    # what ran, from the layer's saved parameters (no bench args here)
-                    mj = json.loads(m.read_text())
-                    scheme = mj.get("scheme") or scheme
-                    ran = recipe_text(mj.get("solver", {}).get("recipe") or [])
-                    algo = f"`{ran}`" if ran and kind != "default" else (f"default (`{ran}`)" if ran else algo)
+                scheme = (mj or {}).get("scheme") or scheme
+                if ran:
+                    algo = f"default (`{ran}`)" if kind == "default" else f"`{ran}`"
                 stops.append(failed_or_stopped(f.with_suffix(".log")) + " (no JSON written)")
                 continue
             try:
@@ -231,11 +232,8 @@ def ours_rows(res: Path, layer: int, rates: dict, sh: dict | None) -> list[dict]
                 continue
             kind, scheme, algo = what_of(tag, r.get("args", {}))
             p = r.get("ptq")
-            m = f.with_name(f.name[: -len(".json")] + ".meta.json")
-            if m.is_file():
-                mj = json.loads(m.read_text())
+            if mj:
                 meta = mj.get("calibration", {}).get("windows_sha256")
-                ran = recipe_text(mj.get("solver", {}).get("recipe") or [])
                 if kind == "default" and ran:
                     algo = f"default (`{ran}`)"
             if not p:
