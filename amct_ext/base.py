@@ -369,6 +369,23 @@ class BaseModel(abc.ABC):
             del y
         return outs
 
+    def concat_samples(self, inputs: Sequence[torch.Tensor], states: Sequence[dict[str, Any]]
+                       ) -> tuple[torch.Tensor, dict[str, Any]] | None:
+        """Several calibration samples as ONE block call (batch dim 0): ``(x, state)`` such that
+        ``block(x, **state)`` is the samples' outputs concatenated, or None where the model cannot
+        say (the default: its sample state is opaque here). A block-level algorithm then runs
+        a step's samples in one forward (one fake-quant of the layer's weights, not one a sample)."""
+        return None
+
+    def block_forward_sample(self, block: nn.Module, x: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        """One sample through ``block`` as :meth:`do_block_forward` runs it (inputs moved to the
+        block's device, the quantizers' NaN/Inf flags read once), but with autograd as the caller
+        has it: a block-level algorithm backpropagates through it."""
+        dev = self.block_device(block)
+        kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+        with device_checks.deferred_checks():
+            return block(x.to(dev), **kw)
+
     def layer_cost(self, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int) -> Any:
         """The cost of layer ``layer_idx`` (``distributed.LayerCost``) for the torchrun layer
         split. Default: every layer alike; a model adapter states its own cost model."""

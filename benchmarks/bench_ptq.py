@@ -192,14 +192,15 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     import run_ptq  # tools/run_ptq.py: the job itself
 
-    # the recipe runner's per-kind progress (INFO): a run stopped at its time limit still shows
-    # where the solve's time went
-    runner_log = logging.getLogger("amct_ext.algorithms.runner")
-    if not runner_log.handlers:
-        h = logging.StreamHandler(sys.stdout)
-        h.setFormatter(logging.Formatter("[solve] %(message)s"))
-        runner_log.addHandler(h)
-    runner_log.setLevel(logging.INFO)
+    # the recipe runner's per-kind progress and a block-level algorithm's steps (INFO): a run
+    # stopped at its time limit still shows where the solve's time went
+    for name in ("amct_ext.algorithms.runner", "amct_ext.algorithms.block_rounding"):
+        solve_log = logging.getLogger(name)
+        if not solve_log.handlers:
+            h = logging.StreamHandler(sys.stdout)
+            h.setFormatter(logging.Formatter("[solve] %(message)s"))
+            solve_log.addHandler(h)
+        solve_log.setLevel(logging.INFO)
 
     dev = D.resolve_device(a.device)
     results: dict = {"env": C.environment(dev), "args": {k: v for k, v in vars(a).items()}, "notes": []}

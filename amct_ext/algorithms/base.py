@@ -22,6 +22,14 @@ one batched solve of stacked Hessians). Such an algorithm lists the kinds in
 ``apply_group(units, datas, ctx)`` once with every unit of that kind of the layer (in the
 layer's order) instead of ``apply`` per unit. The default ``apply_group`` is the loop.
 
+Block-level algorithms
+An algorithm with ``solves_block = True`` (block-wise SignRound, ``block_rounding.py``) does not
+see units: it runs once per decoder layer, after the unit algorithms of the recipe, on every
+quantized leaf of the layer at once, against the layer's output (:class:`BlockData`: the layer's
+calibration inputs, its float targets and a differentiable forward). It must be the last entry
+of its recipe (``Recipe`` checks the order) and leaves the same per-unit state as the others
+(the workflow saves the units after it).
+
 Contract for the result an algorithm leaves behind: after ``apply``, the unit's
 ``export_ptq_params()`` holds everything needed to rebuild the quantized unit from the float
 checkpoint with ``load_ptq_params``:
@@ -142,6 +150,30 @@ class UnitData:
 
 
 @dataclass
+class BlockData:
+    """What a block-level algorithm gets for one decoder layer.
+
+    ``inputs[k]`` / ``states[k]``: the layer's k-th calibration sample as the run feeds it (the
+    quantized predecessors' output with ``propagate='quant'``); ``targets[k]``: the float output
+    it is to reproduce (``BlockRound.target`` says which float output the workflow computed);
+    ``forward(x, state)``: the layer with quantization on, differentiable with respect to the
+    quantizers' learnable state; ``units``: the layer's PTQ units (their leaves are the ones to
+    tune); ``concat``: how several samples form one forward (or None). Inputs and targets may live
+    on the host; the algorithm moves them to ``device``."""
+
+    units: Sequence[PtqUnit]
+    inputs: Sequence[torch.Tensor]
+    states: Sequence[dict[str, Any]]
+    targets: Sequence[torch.Tensor]
+    forward: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
+    device: torch.device = torch.device("cpu")
+    #: several samples as one forward's (x, state) (``BaseModel.concat_samples``), None: one by one
+    concat: Callable[[Sequence[torch.Tensor], Sequence[dict[str, Any]]], tuple | None] | None = None
+    seed: int = 0
+    layer_idx: int | None = None
+
+
+@dataclass
 class Algorithm(abc.ABC):
     """Base of every algorithm: a small config dataclass (its fields are its settings).
 
@@ -151,6 +183,8 @@ class Algorithm(abc.ABC):
     name: ClassVar[str] = ""
     #: unit kinds whose units the workflow hands to :meth:`apply_group` all at once
     group_kinds: ClassVar[tuple[str, ...]] = ()
+    #: True: a block-level algorithm (:meth:`apply_block` once per layer, see the module doc)
+    solves_block: ClassVar[bool] = False
 
     def settings(self) -> dict[str, Any]:
         """Everything that changes the result (recorded in ptq_params/meta.json)."""
@@ -179,3 +213,14 @@ class Algorithm(abc.ABC):
                     ctx: SolveContext) -> list[dict[str, Any]]:
         """All units of one kind of a layer at once; the default is the per-unit loop."""
         return [self.apply(u, d, ctx) for u, d in zip(units, datas)]
+
+    def float_model_targets(self, propagate: str) -> bool:
+        """A block-level algorithm: whether its targets are the FLOAT MODEL's output of the
+        layer (the float stream, which the workflow then carries beside the quantized one) rather
+        than the float layer's output on the inputs the run feeds it. Default False."""
+        return False
+
+    def apply_block(self, data: BlockData) -> dict[str, dict[str, Any]]:
+        """A block-level algorithm on one layer: edits the units' leaves in place; returns
+        {unit name: stats}. Only called where ``solves_block``."""
+        raise NotImplementedError(f"{self.name} is not a block-level algorithm")

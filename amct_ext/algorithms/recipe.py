@@ -38,6 +38,7 @@ BUILTIN_MODULES = {
     "smoothquant": "amct_ext.algorithms.smoothing",
     "awq": "amct_ext.algorithms.smoothing",
     "autoround": "amct_ext.algorithms.rounding",
+    "blockround": "amct_ext.algorithms.block_rounding",
 }
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
@@ -130,9 +131,35 @@ class Recipe:
     algorithms: list[Algorithm] = field(default_factory=list)
     source: str = ""
 
+    def __post_init__(self) -> None:
+        # a block-level algorithm runs after the layer's unit algorithms (the workflow runs
+        # them in that order): a unit algorithm after it would be run before it, silently
+        seen_block = None
+        for a in self.algorithms:
+            if a.solves_block:
+                if seen_block is not None:
+                    raise RecipeError(f"recipe {self.source or self}: two block-level algorithms "
+                                      f"({seen_block}, {a.name}); at most one, last")
+                seen_block = a.name
+            elif seen_block is not None:
+                raise RecipeError(f"recipe {self.source or self}: {a.name!r} comes after the block-level "
+                                  f"{seen_block!r}, which must be the last entry (it tunes the whole layer "
+                                  f"after the unit algorithms)")
+
     @property
     def names(self) -> list[str]:
         return [a.name for a in self.algorithms]
+
+    @property
+    def block_algorithm(self) -> Algorithm | None:
+        """The block-level algorithm (the last entry), or None."""
+        return self.algorithms[-1] if self.algorithms and self.algorithms[-1].solves_block else None
+
+    def unit_recipe(self) -> "Recipe":
+        """The recipe without its block-level algorithm: what runs on the units (``rtn`` when
+        nothing else is left, so the units keep a well-defined RTN report)."""
+        algos = [a for a in self.algorithms if not a.solves_block]
+        return Recipe(algos or [build_algorithm("rtn", {})], source=self.source)
 
     def settings(self) -> list[dict[str, Any]]:
         return [a.settings() for a in self.algorithms]

@@ -678,6 +678,20 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
     ph = runtime.phases if runtime.phases is not None else NO_PHASES
     on_unit_done = runtime.on_unit_done
     sharded = runtime.sharded
+    # a block-level algorithm (the recipe's last entry) runs after the unit algorithms, on the
+    # whole layer against its output; the units get the rest of the recipe
+    block_algo = recipe.block_algorithm
+    unit_recipe = recipe.unit_recipe() if block_algo is not None else recipe
+    needs = unit_recipe.needs()
+    # its targets may be the float MODEL's outputs: a float stream carried beside the quantized one
+    float_stream = block_algo is not None and block_algo.float_model_targets(propagate)
+    if block_algo is not None and sharded:
+        raise ConfigError(f"recipe {recipe}: the block-level {block_algo.name!r} needs the whole layer on "
+                          "one device; it cannot run on a sharded layer (drop --shard, or the algorithm)")
+    if float_stream and start is not None:
+        raise ConfigError(f"recipe {recipe} with propagate=quant: {block_algo.name!r} (target=float_model) "
+                          "needs the float model's stream, which a torchrun rank's hand-off does not carry; "
+                          f"use {block_algo.name}:target=float_layer, or propagate=float")
     layers = layers if layers is not None else layer_range(adapter)
     if calib_windows is None:
         calib_windows = load_calib_windows(adapter, cfg)
@@ -686,7 +700,6 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
     devmod.reset_peak_memory(dev)
     t0 = time.perf_counter()
     result = PtqResult(params_dir=str(pdir))
-    needs = recipe.needs()
 
     if start is not None and not 0 <= start[0] <= layers.start:
         raise ConfigError(f"run_blockwise_ptq: the given stream enters layer {start[0]}, after the first "
@@ -698,6 +711,7 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
         with ph.phase("embed"):
             calib = embed_stream(adapter, calib_windows, cfg.batch_size)
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes)
+    fcalib = calib if float_stream else None   # the float model's stream (same as calib until layer 1)
     last = layers.stop
     mtp_ids = _mtp_layers(adapter, layers) if mtp else []
     # The layer is built where it runs (decoded there, never staged in host memory): the float
@@ -705,6 +719,9 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
     # ~3x its 13 GB in host RSS (build, .to(device), .to('cpu') after; benchmarks/RESULTS.md §7b).
     for i in _tqdm([*range(first, last), *mtp_ids], desc="ptq layers", disable=not adapter.run.progress):
         if i in mtp_ids:   # the MTP layer: h_i of the last layer with embed(t_{i+1}) (issue 23.6)
+            if fcalib is not None:
+                fcalib = (calib if fcalib is calib
+                          else Stream(*adapter.mtp_block_inputs(i, fcalib.hidden, fcalib.state)))
             calib = Stream(*adapter.mtp_block_inputs(i, calib.hidden, calib.state))
         with ph.phase("build", layer=i):
             block = adapter.block(i, sharded=True) if sharded and i not in mtp_ids else adapter.block(i, device=dev)
@@ -713,12 +730,17 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
             with ph.phase("float_forward", layer=i):
                 calib = float_layer_output(adapter, block, calib, float_like is not None and i in float_like,
                                            scheme, targets)
+            fcalib = calib if fcalib is not None else None   # float predecessors: one stream
             adapter.release_block(block)
             continue
         with ph.phase("build", layer=i):
             adapter.quantize_block(block, scheme, targets)
         units = list(adapter.iter_ptq_units(block, i, targets))
         todo = {u.name for u in units if not (pdir / f"{u.file_stem}.pt").is_file()}
+        if block_algo is not None and todo:
+            # the block stage tunes every unit of the layer together: a layer an interrupted run
+            # left half written is solved again as a whole (its units are written after the block)
+            todo = {u.name for u in units}
         # a recipe that replays no calls (rtn, hclip, gptq) gets per-leaf Hessians
         # accumulated during the float forward instead of stored calls (algorithms/hessians.py);
         # the layer then keeps its fast paths (the MoE's grouped GEMMs report their rows)
@@ -763,6 +785,19 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
                     result.unobserved_static += observe_static(adapter, block, calib, i)
                 else:  # the whole layer was done by an earlier run: only its float output is needed
                     calls, next_hidden = {}, adapter.do_block_forward(block, calib.hidden, calib.state)
+            # the float model's output of this layer (the float stream's next inputs): computed
+            # here, while the layer is still float (GPTQ writes its fake-quant weights into the
+            # float ones); layer 0, whose two streams are one, has it from the capture
+            float_next = None
+            if fcalib is not None:
+                if fcalib is calib:
+                    float_next = next_hidden
+                else:
+                    with ph.phase("capture", layer=i):
+                        float_next = adapter.do_block_forward(block, fcalib.hidden, fcalib.state)
+            block_targets = None
+            if block_algo is not None and todo:
+                block_targets = float_next if float_stream else next_hidden
             if collector is not None:
                 ph.note(hessian_bytes=_tensor_bytes({id(ls.H): ls.H for st in hessians.values()
                                                      for ls in st.values() if ls.H is not None}.values()),
@@ -794,15 +829,16 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
                             adapter.set_quant_enabled(block, True)
                     with ph.phase("solve:recipe", layer=i, device=str(dev)):
                         rerun = LayerRerun(adapter, block, calib)
-                        rs = run_recipe_on_units(pass_units, {}, recipe, device=dev, seed=cfg.seed,
+                        rs = run_recipe_on_units(pass_units, {}, unit_recipe, device=dev, seed=cfg.seed,
                                                  dtype=adapter.run.dtype, holdout=holdout, guard=guard,
                                                  hessians=hessians, recollect=rerun)
                     if rerun.forwards:   # a note goes to the phase just finished: solve:recipe
                         ph.note(recollect_forwards=rerun.forwards, recollect_seconds=round(rerun.seconds, 3),
                                 recollect_runs=rerun.runs)
                     done.update({u.name: r for u, r in zip(pass_units, rs)})
-                    # written pass by pass: an interrupted layer resumes at its next pass
-                    for unit in pass_units:
+                    # written pass by pass: an interrupted layer resumes at its next pass (with a
+                    # block stage: after it, below)
+                    for unit in (pass_units if block_algo is None else ()):
                         with ph.phase("write", layer=i):
                             _save_unit(pdir, unit, done[unit.name])
                         solved[unit.name] = done[unit.name]
@@ -820,10 +856,16 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
                 by_dev.setdefault(adapter.unit_device(block, u) if sharded else dev, []).append(u)
             for udev, group in by_dev.items():
                 with ph.phase("solve:recipe", layer=i, device=str(udev)):
-                    rs = run_recipe_on_units(group, calls, recipe, device=udev, seed=cfg.seed,
+                    rs = run_recipe_on_units(group, calls, unit_recipe, device=udev, seed=cfg.seed,
                                              dtype=adapter.run.dtype, holdout=holdout, guard=guard,
                                              hessians=hessians)
                 done.update({u.name: r for u, r in zip(group, rs)})
+            calls = {}      # the unit captures are not read again: freed before the block stage
+            if block_algo is not None and todo_units:
+                with ph.phase("solve:block", layer=i, device=str(dev)):
+                    run_block_stage(adapter, block, block_algo, units, calib, block_targets, done,
+                                    seed=cfg.seed, layer_idx=i)
+                block_targets = None
             if todo_units:
                 for unit, r in [(u, done[u.name]) for u in todo_units if u.name not in solved]:
                     with ph.phase("write", layer=i):
@@ -844,6 +886,8 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
         layer_calls_peak = CALL_METER.peak - calls_before
         mem.call_memory_peak_bytes = max(mem.call_memory_peak_bytes, layer_calls_peak)
         ph.note(call_memory_peak_bytes=layer_calls_peak)
+        if fcalib is not None:
+            fcalib = Stream(float_next, fcalib.state)
         if propagate == "quant":
             # the next layer's inputs go through the units an earlier run finished too: loaded
             # only now, after this run's solve -- loaded before it, their in-place weights would
@@ -861,6 +905,37 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
     result.memory = mem
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def run_block_stage(adapter: BaseModel, block: nn.Module, algo, units: Sequence, calib: Stream,
+                    targets: Sequence[torch.Tensor], results: dict[str, UnitResult], *, seed: int,
+                    layer_idx: int) -> None:
+    """The recipe's block-level algorithm on one layer (after its unit algorithms): every unit's
+    leaves tuned together against the layer's output ``targets`` on the run's inputs ``calib``.
+    Its statistics go into each unit's result; the unit's own loss after the unit algorithms no
+    longer describes the unit, so ``loss_after`` becomes None (the layer's MSE is in the stats)."""
+    from ..algorithms.base import BlockData
+    from .replay import unit_seed
+
+    dev = adapter.block_device(block)
+    # every unit called as its own module (no fused path holding detached weights)
+    adapter.prepare_capture(block)
+    adapter.set_quant_enabled(block, True)
+    t0 = time.perf_counter()
+    data = BlockData(units=list(units), inputs=calib.hidden, states=calib.state or [{}] * len(calib.hidden),
+                     targets=targets, forward=lambda x, st: adapter.block_forward_sample(block, x, st),
+                     device=dev, seed=unit_seed(seed, f"layers.{layer_idx}"), layer_idx=layer_idx,
+                     concat=adapter.concat_samples)
+    stats = algo.apply_block(data)
+    devmod.synchronize(dev)
+    dt = time.perf_counter() - t0
+    for u in units:
+        r = results[u.name]
+        r.stats = dict(r.stats or {})
+        r.stats[algo.name] = {**stats.get(u.name, {}), "layer_seconds": round(dt, 3)}
+        if "skipped" not in stats.get(u.name, {}):
+            r.loss_after = None
+        r.seconds += dt / max(len(units), 1)
 
 
 def _mtp_layers(adapter: BaseModel, layers: range) -> list[int]:

@@ -288,6 +288,24 @@ class DeepseekV4Adapter(BaseModel):
     def set_quant_enabled(self, module: nn.Module, enabled: bool) -> None:
         quant_module.set_quant_enabled(module, enabled)
 
+    def concat_samples(self, inputs, states):
+        """V4's block takes ``(x [B, S, hc, D], start_pos, input_ids [B, S])``: samples of one
+        shape and one ``start_pos`` concatenate along B (input_ids too: hash routing reads them
+        per row); anything else (other keys, mixed shapes) is None, the samples then run one by one."""
+        if not inputs or any(x.shape[1:] != inputs[0].shape[1:] for x in inputs):
+            return None
+        if any(set(st) - {"start_pos", "input_ids"} for st in states):
+            return None
+        if len({st.get("start_pos", 0) for st in states}) != 1:
+            return None
+        ids = [st.get("input_ids") for st in states]
+        state = {"start_pos": states[0].get("start_pos", 0)}
+        if any(i is not None for i in ids):
+            if any(i is None or i.shape[0] != x.shape[0] for i, x in zip(ids, inputs)):
+                return None
+            state["input_ids"] = torch.cat([i.to(inputs[0].device) for i in ids])
+        return torch.cat(list(inputs)), state
+
     # ------------------------------------------------------------------ MTP (mtp.{j}.*)
     def mtp_layer_ids(self) -> list[int]:
         """Layer ids (n_layers + j) of the MTP layers whose block the checkpoint holds completely;
