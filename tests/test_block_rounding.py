@@ -130,6 +130,39 @@ def test_block_loss_falls_and_never_ends_above_its_start():
             assert all(getattr(q, n).weight_quantizer.round_offset is None for n in ("w1", "w2", "w3"))
 
 
+def test_keep_best_false_keeps_the_end_or_the_start():
+    """keep_best=False evaluates the start and the end only: where the end is the best state
+    anyway (a small steady step) it gives the very state keep_best=True gives; where the end is
+    worse than the start (one step of 5: every offset to +-0.5, every clip to a bound) the start
+    comes back, bit for bit."""
+    from models.deepseek_v4.quant_module import set_quant_enabled
+
+    xs = _inputs(4, dtype=torch.float32)
+    runs = []
+    for keep, lr, iters in ((True, 0.0, 10), (False, 0.0, 10), (False, 5.0, 1)):
+        m = _TwoUnits()
+        start = {k: v.clone() for k, v in m.state_dict().items()}
+        with torch.no_grad():
+            set_quant_enabled(m, False)
+            ys = [m(x) for x in xs]
+            set_quant_enabled(m, True)
+        units = [make_ptq_unit("expert", f"layers.0.ffn.experts.{k}", 0, getattr(m, f"e{k}")) for k in (0, 1)]
+        st = BlockRound(iters=iters, batch=2, lr=lr, keep_best=keep, fold_grid=False).apply_block(
+            BlockData(units=units, inputs=xs, states=[{}] * 4, targets=ys, forward=lambda x, st, m=m: m(x)))
+        runs.append((m, start, st[units[0].name]))
+    (m_a, _, st_a), (m_b, _, st_b), (m_c, start_c, st_c) = runs
+    assert st_a["best_step"] == 10 and st_b["best_step"] == 10     # the end was the best: same state
+    assert st_b["layer_loss_after"] == st_a["layer_loss_after"]
+    for k, v in m_a.state_dict().items():
+        assert torch.equal(v, m_b.state_dict()[k]), k
+    assert st_c["best_step"] == 0 and st_c["layer_loss_after"] == st_c["layer_loss_before"]
+    for q in (m_c.e0, m_c.e1):
+        for n in ("w1", "w2", "w3"):
+            wq = getattr(q, n).weight_quantizer
+            assert wq.round_offset is None
+            assert torch.equal(wq.clip, torch.ones_like(wq.clip))
+
+
 def test_recompute_gives_the_same_state():
     """Activation checkpointing per unit (``recompute``, for a real-size layer's memory) changes
     where the fake-quant intermediates live, not the numbers: the same offsets and clips."""

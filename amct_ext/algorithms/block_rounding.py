@@ -14,7 +14,8 @@ norms and the residual path between them are inside the loss:
                          p   -= lr_t * sign(dloss/dp)       lr_t = lr * (1 - t / iters)
                          V in [-0.5, 0.5], clip in [min(clip_min, clip_0), 1]
     every ``eval_every`` steps: the MSE over every sample; the best state is kept (the start
-    state included, so the layer never ends worse on its calibration data than it began)
+    state included, so the layer never ends worse on its calibration data than it began;
+    ``keep_best=false``: only the start and the end are compared, for memory)
 
 ``x_k``: the layer's inputs as the run feeds them (the quantized predecessors' outputs with
 ``--propagate quant``). ``y_k`` (``target``):
@@ -101,7 +102,17 @@ class BlockRound(Algorithm):
     eval_every: int = 0
     target: Literal["float_model", "float_layer"] = "float_model"
     fold_grid: bool = True
-    recompute: bool = False
+    # on by default: without it a real-size layer's fake-quant intermediates do not fit (the
+    # tiny model pays ~1/3 more time for it)
+    recompute: bool = True
+    #: False: no intermediate evaluation and no copy of a later state, the end state kept unless
+    #: it is worse than the start (a real-size layer's memory: one copy of its offsets less)
+    keep_best: bool = True
+
+    def settings(self) -> dict[str, Any]:
+        # recompute changes where intermediates live, not one number (test_block_rounding): a
+        # run may resume with it switched, and it is not part of the folder's fingerprint
+        return {k: v for k, v in super().settings().items() if k != "recompute"}
 
     def check(self) -> None:
         if self.iters < 0:
@@ -220,9 +231,13 @@ class BlockRound(Algorithm):
             log.info("blockround layer %s: %d leaves, %d samples, start MSE %.6g (%.1f s)", data.layer_idx,
                      len(leaves), n, loss_before, time.perf_counter() - t_start)
             best_loss, best_step = loss_before, 0
-            best = [p.detach().clone() for p in params]
+            # the state to return to; an all-zero start offset (RTN) is kept as None (restored by
+            # zeroing): a fresh V4-Flash layer's offsets would be a 26 GB copy of zeros
+            best = [None if (k < len(offsets) and not bool(p.any())) else p.detach().clone()
+                    for k, p in enumerate(params)]
             lr0 = self.lr or (1.0 / max(self.iters, 1))
-            every = self.eval_every or max(self.iters // 10, 1)
+            # keep_best=False: the end state against the start only (no copy of a later state)
+            every = (self.eval_every or max(self.iters // 10, 1)) if self.keep_best else max(self.iters, 1)
             order = batches()
             hooks = [p.register_post_accumulate_grad_hook(step) for p in params]
             for t in range(self.iters):
@@ -245,11 +260,17 @@ class BlockRound(Algorithm):
                     if loss < best_loss:   # strict: ties keep the earlier state
                         best_loss, best_step = loss, t + 1
                         with torch.no_grad():   # into the same buffers: one copy of the state, not two
-                            for b, p in zip(best, params):
-                                b.copy_(p)
+                            for k, p in enumerate(params):
+                                if best[k] is None:
+                                    best[k] = p.detach().clone()
+                                else:
+                                    best[k].copy_(p)
             with torch.no_grad():
                 for p, b in zip(params, best):
-                    p.copy_(b)
+                    if b is None:
+                        p.zero_()
+                    else:
+                        p.copy_(b)
             out = {}
             for u in data.units:
                 lfs = per_unit[u.name]
