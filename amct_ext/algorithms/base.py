@@ -223,4 +223,5 @@ class Algorithm(abc.ABC):
     def apply_block(self, data: BlockData) -> dict[str, dict[str, Any]]:
         """A block-level algorithm on one layer: edits the units' leaves in place; returns
         {unit name: stats}. Only called where ``solves_block``."""
-        raise NotImplementedError(f"{self.name} is not a block-level algorithm")
+        raise TypeError(f"{self.name} is not a block-level algorithm (solves_block is False): the workflow "
+                        "calls apply_block only on the recipe's last entry when it is one")

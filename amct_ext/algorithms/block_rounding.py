@@ -53,7 +53,7 @@ from ..pipeline.replay import output_tensor
 from ..quant.quantizers import CLIP_MIN
 from .base import Algorithm, BlockData, Needs, SolveContext, UnitData
 from .recipe import register
-from .rounding import _fold_leaves, _invalidate, _weight_leaves
+from .rounding import _fold_leaves, _invalidate, _weight_leaves, clamp_learnables, learnable_state
 
 log = logging.getLogger(__name__)
 
@@ -158,18 +158,7 @@ class BlockRound(Algorithm):
         was_training = [m.training for m in modules]
         for m in modules:
             m.eval()
-        offsets, clips, clip_lo = [], [], []
-        for _, w, wq in leaves:
-            v = wq.init_round_offset(w)
-            v.requires_grad_(True)
-            offsets.append(v)
-            if self.learn_clip:
-                c = wq.init_clip(w)
-                if c is not None:
-                    # an earlier algorithm's clip (hclip) is the start, and may lie below clip_min
-                    clip_lo.append(min(self.clip_min, float(c.min())))
-                    c.requires_grad_(True)
-                    clips.append(c)
+        offsets, clips, clip_lo = learnable_state(leaves, self.learn_clip, self.clip_min)
         params = offsets + clips
         gen = torch.Generator().manual_seed(data.seed)
 
@@ -248,11 +237,7 @@ class BlockRound(Algorithm):
                     # one backward for the batch: the mean over its elements
                     (se / count).backward()
                     del se
-                with torch.no_grad():
-                    for v in offsets:
-                        v.clamp_(-0.5, 0.5)
-                    for c, lo in zip(clips, clip_lo):
-                        c.clamp_(lo, 1.0)
+                clamp_learnables(offsets, clips, clip_lo)
                 if (t + 1) % every == 0 or t + 1 == self.iters:
                     loss = full_mse()
                     log.info("blockround layer %s: step %d / %d, MSE %.6g (%.1f s)", data.layer_idx, t + 1,

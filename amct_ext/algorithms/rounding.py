@@ -101,6 +101,34 @@ def _invalidate(module: nn.Module) -> None:
             m.invalidate_cache()
 
 
+def learnable_state(leaves, learn_clip: bool, clip_min: float):
+    """(offsets, clips, clip floors) of ``leaves`` (``_weight_leaves``), made trainable: each
+    leaf's rounding offset (kept where an earlier run left one, else 0 = RTN) and, with
+    ``learn_clip``, its clip factor. A clip starts where an earlier algorithm left it (hclip), and
+    its floor is ``min(clip_min, that start)``: a step never pulls it back above where it began."""
+    offsets, clips, clip_lo = [], [], []
+    for _, w, wq in leaves:
+        v = wq.init_round_offset(w)
+        v.requires_grad_(True)
+        offsets.append(v)
+        if learn_clip:
+            c = wq.init_clip(w)
+            if c is not None:
+                clip_lo.append(min(clip_min, float(c.min())))
+                c.requires_grad_(True)
+                clips.append(c)
+    return offsets, clips, clip_lo
+
+
+@torch.no_grad()
+def clamp_learnables(offsets, clips, clip_lo) -> None:
+    """After a step: offsets back into [-0.5, 0.5], clips into [floor, 1]."""
+    for v in offsets:
+        v.clamp_(-0.5, 0.5)
+    for c, lo in zip(clips, clip_lo):
+        c.clamp_(lo, 1.0)
+
+
 @torch.no_grad()
 def signsgd_step(params: list[torch.Tensor], lr: float) -> None:
     """p -= lr * sign(grad) for every parameter with a gradient."""
@@ -155,18 +183,7 @@ class AutoRound(Algorithm):
         frozen = [p for p in module.parameters() if p.requires_grad]
         for p in frozen:
             p.requires_grad_(False)
-        offsets, clips, clip_lo = [], [], []
-        for _, w, wq in leaves:
-            v = wq.init_round_offset(w)
-            v.requires_grad_(True)
-            offsets.append(v)
-            if self.learn_clip:
-                c = wq.init_clip(w)
-                if c is not None:
-                    # the range scale starts where an earlier algorithm left it (maybe below clip_min)
-                    clip_lo.append(min(self.clip_min, float(c.min())))
-                    c.requires_grad_(True)
-                    clips.append(c)
+        offsets, clips, clip_lo = learnable_state(leaves, self.learn_clip, self.clip_min)
         params = offsets + clips
         _invalidate(module)
         try:
@@ -182,11 +199,7 @@ class AutoRound(Algorithm):
                 se, n = _sq_err(module, call, device)
                 (se / n).backward()
                 signsgd_step(params, lr0 * (1.0 - t / self.iters))
-                with torch.no_grad():
-                    for v in offsets:
-                        v.clamp_(-0.5, 0.5)
-                    for c, lo in zip(clips, clip_lo):
-                        c.clamp_(lo, 1.0)
+                clamp_learnables(offsets, clips, clip_lo)
                 if (t + 1) % every == 0 or t + 1 == self.iters:
                     with torch.no_grad():
                         loss = unit_mse(module, calls, device)
