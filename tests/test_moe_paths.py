@@ -76,6 +76,28 @@ def test_grouped_fake_quant_equals_per_expert_loop(scheme, dtype):
     assert torch.equal(grouped, loop)
 
 
+def test_grouped_path_holds_one_copy_of_the_fake_quant_experts():
+    """The grouped path reads only its stacks: building them must not also fill every expert's
+    QuantLinear cache, a second copy of all fake-quant expert weights (12.3 GiB on a V4-Flash
+    layer; casebook i24-br3). The stacks are the very values quantized_weight() gives."""
+    model = random_tiny_model(0, dtype=torch.bfloat16)
+    ids = torch.randint(2, 512, (2, 70), generator=torch.Generator().manual_seed(3))
+    x = model.embed_tokens(ids)
+    block = model.layers[3]
+    block.ffn.pack_experts()
+    q = quantize_block(copy.deepcopy(block), load_scheme("w4a16"), ["moe"])
+    q.eval()
+    with torch.no_grad():
+        assert q.ffn._can_group(x.view(-1, 64))
+        q(x, 0, ids)
+        leaves = [getattr(e, p) for e in q.ffn.experts for p in ("w1", "w3", "w2")]
+        assert all(leaf._cached_weight is None for leaf in leaves)
+        w13, w2 = q.ffn.grouped_weights()
+        for k, e in enumerate(q.ffn.experts):
+            assert torch.equal(w13[k], torch.cat((e.w1.quantized_weight(), e.w3.quantized_weight())))
+            assert torch.equal(w2[k], e.w2.quantized_weight())
+
+
 def test_backward_after_an_inference_mode_forward():
     """Cached tables (rope cos / sin, the Hadamard matrix, bf16 weight splits) first built under
     torch.inference_mode must still work in a later forward that autograd records (casebook S7)."""

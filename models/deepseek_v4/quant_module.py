@@ -620,11 +620,15 @@ class QuantV4MoE(MoE):
                 for e in experts for proj in ("w1", "w3", "w2"))
             groupable = groupable and experts[0].w1.input_quantizer.spec == experts[0].w3.input_quantizer.spec
             if groupable:
+                # the fake-quant weights straight into the stacks, NOT through each QuantLinear's
+                # cache: the grouped path reads only the stacks, and a filled cache would be a
+                # second copy of every expert's fake-quant weight (12.3 GiB on a V4-Flash layer:
+                # blockround's evaluation peaked at 65 GiB with it; casebook i24-br3)
                 with torch.no_grad():
-                    w13 = torch.stack([torch.cat((e.w1.quantized_weight(), e.w3.quantized_weight())) for e in experts])
-                    w2 = torch.stack([e.w2.quantized_weight() for e in experts])
+                    w13 = torch.stack([torch.cat((_uncached_fake_quant(e.w1), _uncached_fake_quant(e.w3)))
+                                       for e in experts])
+                    w2 = torch.stack([_uncached_fake_quant(e.w2) for e in experts])
                 stacks = (w13, w2)
-        # building the stacks filled the QuantLinear caches; read the generation afterwards
         self._plan = (QuantLinear.generation, self.experts, quantized, groupable, stacks, smoothed)
         return self._plan
 
@@ -651,6 +655,12 @@ class QuantV4MoE(MoE):
     def _apply(self, fn, *args, **kwargs):
         self._plan = None
         return super()._apply(fn, *args, **kwargs)
+
+
+def _uncached_fake_quant(leaf: QuantLinear) -> torch.Tensor:
+    """``leaf``'s fake-quant weight, the value ``leaf.quantized_weight()`` returns, without
+    storing it in the leaf's cache."""
+    return leaf.weight_quantizer(leaf.weight)
 
 
 def _row_wise(spec) -> bool:
