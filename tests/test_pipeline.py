@@ -129,10 +129,12 @@ def test_rtn_ppl_is_the_whole_model_with_fake_quant_weights_and_inputs(adapter, 
             n_quantized += 1
     assert n_quantized >= adapter.num_layers * 5
     oracle = perplexity(model, windows, eval_cfg.batch_size, "cpu", progress=False)
-    # fp32 reduction order only (measured ~1e-7): far below the RTN effect (3.2e-4 on the
-    # engine target set of issue 23, 2e-3 before), so a broken quantizer cannot hide in it
+    # fp32 reduction order only (measured ~1e-7): far below the RTN effect, so a broken quantizer
+    # cannot hide in it. The effect depends on the CPU (casebook H4): 3.2e-4 on an AMD EPYC with
+    # AVX2 (2e-3 before issue 23's target set), 1.18e-4 on an Intel Xeon with AVX-512; the bound is
+    # five times the oracle tolerance, which RTN switched off (r == f) fails on any machine
     assert abs(r / oracle - 1) <= 1e-5, (r, oracle)
-    assert abs(r / f - 1) > 2e-4, (r, f)
+    assert abs(r / f - 1) > 5e-5, (r, f)
 
 
 STATIC = {"name": "w8a8-static",

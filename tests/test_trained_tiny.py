@@ -10,6 +10,7 @@ from transformers import DeepseekV4ForCausalLM as HFDeepseekV4
 
 from amct_ext.base import EvalConfig, PtqConfig, RunConfig
 from amct_ext.quant.schemes import load_scheme
+from amct_ext.runtime.host import cpu_class
 from amct_ext.pipeline.ptq_spec import PtqSpec
 from amct_ext.pipeline.workflow import evaluate_blockwise, load_calib_windows, load_eval_windows, run_blockwise_ptq
 from models.deepseek_v4 import load_checkpoint_model
@@ -29,6 +30,14 @@ EVAL = dict(seq_len=256, max_windows=24, batch_size=8, data_path=WIKI_TEST_RAW)
 #   asserted on its own (at least half of it).
 RECORDED_FLOAT_PPL = 282.724
 RECORDED = {"fp8_copy": 284.414, "w8a8_rtn": 283.299, "w4a16_rtn": 287.460, "w4a16_ptq": 286.361}
+# recorded on an AMD EPYC (AVX2). The learned clip's Adam steps carry the CPU's summation order
+# into the result: on another CPU class the same run ends elsewhere (casebook H4), so each class
+# the project ran on has its own record
+RECORDED_BY_CPU = {"GenuineIntel-avx512": {"w4a16_ptq": 286.8436}}
+
+
+def recorded(key: str) -> float:
+    return RECORDED_BY_CPU.get(cpu_class(), {}).get(key, RECORDED[key])
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -108,6 +117,6 @@ def test_w4a16_ptq_gains_over_rtn(adapter, windows, tmp_path):
                              params_dir=tmp_path / "ptq_params").ppl
     print(f"\nw4a16-g128: RTN {rtn:.6f}, PTQ {ptq:.6f}")
     assert abs(rtn / RECORDED["w4a16_rtn"] - 1) <= 1e-4
-    assert abs(ptq / RECORDED["w4a16_ptq"] - 1) <= 1e-3
+    assert abs(ptq / recorded("w4a16_ptq") - 1) <= 1e-3
     recorded_gain = RECORDED["w4a16_rtn"] - RECORDED["w4a16_ptq"]
     assert rtn - ptq >= 0.5 * recorded_gain, (rtn, ptq)

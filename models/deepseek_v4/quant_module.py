@@ -620,15 +620,7 @@ class QuantV4MoE(MoE):
                 for e in experts for proj in ("w1", "w3", "w2"))
             groupable = groupable and experts[0].w1.input_quantizer.spec == experts[0].w3.input_quantizer.spec
             if groupable:
-                # the fake-quant weights straight into the stacks, NOT through each QuantLinear's
-                # cache: the grouped path reads only the stacks, and a filled cache would be a
-                # second copy of every expert's fake-quant weight (12.3 GiB on a V4-Flash layer:
-                # blockround's evaluation peaked at 65 GiB with it; casebook i24-br3)
-                with torch.no_grad():
-                    w13 = torch.stack([torch.cat((_uncached_fake_quant(e.w1), _uncached_fake_quant(e.w3)))
-                                       for e in experts])
-                    w2 = torch.stack([_uncached_fake_quant(e.w2) for e in experts])
-                stacks = (w13, w2)
+                stacks = _fake_quant_stacks(experts)
         self._plan = (QuantLinear.generation, self.experts, quantized, groupable, stacks, smoothed)
         return self._plan
 
@@ -657,10 +649,21 @@ class QuantV4MoE(MoE):
         return super()._apply(fn, *args, **kwargs)
 
 
-def _uncached_fake_quant(leaf: QuantLinear) -> torch.Tensor:
-    """``leaf``'s fake-quant weight, the value ``leaf.quantized_weight()`` returns, without
-    storing it in the leaf's cache."""
-    return leaf.weight_quantizer(leaf.weight)
+@torch.no_grad()
+def _fake_quant_stacks(experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [E, 2I, D], w2 [E, D, I]): every expert's fake-quant weights, the values
+    ``quantized_weight()`` returns, written one expert at a time into stacks allocated once.
+    Neither through the leaves' caches nor through ``torch.stack`` of a list: either holds a
+    second copy of all of them, 12.3 GiB on a V4-Flash layer (casebook i24-br3)."""
+    w1 = experts[0].w1.weight
+    inter, dim = w1.shape
+    w13 = torch.empty(len(experts), 2 * inter, dim, dtype=w1.dtype, device=w1.device)
+    w2 = torch.empty(len(experts), dim, inter, dtype=w1.dtype, device=w1.device)
+    for k, e in enumerate(experts):
+        w13[k, :inter].copy_(e.w1.weight_quantizer(e.w1.weight))
+        w13[k, inter:].copy_(e.w3.weight_quantizer(e.w3.weight))
+        w2[k].copy_(e.w2.weight_quantizer(e.w2.weight))
+    return w13, w2
 
 
 def _row_wise(spec) -> bool:
