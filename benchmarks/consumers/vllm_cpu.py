@@ -298,6 +298,21 @@ def worker(spec_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # containers: no NUMA binding
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    # WORKAROUND: vllm.triton_utils enables Triton on vLLM-CPU only when triton has a "cpu"
+    # backend (triton-cpu); PyPI's triton has none, so vLLM swaps triton for placeholders and the
+    # first V4 forward dies in compute_token_to_req_indices ("'function' object is not
+    # subscriptable", casebook C9). Under TRITON_INTERPRET=1 the kernels need no backend: register
+    # a stand-in "cpu" entry whose driver says it is active, before vllm is imported.
+    import triton.backends as triton_backends
+
+    if "cpu" not in triton_backends.backends:
+        class _InterpreterDriver:
+            @staticmethod
+            def is_active() -> bool:
+                return True
+
+        triton_backends.backends["cpu"] = triton_backends.Backend(compiler=None, driver=_InterpreterDriver)
+
     from vllm.models.deepseek_v4.cpu import cpu_mla
 
     # WORKAROUND: DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler returns only the
