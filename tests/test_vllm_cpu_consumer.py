@@ -40,7 +40,9 @@ def test_moe_cells_skipped_without_amx():
     cells = vc.plan_cells(["float", "w8a8"], ["attn-linear", "attn-linear,moe"], has_amx=False)
     assert [vc.cell_name(c) for c in cells] == ["float", "w8a8__attn-linear", "w8a8__attn-linear+moe"]
     assert [bool(c["skip"]) for c in cells] == [False, False, True] and "AMX" in cells[2]["skip"]
-    assert not any(c["skip"] for c in vc.plan_cells(["w8a8"], ["attn-linear,moe"], has_amx=True))
+    # with AMX the int8 MoE kernel still refuses V4's routing (casebook C10)
+    amx = vc.plan_cells(["w8a8"], ["attn-linear", "attn-linear,moe"], has_amx=True)
+    assert [bool(c["skip"]) for c in amx] == [False, True] and "routing" in amx[1]["skip"]
 
 
 def test_torch_pin_from_wheel_metadata(tmp_path):
@@ -71,3 +73,21 @@ def test_compare_gap_and_agreement():
     tight = {r["cell"]: r for r in vc.compare({"float": base}, vllm, tolerance_pct=0.05)}
     assert not tight["float"]["pass"]
     assert "| w8a8 | attn-linear |" in vc.markdown(list(rows.values()), {"skipped": []})
+
+
+def test_results_13_quotes_the_served_run():
+    """RESULTS §13.1 carries exactly the table the check wrote on the AVX-512 + AMX machine
+    (benchmarks/cpu/vllm_cpu_check_avx512.json), and every served row passed it."""
+    import json
+
+    from tests.conftest import REPO
+
+    run = json.loads((REPO / "benchmarks" / "cpu" / "vllm_cpu_check_avx512.json").read_text())
+    assert run["meta"]["cpu"]["avx512"] and run["meta"]["cpu"]["amx"] and run["meta"]["blocked"] is None
+    table = vc.markdown(run["rows"], run["meta"]).strip()
+    text = (REPO / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    sec = text[text.index("### 13.1 "):text.index("## 14. ")]
+    assert table in sec
+    served = [r for r in run["rows"] if "error" not in r]
+    assert {r["cell"] for r in served} >= {"float", "w8a8__attn-linear", "w4a16-g128__attn-linear", "w4a8__attn-linear"}
+    assert all(r["pass"] and abs(r["gap_pct"]) <= run["meta"]["tolerance_pct"] for r in served)
