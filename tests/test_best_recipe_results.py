@@ -44,8 +44,10 @@ def test_best_views_are_todays_best_recipe_and_its_headlines():
 
 
 def test_section_3_4_quotes_the_records():
-    best = json.loads((BENCH / "quality" / "blockround_best.json").read_text())["schemes"]
+    record = json.loads((BENCH / "quality" / "blockround_best.json").read_text())
+    best = record["schemes"]
     rerun = json.loads((BENCH / "quality" / "peer_autoround_rerun.json").read_text())
+    avx512 = json.loads((BENCH / "quality" / "peer_autoround_avx512.json").read_text())
     fs = rerun["full_split"]
     sec = _section("### 3.4 `--recipe best`", "## 4. One V4-Flash")
     rows = [r for r in sec.splitlines() if re.match(r"^\| w\d", r)]
@@ -59,10 +61,18 @@ def test_section_3_4_quotes_the_records():
         assert cols[2] == f"{ours[0]:.4f} ({_pct(ours[0], peer[0])})", row
         assert cols[4] == f"{ours[1]:.4f} ({_pct(ours[1], peer[1])})", row
         assert cols[6] == f"**{ours[2]:.4f}** ({_pct(ours[2], peer[2])})", row
+        same_cpu = avx512["cells"][s]["ppl"]
+        assert cols[7] == f"{same_cpu:.4f} (ours {_pct(ours[2], same_cpu)})", row
         old = fs["ours"][f"{s}|best"]["ppl"]
-        assert cols[7] == f"{old:.4f} ({_pct(ours[2], old)})", row
-        # the section's claim: ahead of auto-round and of the old best on the whole split
-        assert ours[2] < peer[2] and ours[2] < old, s
+        assert cols[8] == f"{old:.4f} ({_pct(ours[2], old)})", row
+        # the section's claim: ahead of auto-round (either machine's) and of the old best on the whole split
+        assert ours[2] < peer[2] and ours[2] < same_cpu and ours[2] < old, s
+    # the same-CPU rerun is the same protocol on the CPU class of our runs
+    assert avx512["machine"]["cpu_class"] == record["machine"]["cpu_class"]
+    assert avx512["protocol"]["eval_windows_sha256"] == fs["eval_windows_sha256"]
+    assert avx512["protocol"]["calib_windows_sha256"] == fs["calib_windows_sha256"]
+    assert all(c["quantized_modules"]["agree"] and c["quantized_modules"]["total"] == 126
+               for c in avx512["cells"].values())
 
 
 def test_section_0_14_is_the_rendered_cost_table():

@@ -337,10 +337,11 @@ BEST_RECIPES: dict[str, tuple[str, str]] = {
     # block-wise SignRound over each whole decoder layer against the float model's output (auto-round's
     # own method, enable_quanted_input), started from hclip's clip; keep_best=false: no copy of the
     # offsets for a best step (a real-size layer's memory). About 12 min a V4-Flash layer (RESULTS §0.14).
-    # whole test split (1487 windows) against auto-round 0.16 / the recipe it replaces (§3.4); dev within 0.1 %
-    "w4a16-g128": (BLOCKROUND_BEST, "quant"),   # 303.895 vs 304.902 / clip,gptq@float 305.350
-    "w3a16-g128": (BLOCKROUND_BEST, "quant"),   # 306.813 vs 308.501 / autoround@float 309.860
-    "w4a16": (BLOCKROUND_BEST, "quant"),        # 304.592 vs 304.760 (level: casebook H4) / clip,gptq@quant 305.661
+    # whole test split (1487 windows) against auto-round 0.16 on the same CPU / the recipe it replaces
+    # (RESULTS §3.4); on the dev split within 0.1 % of the old best
+    "w4a16-g128": (BLOCKROUND_BEST, "quant"),   # 303.895 vs 304.952 / clip,gptq@float 305.350
+    "w3a16-g128": (BLOCKROUND_BEST, "quant"),   # 306.813 vs 309.318 / autoround@float 309.860
+    "w4a16": (BLOCKROUND_BEST, "quant"),        # 304.592 vs 304.852 / clip,gptq@quant 305.661
     "w4a8": ("clip,gptq", "float"),           # test 274.443 (default 274.732)
     "w2a16-g64": ("clip", "float"),           # test 331.480 (default 338.446)
     "fp8": ("clip", "float"),                 # dev 244.473 (default 244.626)
