@@ -3,7 +3,8 @@
 PyTorch's CPU kernels (oneDNN, MKL, ATen's vectorized loops) pick their code by the CPU's vendor
 and instruction set, and a different summation order can flip a quantizer's rounding. On the
 tiny model the same w8a8 run gives 274.4046 on an AMD EPYC with AVX2 and 274.4891 on an Intel Xeon
-with AVX-512 (3.1e-4 relative), while each machine reruns its own figure bit for bit (casebook H4).
+with AVX-512 (3.1e-4 relative; a recipe that searches clip factors moves by up to 2.1e-3), while
+each machine reruns its own figure bit for bit (casebook H4).
 A recorded figure therefore names the class of the CPU it was measured on.
 """
 from __future__ import annotations
