@@ -152,6 +152,12 @@ def load_headlines(path: Path = HEADLINES_JSON) -> dict[str, dict]:
     return {e["name"]: e for e in data["headlines"]}
 
 
+def save_headlines(entries: dict[str, dict]) -> None:
+    """headlines.json, atomically, in HEADLINES order."""
+    atomic_write_json({"tolerance": TOLERANCE, "headlines": [entries[k] for k in BY_NAME if k in entries]},
+                      HEADLINES_JSON)
+
+
 def reference(entry: dict, cpu: str | None = None) -> tuple[float, float]:
     """(value, relative tolerance) a rerun on a CPU of class ``cpu`` (default: this one) is
     compared with: the entry's record for that class, else its quoted value, more loosely."""
@@ -247,12 +253,10 @@ def main(argv=None) -> int:
                     return 1
                 if ref["cpu"] != e["cpu"]:
                     ref.setdefault("other_cpus", {})[e["cpu"]] = e["value"]
-                    atomic_write_json({"tolerance": TOLERANCE, "headlines": [old[k] for k in BY_NAME if k in old]},
-                                      HEADLINES_JSON)
+                    save_headlines(old)
             else:
                 old[n] = e
-                atomic_write_json({"tolerance": TOLERANCE, "headlines": [old[k] for k in BY_NAME if k in old]},
-                                  HEADLINES_JSON)
+                save_headlines(old)
     return 1 if fails else 0
 
 

@@ -1,22 +1,13 @@
 """RESULTS §3.4 and §0.14 quote their raw records: `--recipe best`'s perplexities in three views
 (benchmarks/quality/blockround_best.json, beside §3.3's auto-round rerun) and its real-size cost
 (benchmarks/gpu/h200_2026-12-02f, rendered by benchmarks/scripts/blockround_cost.py)."""
-import importlib.util
 import json
 import re
-from pathlib import Path
 
 from amct_ext.algorithms.recipe import named_recipe, parse_algo, recipe_label
+from tests.conftest import REPO, load_script
 
-REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _section(title: str, next_title: str) -> str:
@@ -76,7 +67,7 @@ def test_section_3_4_quotes_the_records():
 
 
 def test_section_0_14_is_the_rendered_cost_table():
-    cost = _load("blockround_cost", BENCH / "scripts" / "blockround_cost.py")
+    cost = load_script("benchmarks/scripts/blockround_cost.py")
     recs = cost.records()
     block = cost.render(recs)
     assert block in _section("### 0.14 `--recipe best`", "## 1. Empty-weight")

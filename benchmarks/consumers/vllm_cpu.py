@@ -148,11 +148,11 @@ def plan_cells(schemes, target_sets, has_amx: bool) -> list[dict]:
             cells.append({"scheme": "float", "targets": "-", "skip": None})
             continue
         for t in target_sets:
-            skip = None
-            if "moe" in t.split(",") and MOE_NEEDS_AMX and not has_amx:
+            skip, moe = None, "moe" in t.split(",")
+            if moe and MOE_NEEDS_AMX and not has_amx:
                 skip = ("vLLM-CPU has no quantized-MoE kernel on a CPU without AMX: routed experts are "
                         "served float (the attn-linear row) instead")
-            elif "moe" in t.split(",") and MOE_ROUTING_UNSUPPORTED:
+            elif moe and MOE_ROUTING_UNSUPPORTED:
                 skip = ("vLLM-CPU 0.32's quantized-MoE kernels do not take DeepSeek-V4's routing (routing "
                         "method 100; CPUExpertsInt8 runs Default / Renormalize only): routed experts are "
                         "served float (the attn-linear row) instead")
