@@ -303,6 +303,10 @@ class BaseModel(abc.ABC):
         """Make every PTQ unit of ``block`` run as its own module call, so forward hooks see
         its inputs (turn off fused paths that bypass the unit modules). Default: nothing."""
 
+    def end_capture(self, block: nn.Module) -> None:
+        """Undo :meth:`prepare_capture`: the fused paths evaluation uses are back on (the layer
+        then propagates its calibration stream as it will be evaluated). Default: nothing."""
+
     @abc.abstractmethod
     def set_quant_enabled(self, module: nn.Module, enabled: bool) -> None:
         """Switch every quantizer inside ``module`` off (bit-identical float math) or on."""

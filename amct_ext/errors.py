@@ -19,3 +19,7 @@ class QuantConfigError(AmctError, ValueError):
 
 class DataError(AmctError):
     """Evaluation / calibration data cannot be found or is unusable."""
+
+
+class DeviceMemoryError(AmctError):
+    """A stage needs more device memory than the device has (named with its sizes)."""

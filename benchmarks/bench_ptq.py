@@ -71,6 +71,10 @@ def parse_args(argv=None):
     ap.add_argument("--matmul-n", type=int, default=None, help="matmul-rate probe size (default 8192; smoke 256)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--max-device-gib", type=float, default=None,
+                    help="fail (exit 3) when a measured layer's device peak passes this bound")
+    ap.add_argument("--max-host-anon-extra-gib", type=float, default=None,
+                    help="fail (exit 3) when host anonymous memory passes the layer's bf16 weights + this")
     a = ap.parse_args(argv)
     a.extra = extra
     if a.smoke and a.device == "auto":
@@ -122,6 +126,44 @@ def solve_flops(config, layer_id: int, n_tokens: int, epochs: int) -> float:
     p = layer_linear_params(config, layer_id)
     per_fwd = 2.0 * n_tokens * (p["attn"] + config.n_activated_experts * p["expert"] + p["shared_expert"])
     return per_fwd * (1 + 4 * epochs)
+
+
+def bound_violations(per_layer: dict[int, dict], layer_bytes: dict[int, int], max_device_gib: float | None,
+                     max_host_anon_extra_gib: float | None) -> list[str]:
+    """The memory bounds, read from the run's own phase accounting (PhaseTimer: each phase's
+    device peak and host anonymous peak): one line per layer and bound passed."""
+    out = []
+    for i, rec in per_layer.items():
+        dev_peak = rec["device_peak_bytes"] / 2 ** 30
+        if max_device_gib is not None and dev_peak > max_device_gib:
+            worst = max(rec["phases"].items(), key=lambda kv: kv[1]["device_peak_bytes"])[0]
+            out.append(f"layer {i}: device peak {dev_peak:.1f} GiB (phase {worst}) > {max_device_gib:g} GiB")
+        if max_host_anon_extra_gib is not None:
+            bound = layer_bytes[i] / 2 ** 30 + max_host_anon_extra_gib
+            anon = rec["host_anon_peak_bytes"] / 2 ** 30
+            if anon > bound:
+                out.append(f"layer {i}: host anonymous peak {anon:.1f} GiB > the layer's weights "
+                           f"{layer_bytes[i] / 2 ** 30:.1f} GiB + {max_host_anon_extra_gib:g} GiB")
+    return out
+
+
+def block_step_floors(config, layer_id: int, n_tokens: int, matmul_flops: float, copy_bytes_per_s: float,
+                      offset_bytes: int = 4) -> dict[str, float]:
+    """Floors of one block-wise rounding step on ``n_tokens`` (RESULTS: beside the step's time).
+
+    FLOPs: the layer's linears forward (2 x tokens x active weights), the backward (twice that:
+    input and weight gradients), and the recomputed forward of the checkpointed units; over the
+    bf16 matmul rate. Bytes: every weight read (bf16) three times (forward, recompute, backward:
+    fake quantization), its offset read three times and written once, the fake-quant weight
+    written twice and read three times by the GEMMs, its gradient written and read once (bf16);
+    over the copy bandwidth."""
+    p = layer_linear_params(config, layer_id)
+    active = p["attn"] + config.n_activated_experts * p["expert"] + p["shared_expert"]
+    flops = 2.0 * n_tokens * active * (1 + 2 + 1)
+    weights = p["attn"] + config.n_routed_experts * p["expert"] + p["shared_expert"]
+    per_weight = 3 * 2 + 4 * offset_bytes + 5 * 2 + 2 * 2
+    return {"flops": flops, "flops_floor_s": flops / matmul_flops,
+            "bytes": weights * per_weight, "bytes_floor_s": weights * per_weight / copy_bytes_per_s}
 
 
 def ratio_kind(config, i: int) -> str:
@@ -284,7 +326,20 @@ def main(argv=None) -> int:
                              "h2d_floor_s": rec["capture_bytes"] * (1 + 2 * epochs) / h2d["bytes_per_s"]}
         # once per run: setup, calibration, embedding (float predecessors would be quantized layers)
         results["projection"] = project(per_layer, config, "tiny" if a.smoke else a.like, once - float_s)
+        copy = C.copy_bandwidth(dev, (16 if a.smoke else 1024) * 2 ** 20, repeats=5)
+        results["ceilings"]["copy"] = copy
+        for i, rec in per_layer.items():
+            rec["block_step_floors"] = block_step_floors(config, i, 8 * report["calibration"]["seq_len"],
+                                                         mm["flop_per_s"], copy["bytes_per_s"])
         print_report(results, config)
+        layer_bytes = {i: 2 * layer_linear_params(config, i)["layer"] for i in per_layer}
+        violations = bound_violations(per_layer, layer_bytes, a.max_device_gib, a.max_host_anon_extra_gib)
+        results["bounds"] = {"max_device_gib": a.max_device_gib, "max_host_anon_extra_gib": a.max_host_anon_extra_gib,
+                             "layer_weight_bytes": layer_bytes, "violations": violations}
+        for line in violations:
+            print(f"BOUND PASSED: {line}", flush=True)
+        if violations:
+            return 3
     finally:
         C.write_json(a.json, results)
         if made_tmp and not a.keep:

@@ -81,12 +81,13 @@ FLOAT_RTOL = _plc.FLOAT_RTOL
 
 # --------------------------------------------------------------------------- schemes
 #: the project's schemes (amct_ext/quant/schemes/*.json) as auto-round scheme fields; group_size
-#: -1 = one scale per output channel. All three are ASYMMETRIC in the project, so sym=False
+#: -1 = one scale per output channel. All four are ASYMMETRIC in the project, so sym=False
 #: (auto-round's W4A16 / W3A16 presets are symmetric g128: naming them would compare other grids).
 SCHEMES = {
     "w4a16-g128": {"bits": 4, "group_size": 128, "sym": False, "data_type": "int", "act_bits": 16},
     "w3a16-g128": {"bits": 3, "group_size": 128, "sym": False, "data_type": "int", "act_bits": 16},
     "w4a16": {"bits": 4, "group_size": -1, "sym": False, "data_type": "int", "act_bits": 16},
+    "w2a16-g64": {"bits": 2, "group_size": 64, "sym": False, "data_type": "int", "act_bits": 16},
 }
 
 # --------------------------------------------------------------------------- targets

@@ -41,3 +41,27 @@ def test_bench_ptq_smoke(tmp_path, one_thread):
     params = list((tmp_path / "w" / "ptq_out" / "ptq_params").glob("layer_*.pt"))
     assert len(params) == 40
     assert not any((tmp_path / "w" / "ptq_out").glob(".scratch/**/*.safetensors"))   # spill files removed
+
+
+def test_memory_bounds_are_read_from_the_runs_own_accounting(tmp_path, one_thread):
+    """bench_ptq --max-device-gib / --max-host-anon-extra-gib: the run's phase records decide.
+    A bound below the smoke run's own peaks fails it (exit 3, the layer and the phase named); one
+    above them passes; the record lists the layer weights the host bound is counted from."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_ptq
+
+    rec = {"device_peak_bytes": 61 * 2 ** 30, "host_anon_peak_bytes": 20 * 2 ** 30,
+           "phases": {"capture": {"device_peak_bytes": 40 * 2 ** 30}, "solve:block": {"device_peak_bytes": 61 * 2 ** 30}}}
+    lines = bench_ptq.bound_violations({2: rec}, {2: 6 * 2 ** 30}, 60.0, 16.0)
+    assert len(lines) == 1 and "device peak 61.0 GiB (phase solve:block) > 60 GiB" in lines[0]
+    lines = bench_ptq.bound_violations({2: rec}, {2: 3 * 2 ** 30}, 61.5, 16.0)
+    assert len(lines) == 1 and "host anonymous peak 20.0 GiB" in lines[0]
+    assert bench_ptq.bound_violations({2: rec}, {2: 6 * 2 ** 30}, 61.5, 16.0) == []
+    # the smoke run: its host peak is far above 0 GiB of extra, far below 1000
+    out = tmp_path / "r.json"
+    assert bench_ptq.main(["--smoke", "--workdir", str(tmp_path / "w"), "--json", str(out),
+                           "--max-host-anon-extra-gib", "0"]) == 3
+    r = json.loads(out.read_text())
+    assert r["bounds"]["violations"] and all(v > 0 for v in r["bounds"]["layer_weight_bytes"].values())
+    assert bench_ptq.main(["--smoke", "--workdir", str(tmp_path / "w2"), "--json", str(out),
+                           "--max-host-anon-extra-gib", "1000", "--max-device-gib", "1000"]) == 0

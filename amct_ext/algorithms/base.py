@@ -171,6 +171,9 @@ class BlockData:
     concat: Callable[[Sequence[torch.Tensor], Sequence[dict[str, Any]]], tuple | None] | None = None
     seed: int = 0
     layer_idx: int | None = None
+    #: the layer itself: modules in it that stack many leaves' learnable state
+    #: (``attach_leaf_stacks``, e.g. an MoE's routed experts) are tuned through their stacks
+    block: Any = None
 
 
 @dataclass

@@ -33,23 +33,33 @@ wherever that reproduces the same fake-quant weight bit for bit, so export write
 scales; otherwise the offset and clip are saved.
 
 Cost: every step is a forward and a backward of the whole layer on ``batch`` samples, with the
-fake-quant weights recomputed each step; the routed experts run one by one (the grouped MoE path
-holds detached stacks). This is a `--recipe best` algorithm, minutes a layer at real size
-(RESULTS §3.4).
+fake-quant weights recomputed each step. A model whose MoE offers ``attach_leaf_stacks`` (V4's)
+has its routed experts tuned through stacked state (``quant/leaf_stack.py``): the offsets and
+clips of a chunk of experts are one tensor each (every leaf's own state a view into it), a
+chunk's fake-quant weights come from one op (on CUDA one Triton kernel forward, one backward:
+``runtime/fused_rounding.py``) and its projections from grouped GEMMs, and the offsets take their
+SignSGD step inside that backward (no gradient tensor, no separate passes over them). The same
+numbers as every expert run as its own module (tests/test_grouped_block_rounding.py, float64).
+``offset_dtype=float16`` halves the largest state (a V4-Flash layer: 12.6 instead of 24.6 GiB).
+A V4-Flash layer: 0.46 s a step on one H200, 48.9 GiB device peak (RESULTS, block-rounding speed).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DeviceMemoryError
+from ..runtime import device as devmod
 from ..pipeline.replay import output_tensor
+from ..quant.leaf_stack import SignStep
 from ..quant.quantizers import CLIP_MIN
 from .base import Algorithm, BlockData, Needs, SolveContext, UnitData
 from .recipe import register
@@ -83,6 +93,36 @@ def _recomputed(modules):
             del m.forward
 
 
+#: "STEP:PATH": a torch.profiler table of that step (0-based) written to PATH (benchmarks/)
+PROFILE_ENV = "AMCT_PROFILE_BLOCKROUND"
+
+
+def _profile_request() -> tuple[int, str | None]:
+    value = os.environ.get(PROFILE_ENV, "")
+    if not value:
+        return -1, None
+    step, _, path = value.partition(":")
+    if not step.isdigit() or not path:
+        raise ConfigError(f"{PROFILE_ENV}={value!r}: expected STEP:PATH, e.g. 5:/tmp/step5.txt")
+    return int(step), path
+
+
+@contextlib.contextmanager
+def _maybe_profiled(on: bool, dev, path: str | None):
+    """One step under torch.profiler, its kernel table written to ``path`` (device time first)."""
+    if not on:
+        yield
+        return
+    from torch.profiler import profile
+
+    devmod.synchronize(dev)
+    with profile(activities=devmod.profiler_activities(dev), record_shapes=False) as prof:
+        yield
+        devmod.synchronize(dev)
+    sort = "self_device_time_total" if dev.type != "cpu" else "self_cpu_time_total"
+    Path(path).write_text(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90))
+
+
 @register
 @dataclass
 class BlockRound(Algorithm):
@@ -108,11 +148,20 @@ class BlockRound(Algorithm):
     #: False: no intermediate evaluation and no copy of a later state, the end state kept unless
     #: it is worse than the start (a real-size layer's memory: one copy of its offsets less)
     keep_best: bool = True
+    #: the routed experts through their model's stacked state (``attach_leaf_stacks``): fake-quant
+    #: weights by one op a chunk, grouped GEMMs; False: every expert as its own module
+    grouped: bool = True
+    #: the stacked offsets' size a chunk (GiB): what a backward holds at once
+    chunk_gb: float = 2.0
+    #: the dtype of the routed experts' stacked offsets (float16: half the memory of a
+    #: real-size layer's largest state; the per-leaf offsets of the other units stay float32)
+    offset_dtype: Literal["float32", "float16"] = "float32"
 
     def settings(self) -> dict[str, Any]:
-        # recompute changes where intermediates live, not one number (test_block_rounding): a
-        # run may resume with it switched, and it is not part of the folder's fingerprint
-        return {k: v for k, v in super().settings().items() if k != "recompute"}
+        # recompute and chunk_gb change where intermediates live, not one number
+        # (test_block_rounding): a run may resume with them switched, and they are not part of
+        # the folder's fingerprint
+        return {k: v for k, v in super().settings().items() if k not in ("recompute", "chunk_gb")}
 
     def check(self) -> None:
         if self.iters < 0:
@@ -127,6 +176,10 @@ class BlockRound(Algorithm):
             raise ConfigError(f"eval_every={self.eval_every}: must be >= 0")
         if self.target not in ("float_model", "float_layer"):
             raise ConfigError(f"target={self.target!r}: must be 'float_model' or 'float_layer'")
+        if not self.chunk_gb > 0:
+            raise ConfigError(f"chunk_gb={self.chunk_gb}: must be > 0")
+        if self.offset_dtype not in ("float32", "float16"):
+            raise ConfigError(f"offset_dtype={self.offset_dtype!r}: must be 'float32' or 'float16'")
 
     def needs(self) -> Needs:
         # the unit capture serves the unit algorithms before it; this one reads the layer's
@@ -139,6 +192,25 @@ class BlockRound(Algorithm):
     def apply(self, unit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
         raise ConfigError("blockround tunes a whole layer: it runs through the workflow's block stage, "
                           "not on a single unit")
+
+    def _attach_stacks(self, data: BlockData, sign_step: SignStep) -> tuple[list, list]:
+        """(modules that stacked their leaves' state, the stacks), with ``grouped``: every module
+        of the layer offering ``attach_leaf_stacks`` (the model's grouped path) stacks its leaves;
+        their offsets take ``sign_step`` inside the backward."""
+        if not self.grouped or data.block is None:
+            return [], []
+        hosts, stacks = [], []
+        for m in data.block.modules():
+            attach = getattr(m, "attach_leaf_stacks", None)
+            if attach is None:
+                continue
+            got = attach(learn_clip=self.learn_clip, clip_min=self.clip_min,
+                         chunk_bytes=int(self.chunk_gb * 2 ** 30), recompute=self.recompute,
+                         offset_dtype=getattr(torch, self.offset_dtype), step=sign_step)
+            if got:
+                hosts.append(m)
+                stacks += got
+        return hosts, stacks
 
     def apply_block(self, data: BlockData) -> dict[str, dict[str, Any]]:
         dev = data.device
@@ -158,19 +230,30 @@ class BlockRound(Algorithm):
         was_training = [m.training for m in modules]
         for m in modules:
             m.eval()
-        offsets, clips, clip_lo = learnable_state(leaves, self.learn_clip, self.clip_min)
-        params = offsets + clips
+        sign_step = SignStep()
+        hosts, stacks = self._attach_stacks(data, sign_step)
+        in_stack = {id(m.leaf) for st in stacks for m in st.members}
+        offsets, clips, clip_lo = learnable_state([lf for lf in leaves if id(lf[0]) not in in_stack],
+                                                  self.learn_clip, self.clip_min)
+        # offsets first (an all-zero start offset is restored by zeroing, below)
+        all_offsets = offsets + [v for st in stacks for v in st.offsets]
+        params = all_offsets + clips + [c for st in stacks for c in st.clips]
+        for p in params:
+            p.requires_grad_(True)
         gen = torch.Generator().manual_seed(data.seed)
 
         def group_error(ks: list[int]) -> tuple[torch.Tensor, int]:
             """(sum of squared errors in fp32, elements) of samples ``ks``: one forward of them
             all where the model concatenates samples (``data.concat``), else one forward each."""
-            joined = data.concat([data.inputs[k] for k in ks], [data.states[k] for k in ks]) \
+            # each sample to the device first (pinned host -> device), joined there: a host-side
+            # join of 8 V4-Flash windows is a 0.5 GB pageable copy a step (casebook i34-2)
+            joined = data.concat([data.inputs[k].to(dev, non_blocking=True) for k in ks],
+                                 [data.states[k] for k in ks]) \
                 if (data.concat is not None and len(ks) > 1) else None
             if joined is None:
                 errs = [group_error_of(data.inputs[k], data.states[k], data.targets[k]) for k in ks]
                 return sum(e for e, _ in errs), sum(c for _, c in errs)
-            return group_error_of(*joined, torch.cat([data.targets[k].to(dev) for k in ks]))
+            return group_error_of(*joined, torch.cat([data.targets[k].to(dev, non_blocking=True) for k in ks]))
 
         def group_error_of(x, state, target) -> tuple[torch.Tensor, int]:
             out = output_tensor(data.forward(x, state))
@@ -217,27 +300,43 @@ class BlockRound(Algorithm):
         t_start = time.perf_counter()
         try:
             loss_before = full_mse()
-            log.info("blockround layer %s: %d leaves, %d samples, start MSE %.6g (%.1f s)", data.layer_idx,
-                     len(leaves), n, loss_before, time.perf_counter() - t_start)
+            state_bytes = sum(p.numel() * p.element_size() for p in params)
+            log.info("blockround layer %s: %d leaves (%d stacked), %d samples, start MSE %.6g (%.1f s); "
+                     "learnable state %.2f GiB, device peak so far %.1f GiB", data.layer_idx, len(leaves),
+                     len(in_stack), n, loss_before, time.perf_counter() - t_start, state_bytes / 2 ** 30,
+                     devmod.peak_memory_bytes(dev) / 2 ** 30)
             best_loss, best_step = loss_before, 0
             # the state to return to; an all-zero start offset (RTN) is kept as None (restored by
             # zeroing): a fresh V4-Flash layer's offsets would be a 26 GB copy of zeros
-            best = [None if (k < len(offsets) and not bool(p.any())) else p.detach().clone()
+            best = [None if (k < len(all_offsets) and not bool(p.any())) else p.detach().clone()
                     for k, p in enumerate(params)]
             lr0 = self.lr or (1.0 / max(self.iters, 1))
             # keep_best=False: the end state against the start only (no copy of a later state)
             every = (self.eval_every or max(self.iters // 10, 1)) if self.keep_best else max(self.iters, 1)
             order = batches()
-            hooks = [p.register_post_accumulate_grad_hook(step) for p in params]
+            # the stacked offsets step inside their backward (sign_step); the rest as their
+            # gradient completes
+            stepped_inside = {id(v) for st in stacks for v in st.offsets}
+            hooks = [p.register_post_accumulate_grad_hook(step) for p in params if id(p) not in stepped_inside]
+            profile_step, profile_out = _profile_request()
+            t_steps = time.perf_counter()
             for t in range(self.iters):
-                lr_now[0] = lr0 * (1.0 - t / self.iters)
+                lr_now[0] = sign_step.lr = lr0 * (1.0 - t / self.iters)
                 ks = [next(order) for _ in range(min(self.batch, n))]
-                with _recomputed(modules) if self.recompute else contextlib.nullcontext():
+                with _maybe_profiled(t == profile_step, dev, profile_out), \
+                        (_recomputed(modules) if self.recompute else contextlib.nullcontext()):
                     se, count = group_error(ks)
                     # one backward for the batch: the mean over its elements
                     (se / count).backward()
                     del se
-                clamp_learnables(offsets, clips, clip_lo)
+                    clamp_learnables(offsets, clips, clip_lo)
+                    for st in stacks:
+                        st.clamp_()
+                if (t + 1) % max(self.iters // 10, 1) == 0 or t == 0:
+                    devmod.synchronize(dev)
+                    log.info("blockround layer %s: %d steps, %.3f s a step, device peak so far %.1f GiB",
+                             data.layer_idx, t + 1, (time.perf_counter() - t_steps) / (t + 1),
+                             devmod.peak_memory_bytes(dev) / 2 ** 30)
                 if (t + 1) % every == 0 or t + 1 == self.iters:
                     loss = full_mse()
                     log.info("blockround layer %s: step %d / %d, MSE %.6g (%.1f s)", data.layer_idx, t + 1,
@@ -272,7 +371,17 @@ class BlockRound(Algorithm):
                 out[u.name] = {"layer_loss_before": loss_before, "layer_loss_after": best_loss,
                                "best_step": best_step, "n_offsets": n_off, "n_nonzero_offsets": changed,
                                "folded_leaves": folded, "layer_leaves": len(leaves)}
+            log.info("blockround layer %s: done in %.1f s (steps %.1f s), device peak so far %.1f GiB", data.layer_idx,
+                     time.perf_counter() - t_start, time.perf_counter() - t_steps, devmod.peak_memory_bytes(dev) / 2 ** 30)
             return out
+        except torch.OutOfMemoryError:
+            state = sum(p.numel() * p.element_size() for p in params)
+            total = devmod.total_memory_bytes(dev)
+            raise DeviceMemoryError(
+                f"blockround, layer {data.layer_idx}: out of device memory on {dev}"
+                f"{'' if total is None else f' ({total / 2 ** 30:.1f} GiB)'}; the layer's learnable state alone is "
+                f"{state / 2 ** 30:.1f} GiB{'' if self.offset_dtype == 'float16' else ' (offset_dtype=float16 halves it)'}"
+                "; lower blockround:batch, or use a recipe without a block stage for this model") from None
         finally:
             for h in hooks:
                 h.remove()
@@ -281,6 +390,8 @@ class BlockRound(Algorithm):
                 p.grad = None
             for p in frozen:
                 p.requires_grad_(True)
+            for h in hosts:
+                h.detach_leaf_stacks()
             for m, tr in zip(modules, was_training):
                 _invalidate(m)
                 m.train(tr)

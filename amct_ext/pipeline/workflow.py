@@ -895,6 +895,7 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
             for unit in units:
                 if unit.name not in todo:
                     load_unit_params(unit, pdir)
+            adapter.end_capture(block)   # propagated as it will be evaluated (fused paths on)
             with ph.phase("propagate", layer=i):
                 next_hidden = adapter.do_block_forward(block, calib.hidden, calib.state)
         calib = Stream(next_hidden, calib.state)
@@ -925,7 +926,7 @@ def run_block_stage(adapter: BaseModel, block: nn.Module, algo, units: Sequence,
     data = BlockData(units=list(units), inputs=calib.hidden, states=calib.state or [{}] * len(calib.hidden),
                      targets=targets, forward=lambda x, st: adapter.block_forward_sample(block, x, st),
                      device=dev, seed=unit_seed(seed, f"layers.{layer_idx}"), layer_idx=layer_idx,
-                     concat=adapter.concat_samples)
+                     concat=adapter.concat_samples, block=block)
     stats = algo.apply_block(data)
     devmod.synchronize(dev)
     dt = time.perf_counter() - t0

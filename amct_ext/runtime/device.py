@@ -229,6 +229,17 @@ def synchronize(device: str | torch.device | None = None) -> None:
         _accel_module(dev.type).synchronize(dev)
 
 
+def profiler_activities(device: str | torch.device | None = None) -> list:
+    """torch.profiler activities that see ``device``'s kernels (CPU always; CUDA; NPUs profile
+    through torch_npu's own profiler, so only their host side here)."""
+    from torch.profiler import ProfilerActivity
+
+    acts = [ProfilerActivity.CPU]
+    if _as_device(device).type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    return acts
+
+
 def reset_peak_memory(device: str | torch.device | None = None) -> None:
     """Reset the allocator's peak counter. On cpu this is a no-op: the kernel's peak RSS
     (``ru_maxrss``) cannot be reset, so cpu peaks are always "since process start"."""

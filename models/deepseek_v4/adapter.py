@@ -285,6 +285,13 @@ class DeepseekV4Adapter(BaseModel):
         if ffn is not None:
             ffn.grouped = False
 
+    def end_capture(self, block: Block) -> None:
+        """The grouped-GEMM MoE path back on (bit for bit the per-expert loop's numbers on the
+        CPU, tests/test_moe_paths.py; at real size the loop costs ~24 s a propagation)."""
+        ffn = getattr(block, "ffn", None)
+        if ffn is not None:
+            ffn.grouped = True
+
     def set_quant_enabled(self, module: nn.Module, enabled: bool) -> None:
         quant_module.set_quant_enabled(module, enabled)
 

@@ -32,16 +32,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from amct_ext.errors import QuantConfigError
 from amct_ext.pipeline.ptq_units import PtqUnit, iter_indexed_units, make_ptq_unit
 from amct_ext.quant.quant_linear import (QuantGatedMLP, QuantizedMatmul, QuantLinear, load_replaced_weight,
                                          load_weight_codes, replaced_weight_params)
+from amct_ext.quant.leaf_stack import LeafStack, SignStep, StackMember, chunk_bounds, stack_leaves
 from amct_ext.quant.quantizers import ActivationQuantizer, WeightQuantizer
+from amct_ext.runtime.grouped_linear import grouped_linear
 from amct_ext.quant.schemes import QuantScheme, TensorSpec, parse_targets
 
 from .modeling import Attention, Block, Compressor, Expert, Indexer, Matmul, MoE, _grouped_mm_supported
@@ -624,7 +628,7 @@ class QuantV4MoE(MoE):
         self._plan = (QuantLinear.generation, self.experts, quantized, groupable, stacks, smoothed)
         return self._plan
 
-    def _can_group(self, flat: torch.Tensor) -> bool:
+    def _can_group_quant(self, flat: torch.Tensor) -> bool:
         if not self.grouped:
             return False
         _, _, quantized, groupable, stacks, smoothed = self._current_plan(flat)
@@ -647,6 +651,123 @@ class QuantV4MoE(MoE):
     def _apply(self, fn, *args, **kwargs):
         self._plan = None
         return super()._apply(fn, *args, **kwargs)
+
+    # -- block-wise rounding: the routed experts' learnable state, stacked ---------------------
+    #: (w13 stack, w2 stack, recompute) while block-wise rounding tunes the experts, else None
+    _leaf_stacks: tuple | None = None
+
+    def attach_leaf_stacks(self, learn_clip: bool, clip_min: float, chunk_bytes: int, recompute: bool,
+                           offset_dtype: torch.dtype = torch.float32, step: SignStep | None = None) -> list[LeafStack]:
+        """Stack the routed experts' rounding offsets (and clips) chunk by chunk, every leaf's own
+        state a view into its chunk, and route through :meth:`route_stacked` until
+        :meth:`detach_leaf_stacks`. [] (nothing changed) where the experts cannot be stacked:
+        per-channel up limits, input quantizers that are not per row, mixed or non-integer specs."""
+        experts = list(self.experts)
+        if not experts or not all(isinstance(e, QuantV4Expert) for e in experts):
+            return []
+        if QuantV4Expert.grouped_forward_blocker(experts) is not None or any(e.up_limit is not None for e in experts):
+            return []
+        first = experts[0]
+        if first.w1.input_quantizer.spec != first.w3.input_quantizer.spec:
+            return []
+        w13, w2 = self._packed_quant_weights()
+        inter = w2.shape[-1]
+        s13 = stack_leaves(w13, [StackMember(e.w1, k, (0, inter)) for k, e in enumerate(experts)]
+                           + [StackMember(e.w3, k, (inter, 2 * inter)) for k, e in enumerate(experts)])
+        s2 = stack_leaves(w2, [StackMember(e.w2, k, (0, w2.shape[1])) for k, e in enumerate(experts)])
+        if s13 is None or s2 is None:
+            return []
+        # one expert's offsets (float32) in both stacks: the two stacks share their chunks
+        item = torch.empty((), dtype=offset_dtype).element_size()
+        bounds = chunk_bounds(len(experts), (w13[0].numel() + w2[0].numel()) * item, chunk_bytes)
+        s13.bind(learn_clip, clip_min, bounds, offset_dtype, step)
+        s2.bind(learn_clip, clip_min, bounds, offset_dtype, step)
+        for e in experts:
+            for lin in (e.w1, e.w3, e.w2):
+                lin.invalidate_cache()
+        self._leaf_stacks = (s13, s2, recompute)
+        return [s13, s2]
+
+    def detach_leaf_stacks(self) -> None:
+        """Back to the usual paths; the leaves keep their (view) state."""
+        self._leaf_stacks = None
+        self._plan = None
+
+    def _packed_quant_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, D], w2 [E, D, I]) that every expert's weights are views of: the float
+        MoE's packed stacks when they still back the experts, else packed now (the weights
+        copied into new stacks, each leaf's Parameter rebound to its view)."""
+        experts = list(self.experts)
+        ptrs = [(e.w1.weight.data_ptr(), e.w3.weight.data_ptr(), e.w2.weight.data_ptr()) for e in experts]
+        if self._packed is not None and self._packed[2] == ptrs:
+            return self._packed[0], self._packed[1]
+        w1 = experts[0].w1.weight
+        inter, dim = w1.shape
+        with torch.no_grad():
+            w13 = torch.empty(len(experts), 2 * inter, dim, dtype=w1.dtype, device=w1.device)
+            w2 = torch.empty(len(experts), dim, inter, dtype=w1.dtype, device=w1.device)
+            for k, e in enumerate(experts):
+                for lin, dst in ((e.w1, w13[k, :inter]), (e.w3, w13[k, inter:]), (e.w2, w2[k])):
+                    dst.copy_(lin.weight)
+                    lin.weight = nn.Parameter(dst, requires_grad=lin.weight.requires_grad)
+                    lin.invalidate_cache()
+        self._packed = (w13, w2, [(e.w1.weight.data_ptr(), e.w3.weight.data_ptr(), e.w2.weight.data_ptr())
+                                  for e in experts])
+        return w13, w2
+
+    def _can_group(self, flat: torch.Tensor) -> bool:
+        return self._leaf_stacks is None and self._can_group_quant(flat)
+
+    def route(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        if self._leaf_stacks is not None:
+            return self.route_stacked(flat, weights, indices)
+        return super().route(flat, weights, indices)
+
+    def route_stacked(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """``route`` + every expert's forward, the experts chunk by chunk from the stacked
+        learnable state: per chunk, the fake-quant weights by one op and the projections by
+        grouped GEMMs (under autograd: recomputed in the backward, with ``recompute``). Each
+        token sums its k rows in expert order, as ``route`` does."""
+        s13, s2, recompute = self._leaf_stacks
+        slots = indices.flatten()
+        order = slots.argsort(stable=True)
+        counts = torch.bincount(slots, minlength=self.n_routed_experts).tolist()   # one host sync
+        xs = self.experts[0].w1.input_quantizer(flat[order // indices.shape[1]])
+        slot_weights = weights.flatten()[order].unsqueeze(-1)
+        ys, start = [], 0
+        for k, (e0, e1) in enumerate(s13.bounds):
+            n = sum(counts[e0:e1])
+            if n == 0:
+                continue
+            run = functools.partial(self._stacked_chunk, k, counts[e0:e1])
+            rows, rw = xs[start:start + n], slot_weights[start:start + n]
+            if recompute and torch.is_grad_enabled():
+                ys.append(checkpoint(run, rows, rw, use_reentrant=False))
+            else:
+                ys.append(run(rows, rw))
+            start += n
+        y = torch.cat(ys)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=order.device)
+        rows = rank.view(-1, indices.shape[1]).sort(dim=1).values             # [N, k], expert order
+        out = y[rows[:, 0]].float()
+        for j in range(1, rows.shape[1]):
+            out = out + y[rows[:, j]].float()      # fp32 sums, as route and route_grouped
+        return out
+
+    def _stacked_chunk(self, k: int, counts: list[int], x: torch.Tensor, slot_weights: torch.Tensor) -> torch.Tensor:
+        """Chunk k's experts on their rows ``x`` (sorted, ``counts`` per expert): Expert.forward's math."""
+        s13, s2, _ = self._leaf_stacks
+        m0 = self.experts[0]
+        h = grouped_linear(x, s13.fake_quant(k), counts)                        # [n, 2I]
+        inter = h.shape[-1] // 2
+        gate, up = h[:, :inter].float(), h[:, inter:].float()
+        limit = m0.swiglu_limit
+        if limit > 0:
+            up = up.clamp(-limit, limit)
+            gate = gate.clamp(max=limit)
+        h = (torch.nn.functional.silu(gate) * up * slot_weights).to(x.dtype)
+        return grouped_linear(m0.w2.input_quantizer(h), s2.fake_quant(k), counts)
 
 
 @torch.no_grad()

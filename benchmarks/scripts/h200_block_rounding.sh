@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Block-wise rounding (blockround) at real size on one H200: the kernels' checks, then the main
+# job's own path (benchmarks/bench_ptq.py -> tools/run_ptq.py) on layer 2 of a 3-layer synthetic
+# V4-Flash checkpoint (ratio 4, hash routing, compressor + indexer) at 128 x 2048 calibration.
+#
+#   bash benchmarks/scripts/h200_block_rounding.sh [STAGE ...]     (default: env kernels ckpt)
+#
+# Stages:
+#   env                 GPU, torch, triton versions
+#   kernels             benchmarks/check_block_rounding_kernels.py (fused fake-quant, grouped GEMM)
+#   ckpt | ckpt-pro     the synthetic checkpoint (V4-Flash 3 layers | V4-Pro 3 layers)
+#   rm-flash            delete the V4-Flash checkpoint (disk: 64 GiB hold Flash or Pro, not both with runs)
+#   run@TAG@SCHEME@ALGO[@LIMIT[@MODEL]]   one bench_ptq run of layer 2, ALGO passed as --algo
+#                       (with --propagate quant), cut at LIMIT s (default 300); MODEL flash|pro
+#   AMCT_PROFILE_BLOCKROUND=STEP:PATH in the environment writes a profile of that step.
+#   BR_PROFILE_STEP=N profiles step N of every run (prof_TAG.txt); BR_BENCH_ARGS goes to bench_ptq
+#   (e.g. "--max-device-gib 60 --max-host-anon-extra-gib 16": exit 3 when a bound is passed).
+# Results: everything under $RES ($BR_WORK/res); $OUT (the device tool's return folder, or
+# /tmp/br_out) gets results.tgz (all of it), summary.txt and the profiles. State (checkpoints)
+# in $BR_WORK (/tmp/br).
+set -u
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$REPO" || exit 2
+OUT=${OUT:-/tmp/br_out}
+W=${BR_WORK:-/tmp/br}
+RES=$W/res
+PY=${BR_PY:-python3}
+mkdir -p "$OUT" "$W" "$RES"
+export PYTHONPATH=$REPO PYTHONUNBUFFERED=1
+T0=$(date +%s)
+say() { echo "[$(date +%T) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/summary.txt"; }
+
+ckpt() {  # like out
+  [ -f "$2/model.safetensors.index.json" ] && return 0
+  rm -rf "$2"
+  $PY tools/make_synthetic_checkpoint.py --like "$1" --layers 3 --no-mtp-block --out "$2" --device cuda \
+      > "$RES/ckpt_$1.log" 2>&1 || { tail -5 "$RES/ckpt_$1.log"; return 2; }
+  tail -1 "$RES/ckpt_$1.log"
+}
+
+run() {   # tag scheme algo [limit] [model]
+  local tag=$1 scheme=$2 algo=$3 lim=${4:-300} model=${5:-flash}
+  local like=v4-flash; [ "$model" = pro ] && like=v4-pro
+  ckpt "$like" "$W/$model" || return 2
+  rm -rf "$W/run_$tag"
+  local prof=""; [ -n "${BR_PROFILE_STEP:-}" ] && prof="$BR_PROFILE_STEP:$RES/prof_$tag.txt"
+  AMCT_PROFILE_BLOCKROUND=$prof timeout -s INT "$lim" $PY benchmarks/bench_ptq.py --device cuda --like "$like" \
+      --model-path "$W/$model" --start-layer 2 --end-layer 3 --calib-samples 128 --seq-len 2048 \
+      --workdir "$W/run_$tag" --json "$RES/$tag.json" ${BR_BENCH_ARGS:-} \
+      -- --scheme "$scheme" --algo "$algo" --propagate quant > "$RES/$tag.log" 2>&1
+  local rc=$?
+  cp "$W/run_$tag/ptq_out/ptq_params/meta.json" "$RES/$tag.meta.json" 2>/dev/null
+  rm -rf "$W/run_$tag"
+  say "run $tag: rc=$rc"
+  grep -E "blockround|^\[phase\] layer 2 (capture|solve|build|propagate)|^error|Error|BOUND|projection v4-flash" \
+      "$RES/$tag.log" | grep -v "steps, " | tail -14 | tee -a "$RES/summary.txt"
+  grep -E "steps, " "$RES/$tag.log" | tail -2 | tee -a "$RES/summary.txt"
+}
+
+for st in ${*:-env kernels ckpt}; do
+  say "stage $st"
+  case $st in
+    env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+         $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+         echo "tree $(git log -1 --format=%h 2>/dev/null) $(git status --short | wc -l) changed files";;
+    kernels) $PY benchmarks/check_block_rounding_kernels.py --device cuda --json "$RES/br_kernels.json" \
+                 > "$RES/br_kernels.log" 2>&1; grep -v Warn "$RES/br_kernels.log" | tail -26 | tee -a "$RES/summary.txt";;
+    ckpt) ckpt v4-flash "$W/flash";;
+    ckpt-pro) ckpt v4-pro "$W/pro";;
+    rm-flash) rm -rf "$W/flash";;
+    run@*) IFS=@ read -r _ tag scheme algo lim model <<< "$st"; run "$tag" "$scheme" "$algo" "${lim:-300}" "${model:-flash}";;
+    *) echo "unknown stage $st"; exit 2;;
+  esac
+done
+say "done"
+tar czf "$OUT/results.tgz" -C "$RES" . && cp "$RES/summary.txt" "$OUT/" && cp "$RES"/prof_*.txt "$OUT/" 2>/dev/null
+true
