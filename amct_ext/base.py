@@ -200,6 +200,11 @@ class ModelBinding(abc.ABC):
         would reject or compute differently; called by ``ExportConfig.check`` before anything
         is written. The default knows no module of the model and accepts."""
 
+    def served_tp_sizes(self, export_cfg: Any, profile: Any) -> list[int]:
+        """The tensor-parallel sizes ``profile``'s engine can shard the export of ``export_cfg``
+        over (recorded in the export's metadata); the default knows no layout: none listed."""
+        return []
+
     def released_config_keys(self, config: Any) -> dict[str, Any]:
         """Keys the released config.json carries that an export must add when its source
         predates them (the serving engines read them); the default adds none."""

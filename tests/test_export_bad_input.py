@@ -146,7 +146,7 @@ def test_interrupted_export_has_no_index_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_mod.ShardedWriter, "close_group", real)
     # a rerun of another kind into the partial folder is refused, naming the field
     with pytest.raises(ExportOutputError, match="'scheme_fingerprint'"):
-        export_checkpoint(_cfg(out, scheme="w4a8"))
+        export_checkpoint(_cfg(out, scheme="w4a16-g128"))
     resumed = export_checkpoint(_cfg(out))
     assert resumed.groups_resumed == ["stem", "layers.0", "layers.1"]
     assert resumed.groups_written == [g for g in clean.groups_written if g not in resumed.groups_resumed]

@@ -22,6 +22,17 @@ with their scales) unless --dequantize-rest (the ascend format always stores the
 The MTP layer is kept: quantized with the scheme when the release holds all of its block
 tensors, else copied. Tokenizer and generation files are copied.
 
+Serving (the engine profile the export follows; --format compressed-tensors is vLLM's)
+  --vllm-build gpu|cpu  vLLM's CUDA build (default) or its CPU build: W4A8 int (int4 weights x int8
+                      inputs) runs only on the CPU build and is refused for the GPU one
+  --mx-weight-only    vLLM's CUDA kernels below SM100 serve MX weights weight-only: without this flag an
+                      MX scheme with activation quantization is refused; with it the export describes
+                      the MX groups weight-only and its metadata (amct_export.serving) says so
+  --allow-humming     2- / 3-bit experts load only with vLLM's optional Humming kernels: refused unless
+                      the serving environment has them and this flag says so
+  --tensor-parallel N refuse a layout the engine cannot shard N ways (a group or block split across
+                      ranks); the metadata lists the sizes of 1, 2, 4, 8, 16 it can be served at
+
 A run whose layers are incomplete (interrupted, or parameter files deleted) is refused before
 anything is written, unless --allow-partial (those layers are exported float, and it says so).
 
@@ -61,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--out", required=True, help="output folder (must be empty unless --overwrite)")
     out.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out")
     out.add_argument("--dequantize-rest", action="store_true", help="store not-quantized FP8 / FP4 tensors in bf16")
+    sv = ap.add_argument_group("serving")
+    sv.add_argument("--vllm-build", choices=("gpu", "cpu"), default="gpu",
+                    help="the vLLM build that serves a compressed-tensors export (default gpu: CUDA)")
+    sv.add_argument("--mx-weight-only", action="store_true",
+                    help="export MX schemes weight-only, as vLLM's CUDA build serves them (said in the metadata)")
+    sv.add_argument("--allow-humming", action="store_true",
+                    help="accept 2- / 3-bit experts, which vLLM runs only with its optional Humming kernels")
+    sv.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                    help="check that the engine can serve the export at tensor-parallel size N")
     rt = ap.add_argument_group("runtime")
     rt.add_argument("--device", default="auto", help="auto | npu | cuda | cpu: where each layer is built and quantized")
     rt.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
@@ -68,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "weights (GPTQ, smoothing) were learned in it -- else bf16)")
     rt.add_argument("--quiet", action="store_true")
     return ap
+
+
+def serve_options(args):
+    from amct_ext.export.engine import ServeOptions
+
+    return ServeOptions(build=args.vllm_build, mx_weight_only=args.mx_weight_only,
+                        allow_humming=args.allow_humming, tensor_parallel=args.tensor_parallel)
 
 
 def request_from_args(args, model_path: Path | None = None):
@@ -79,7 +106,7 @@ def request_from_args(args, model_path: Path | None = None):
                          from_dir=Path(args.from_dir) if args.from_dir else None, scheme=args.scheme,
                          targets=args.quant_target, dequantize_rest=args.dequantize_rest,
                          overwrite=args.overwrite, device=args.device, dtype=args.dtype,
-                         progress=not args.quiet, allow_partial=args.allow_partial)
+                         progress=not args.quiet, allow_partial=args.allow_partial, serve=serve_options(args))
 
 
 def export_from_args(args, model_path: Path | None = None, allow_distributed: bool = True) -> dict:

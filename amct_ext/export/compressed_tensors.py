@@ -159,6 +159,21 @@ def quantization_config(scheme: QuantScheme, targets: list[str], float_layers: l
             "kv_cache_scheme": kv}
 
 
+MX_FORMATS = ("mxfp8-quantized", "mxfp4-pack-quantized")
+
+
+def drop_mx_inputs(qc: dict[str, Any]) -> list[str]:
+    """Describe the MX config groups of ``qc`` as weight-only (``input_activations`` None), in
+    place; returns their names. For an engine that serves MX weights weight-only whatever the
+    config says (vLLM's CUDA build below SM100): the export then says what is served."""
+    dropped = []
+    for name, group in qc["config_groups"].items():
+        if group.get("format") in MX_FORMATS and group.get("input_activations") is not None:
+            group["input_activations"] = None
+            dropped.append(name)
+    return dropped
+
+
 def leaf_ignore_patterns(leaves) -> list[str]:
     r"""``ignore`` entries for modules written as float weights, from their names relative to a
     decoder layer (``attn.wo_a``, ``ffn.experts.3.w1``): one regex per name with the indices

@@ -75,13 +75,16 @@ class ExportConfig:
     #: with params_dir: the decoder layers exported quantized, as checked complete by
     #: ``export.job.check_run_layers`` (None: every layer with any parameter file)
     layers: list[int] | None = None
+    #: the engine build and the explicit choices the profile is built for (--vllm-build,
+    #: --mx-weight-only, --allow-humming, --tensor-parallel)
+    serve: engine.ServeOptions = field(default_factory=engine.ServeOptions)
 
     def engine_profile(self) -> engine.EngineProfile | None:
         """The profile of the engine that serves ``format``, or None (no profile / serve_check off)."""
         if not self.serve_check:
             return None
         model_binding(self.model_path)   # the model package is imported: its profiles are registered
-        return engine.profile_for(self.format)
+        return engine.profile_for(self.format, self.serve)
 
     def check(self, planned_params: Sequence[str] = ()) -> None:
         """Every refusal the export can know before it writes anything: the format, the
@@ -483,6 +486,7 @@ class _Exporter:
         for key, value in self.model.released_config_keys(self.config).items():   # a source that predates them
             src.setdefault(key, value)
         moe_quantized = "moe" in cfg.targets
+        weight_only: list[str] = []
         if self.ascend:
             desc = ascend.description(types, cfg.scheme, spec_targets(cfg.targets))
             atomic_write_json(desc, cfg.out_dir / ascend.DESCRIPTION_NAME)
@@ -494,6 +498,7 @@ class _Exporter:
             qc = ct.quantization_config(cfg.scheme, cfg.targets, float_layers)
             qc["ignore"] += [rf"re:.*mtp\.{g.split('.')[1]}\..*" for g, how in mtp_state.items() if how == "copied"]
             qc["ignore"] += ct.leaf_ignore_patterns(float_leaves)
+            weight_only = ct.drop_mx_inputs(qc) if self.profile is not None and self.profile.options.mx_weight_only else []
             src["quantization_config"] = qc
             if moe_quantized or cfg.dequantize_rest:
                 src["expert_dtype"] = None
@@ -508,11 +513,26 @@ class _Exporter:
             # FP8 / FP4 tensors left as released keep the release's own storage description
             "released_quantization_config": None if (self.ascend or cfg.dequantize_rest) else released_qc,
         }
+        if self.profile is not None:
+            src[EXPORT_KEY].update(_serving_metadata(self, weight_only))
         atomic_write_json(src, cfg.out_dir / "config.json")
         for name in COPY_FILES:
             p = cfg.model_path / name
             if p.is_file():
                 shutil.copyfile(p, cfg.out_dir / name)
+
+
+def _serving_metadata(exporter: "_Exporter", weight_only: list[str]) -> dict[str, Any]:
+    """What the export says about how it is served: the engine build, the targets served
+    weight-only (--mx-weight-only: their MX activation quantization is not in the export), and
+    the tensor-parallel sizes the engine can shard it over."""
+    profile, cfg = exporter.profile, exporter.cfg
+    return {"serving": {
+        "build": None if exporter.ascend else profile.options.build,
+        "served_weight_only": weight_only,
+        "tensor_parallel_checked": profile.options.tensor_parallel,
+        "tensor_parallel_sizes": exporter.model.served_tp_sizes(cfg, profile),
+    }}
 
 
 def _params_digest(pdir: Path | None) -> str | None:

@@ -39,6 +39,8 @@ class ExportRequest:
     dtype: str | None = None          # None: the run's dtype (meta.json), else bf16
     progress: bool = False
     allow_partial: bool = False
+    #: the engine build and explicit serving choices (``engine.ServeOptions``; None: the default build)
+    serve: Any = None
 
 
 # ----------------------------------------------------------------------------- layer completion
@@ -134,7 +136,8 @@ def export_config(req: ExportRequest, say: Callable[[str], None] = print):
     cfg = ExportConfig(model_path=Path(req.model_path), out_dir=Path(req.out_dir), format=req.format, scheme=scheme,
                        targets=targets, params_dir=pdir, dequantize_rest=req.dequantize_rest,
                        overwrite=req.overwrite, device=req.device,
-                       dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name], progress=req.progress)
+                       dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name], progress=req.progress,
+                       **({} if req.serve is None else {"serve": req.serve}))
     cfg.check()
     if pdir is not None:   # (saved parameters an engine cannot represent: ExportConfig.check)
         layers = check_run_layers(pdir, spec.n_layers(config),

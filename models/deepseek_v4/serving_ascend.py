@@ -66,8 +66,37 @@ _RAW_WEIGHT = ("is built with the quant config but {what} consumes .weight with 
                "FLOAT")
 
 
+#: vllm-ascend's W4A8_DYNAMIC MoE (ModelSlim): w2_scale_bias is [E, hidden, 16 // tp_size] and
+#: "The current weight does not support moe part tp>16." (expert parallel: tp_size counts as 1)
+W4A8_TP_SOURCE = "quantization/methods/w4a8.py:123-131,194"
+#: the attention's per-rank counts n_heads // tp, o_groups // tp; wq_b / wo_a ColumnParallelLinear
+#: (wq_b replicated under DSA context parallel), wo_b RowParallelLinear; shared experts
+#: MergedColumnParallelLinear gate_up / RowParallelLinear down; routed experts one FusedMoE
+ATTN_TP_SOURCE = "models/deepseek_v4/model.py:458-465,484-517"
+MOE_TP_SOURCE = "models/deepseek_v4/model.py:220-236,335-354 (FusedMoE: intermediate / TP)"
+
+
+def w4a8_moe_tp(cfg, config, tp: int) -> str | None:
+    """W4A8_DYNAMIC experts carry w2's scale_bias as 16 partial sums: a rank takes 16 / TP of them."""
+    if "moe" not in cfg.targets:
+        return None
+    ts = cfg.scheme.target("moe")
+    if ts.weight is None or modelslim_type(ts.weight, ts.input) != W4A8:
+        return None
+    if tp > 16 or 16 % tp:
+        return (f"W4A8_DYNAMIC experts store w2's scale_bias as 16 slices, which --tensor-parallel {tp} "
+                f"does not divide ({W4A8_TP_SOURCE}; --enable-expert-parallel takes the experts out of TP)")
+    return None
+
+
+def vllm_ascend_profile(options: engine.ServeOptions | None = None) -> engine.EngineProfile:
+    """vllm-ascend's profile; of ``options`` only the tensor-parallel size applies."""
+    tp = None if options is None else options.tensor_parallel
+    return _vllm_ascend_profile(engine.ServeOptions(tensor_parallel=tp))
+
+
 @lru_cache(maxsize=None)
-def vllm_ascend_profile() -> engine.EngineProfile:
+def _vllm_ascend_profile(options: engine.ServeOptions) -> engine.EngineProfile:
     R = engine.LeafRule
     rules = (
         R(r"attn\.(wq_a|wq_b|wkv)", True, "models/deepseek_v4/model.py:474-500; attention/dsa_v1.py:1244-1296",
@@ -94,7 +123,7 @@ def vllm_ascend_profile() -> engine.EngineProfile:
         R(r"ffn\.experts\.\d+\.w[123]", True, "models/deepseek_v4/model.py:335-354; quantization/methods/w4a8.py:114-127",
           runs=_runs(_MOE, "runs routed experts as W8A8_DYNAMIC or per-channel W4A8_DYNAMIC")),
     )
-    from .serving import AVOID_LIMIT_FLAG
+    from .serving import AVOID_LIMIT_FLAG, heads_and_groups_divide, v4_shard_rules
 
     params = (
         engine.ParamRule(r"ffn\.(experts\.\d+|shared_experts)\.up_limit",
@@ -109,7 +138,10 @@ def vllm_ascend_profile() -> engine.EngineProfile:
         default_quantized=False,
         notes=("FLOAT modules are listed as FLOAT in quant_model_description.json",),
         facts={"ENGINE": ENGINE, "W4A8_PER_CHANNEL_ONLY": W4A8_PER_CHANNEL_ONLY,
-               "DESCRIPTION_NEEDS": DESCRIPTION_NEEDS, "CACHE_SOURCE": CACHE_SOURCE})
+               "DESCRIPTION_NEEDS": DESCRIPTION_NEEDS, "CACHE_SOURCE": CACHE_SOURCE},
+        tp_rules=v4_shard_rules(ATTN_TP_SOURCE, MOE_TP_SOURCE, "per-rank slices of the weight and its scales"),
+        tp_checks=(heads_and_groups_divide(ATTN_TP_SOURCE), w4a8_moe_tp),
+        options=options)
 
 
 engine.register_profile("ascend", vllm_ascend_profile)
