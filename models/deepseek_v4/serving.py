@@ -29,6 +29,14 @@ So the engine-quantized attention set is ``ENGINE_ATTN_LEAVES``; the quant targe
 vLLM runs, or bf16), and ``attn-linear-all`` is AMCT's wider set (compressors, the indexer's
 weights_proj, wo_a in the scheme's format), which the vLLM export writes as float fake-quant
 weights (weight-only runs) or refuses (runs with input quantization there).
+
+Which kernel serves a scheme depends on vLLM's build (``engine.ServeOptions.build``, issue 36.4,
+casebook/export.md i36e-1..4, sources in benchmarks/results/export-engine-rules.md): the CUDA
+build has no W4A8 int experts and runs W4A8 int linears with other activations (refused; the CPU
+build serves them), drops MX activation quantization below SM100 (refused unless
+``mx_weight_only``) and runs 2- / 3-bit experts only through its optional Humming kernels
+(``allow_humming``). Both builds split the layer over tensor-parallel ranks as
+``v4_shard_rules`` says, checked per shard by ``amct_ext.export.tensor_parallel``.
 """
 from __future__ import annotations
 
