@@ -101,7 +101,8 @@ def test_mx_weight_only_says_what_is_served(tmp_path):
     # our own read-back now evaluates what vLLM serves: weight-only
     from amct_ext.export.readback import exported_quant
 
-    assert exported_quant(tmp_path / "wo").targets == [] and exported_quant(tmp_path / "raw").targets == ["attn-linear", "moe"]
+    assert exported_quant(tmp_path / "wo").targets == []
+    assert exported_quant(tmp_path / "raw").targets == ["attn-linear", "moe"]
 
 
 # ----------------------------------------------------------------------------- Humming
@@ -154,7 +155,8 @@ def test_shard_failure_is_one_line_naming_tensor_dim_n_and_group():
     from amct_ext.export.tensor_parallel import ShardRule, first_failure
 
     why = first_failure([_layout((4096, 3072), G128)], [ShardRule("x", "in", "src.py")], 16)
-    assert why == "layers.0.x: input dim 3072 / --tensor-parallel 16 = 192 per rank, not a multiple of its group 128 (src.py)"
+    assert why == ("layers.0.x: input dim 3072 / --tensor-parallel 16 = 192 per rank, not a multiple of its "
+                   "group 128 (src.py)")
 
 
 def _config_dir(tmp_path: Path, name: str, **overrides) -> Path:

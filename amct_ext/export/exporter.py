@@ -498,7 +498,8 @@ class _Exporter:
             qc = ct.quantization_config(cfg.scheme, cfg.targets, float_layers)
             qc["ignore"] += [rf"re:.*mtp\.{g.split('.')[1]}\..*" for g, how in mtp_state.items() if how == "copied"]
             qc["ignore"] += ct.leaf_ignore_patterns(float_leaves)
-            weight_only = ct.drop_mx_inputs(qc) if self.profile is not None and self.profile.options.mx_weight_only else []
+            if self.profile is not None and self.profile.options.mx_weight_only:
+                weight_only = ct.drop_mx_inputs(qc)
             src["quantization_config"] = qc
             if moe_quantized or cfg.dequantize_rest:
                 src["expert_dtype"] = None

