@@ -35,6 +35,7 @@ from ..errors import QuantConfigError
 from ..quant.schemes import TensorSpec
 from .tensor_parallel import ShardRule
 
+
 @dataclass(frozen=True)
 class Refuse:
     """A FormatCheck answer that refuses the leaf outright, also when the run quantized it
