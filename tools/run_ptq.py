@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--start-layer", type=int, default=None, help="first layer to quantize")
     sr.add_argument("--end-layer", type=int, default=None, help="layers [start, end) are quantized (end exclusive)")
     sr.add_argument("--no-ptq", action="store_true", help="skip learning (PPL of float and RTN only)")
+    sr.add_argument("--allow-fewer-layers", action="store_true",
+                    help="accept a config.json whose num_hidden_layers is smaller than the checkpoint's layer "
+                         "count (quantize and evaluate that shorter model on purpose); refused otherwise")
 
     rt = ap.add_argument_group("runtime and memory")
     rt.add_argument("--device", default="auto", help="auto | npu | cuda | cpu (or cuda:1, npu:2)")
@@ -228,7 +231,8 @@ def job_request(args, model_path: Path, calib_path: Path, eval_path: Path):
         device=args.device, dtype=_default(args, "dtype"), threads=_default(args, "threads"),
         capture_memory_gb=_default(args, "capture_memory_gb"), hessian_memory_gb=args.hessian_memory_gb,
         sharded_ptq=args.sharded_ptq, sharded_eval=args.sharded_eval, start_layer=args.start_layer,
-        end_layer=args.end_layer, export=args.export, dequantize_rest=args.dequantize_rest, allow_partial=False)
+        end_layer=args.end_layer, export=args.export, dequantize_rest=args.dequantize_rest, allow_partial=False,
+        allow_fewer_layers=args.allow_fewer_layers)
 
 
 def _resume_check(out_dir: Path, scheme, targets, r, dtype: str) -> bool:

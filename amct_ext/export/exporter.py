@@ -33,6 +33,7 @@ from ..quant import formats
 from ..io.checkpoint import QUANT_STORAGE, CheckpointReader
 from ..errors import CheckpointError, ConfigError, DataError, QuantConfigError
 from ..io.io_utils import atomic_write_json
+from ..io.links import checked_file
 from ..base import model_binding
 from ..quant.quant_linear import QuantLinear
 from ..quant.schemes import QuantScheme, load_scheme, parse_targets, spec_targets
@@ -511,8 +512,8 @@ class _Exporter:
         atomic_write_json(src, cfg.out_dir / "config.json")
         for name in COPY_FILES:
             p = cfg.model_path / name
-            if p.is_file():
-                shutil.copyfile(p, cfg.out_dir / name)
+            if p.is_file():   # never through a link out of the checkpoint (io/links.py)
+                shutil.copyfile(checked_file(cfg.model_path, name, "side file"), cfg.out_dir / name)
 
 
 def _params_digest(pdir: Path | None) -> str | None:
