@@ -239,33 +239,15 @@ def _resume_check(out_dir: Path, scheme, targets, r, dtype: str) -> bool:
     """The fingerprint fields known before the model is opened (scheme, targets, recipe, dtype)
     against OUTPUT/ptq_params/meta.json; the full check (calibration windows, checkpoint) follows
     once the tokenizer ran, still before any perplexity."""
-    import json
+    from amct_ext.pipeline.run_folder import RunFolder
 
-    from amct_ext.pipeline.workflow import META_NAME, PARAMS_DIR, ParamsMismatchError
-
-    meta_path = Path(out_dir) / PARAMS_DIR / META_NAME
-    if not meta_path.is_file():
-        return False
-    try:
-        old = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ParamsMismatchError(f"{meta_path}: unreadable ({e}); pass a fresh --output-dir") from None
-    now = {"scheme": scheme.fingerprint(), "targets": list(targets), "dtype": dtype}
-    was = {"scheme": old.get("scheme_fingerprint"), "targets": old.get("targets"), "dtype": old.get("dtype")}
+    now = {"scheme_fingerprint": scheme.fingerprint(), "targets": list(targets), "dtype": dtype}
     # the recipe part of meta.json's "solver" entry (PtqSpec.solver_meta); --legacy-solver's
     # learned_clip settings are compared by the full check (prepare_params_dir) that follows
-    rm = {} if r.recipe is None else {"recipe": r.recipe.settings(), "propagate": r.propagate,
-                                      "holdout": r.holdout, "guard": r.guard}
-    for key, value in rm.items():
-        now[f"solver.{key}"], was[f"solver.{key}"] = value, (old.get("solver") or {}).get(key)
-    now, was = json.loads(json.dumps(now)), json.loads(json.dumps(was))   # as meta.json stores them
-    for key in now:
-        if now[key] != was[key]:
-            shown = (old.get("scheme"), scheme.name) if key == "scheme" else (was[key], now[key])
-            raise ParamsMismatchError(f"{Path(out_dir) / PARAMS_DIR} holds PTQ parameters of another run: {key}: "
-                                      f"{shown[0]!r} in the folder, {shown[1]!r} now; pass a fresh --output-dir "
-                                      "or delete that folder")
-    return True
+    if r.recipe is not None:
+        now.update({"solver.recipe": r.recipe.settings(), "solver.propagate": r.propagate,
+                    "solver.holdout": r.holdout, "solver.guard": r.guard})
+    return RunFolder(out_dir).check_settled(now, scheme_name=scheme.name)
 
 
 def run(args, phases=None) -> int:
