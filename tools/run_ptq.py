@@ -268,6 +268,7 @@ def run(args, phases=None) -> int:
     from amct_ext.algorithms.recipe import parse_algo
     from amct_ext.pipeline.mtp_eval import evaluate_mtp
     from amct_ext.pipeline.ptq_spec import PtqSpec
+    from amct_ext.pipeline.run_folder import RunFolder
     from amct_ext.pipeline.workflow import (PARAMS_DIR, PtqRuntime, check_seq_len, evaluate_blockwise, layer_range,
                                             load_calib_windows, load_eval_windows, prepare_params_dir,
                                             run_blockwise_ptq)
@@ -300,6 +301,9 @@ def run(args, phases=None) -> int:
     check_weights_present(model_path, args.model)
     plan_spec = DeepseekV4PlanSpec()
     job = build_job(job_request(args, model_path, calib_path, eval_path), plan_spec, check_resume=_resume_check)
+    # the output folder is this run's until it ends: a second run on it is refused now, not after
+    # its perplexities (rank 0 holds it for a torchrun job; released when `folder` goes)
+    folder = RunFolder(job.output.dir).lock() if dist is None or dist.rank == 0 else None  # noqa: F841
     if threads:
         torch.set_num_threads(threads)
     scheme, targets = job.scheme.scheme, job.scheme.targets

@@ -244,6 +244,12 @@ class RunFolder:
             os.close(self._lock_fd)
             self._lock_fd = None
 
+    def __del__(self) -> None:   # a run that ends by an exception releases its lock too
+        try:
+            self.unlock()
+        except Exception:
+            pass
+
     def __enter__(self) -> "RunFolder":
         return self.lock()
 
