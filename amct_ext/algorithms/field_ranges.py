@@ -28,9 +28,11 @@ FIELD_MAX: dict[str, float] = {
 DEFAULT_MAX = 10 ** 7
 
 
-def check_field_ranges(algo: Any, where: str) -> str | None:
+def check_field_ranges(algo: Any, where: str, finite_only: bool = False) -> str | None:
     """The first numeric field of ``algo`` (a dataclass) that is NaN, infinite, negative or
-    absurdly large, as one line naming it; None when all are sensible."""
+    absurdly large, as one line naming it; None when all are sensible. ``finite_only``: NaN and
+    inf only (checked before the algorithm's own ``check()``, whose comparisons NaN slips through
+    or trips with a message naming no file)."""
     for f in dataclasses.fields(algo):
         v = getattr(algo, f.name)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -38,6 +40,8 @@ def check_field_ranges(algo: Any, where: str) -> str | None:
         label = f"{where}: {algo.name}.{f.name} = {v!r}"
         if isinstance(v, float) and not math.isfinite(v):
             return f"{label}: must be a finite number"
+        if finite_only:
+            continue
         if v < 0:
             return f"{label}: must be >= 0"
         top = FIELD_MAX.get(f.name, DEFAULT_MAX)
