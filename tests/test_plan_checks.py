@@ -260,3 +260,27 @@ def test_hub_link_into_another_repository_is_refused(tiny_ckpt, tmp_path, capsys
     victim.symlink_to(Path("..") / ".." / ".." / "models--someone--else" / "blobs" / "cfg")
     line = refused(capsys, snap, tmp_path / "out", "config.json")
     assert "outside the checkpoint folder" in line, line
+
+
+def test_stored_shapes_of_packed_fp4_and_fp8(tmp_path):
+    """The header rules against what the loader decodes (``CheckpointReader._load_one``): F4 keeps
+    its (logical) shape, int8-packed FP4 doubles its columns, FP8 needs a 128-block scale."""
+    from amct_ext.io.checkpoint import CheckpointReader
+    from amct_ext.io.shard_headers import read_header, stored_logical
+    from amct_ext.io.storage_formats import encode_fp4, encode_fp8_block
+
+    w = torch.randn(64, 96)
+    packed, s4 = encode_fp4(w)
+    w8, s8 = encode_fp8_block(torch.randn(130, 256))
+    f = tmp_path / "model.safetensors"
+    save_file({"a.weight": packed.clone().view(torch.float4_e2m1fn_x2), "a.scale": s4.clone(), "b.weight": packed,
+               "b.scale": s4, "c.weight": w8, "c.scale": s8}, f)
+    h = read_header(f).tensors
+    with CheckpointReader(f) as r:
+        for k in ("a", "b", "c"):
+            got, is_int = stored_logical(f"{k}.weight", h[f"{k}.weight"], h[f"{k}.scale"], "model.safetensors")
+            loaded = r.load_prefix(f"{k}.", dtype=torch.float32, check_finite=False).tensors["weight"]
+            assert got == tuple(loaded.shape) and not is_int, (k, got, loaded.shape)
+    assert h["a.weight"].dtype == "F4" and h["b.weight"].dtype in ("I8", "U8")
+    with pytest.raises(Exception, match="needs a scale of shape"):
+        stored_logical("c.weight", h["c.weight"], h["a.scale"], "model.safetensors")
