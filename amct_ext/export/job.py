@@ -129,7 +129,7 @@ def export_config(req: ExportRequest, say: Callable[[str], None] = print):
     layers = None
     if req.from_dir:
         scheme, targets, pdir = resolve_run(req.from_dir, Path(req.model_path), req.scheme, req.targets)
-        meta = RunFolder(pdir.parent).require_meta()
+        meta = RunFolder.of_params(pdir).require_meta()
         if req.dtype is None and meta.get("dtype") in ("bf16", "fp32"):
             dtype_name = meta["dtype"]
     else:

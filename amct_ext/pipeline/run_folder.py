@@ -87,10 +87,16 @@ def meta_mismatch(old: dict[str, Any], new: dict[str, Any]) -> str | None:
 class RunFolder:
     """OUTPUT of one run (see the module doc). Cheap to make: nothing is read or written until asked."""
 
-    def __init__(self, output_dir: str | os.PathLike):
+    def __init__(self, output_dir: str | os.PathLike, params_dir: str | os.PathLike | None = None):
         self.root = Path(output_dir)
-        self.params = self.root / PARAMS_DIR
+        # ``params_dir``: a parameters folder given by itself (evaluation's params_dir)
+        self.params = Path(params_dir) if params_dir is not None else self.root / PARAMS_DIR
         self._lock_fd: int | None = None
+
+    @classmethod
+    def of_params(cls, params_dir: str | os.PathLike) -> "RunFolder":
+        """The run folder of a parameters folder (OUTPUT/ptq_params, or any folder so used)."""
+        return cls(Path(params_dir).parent, params_dir)
 
     # ------------------------------------------------------------------ meta.json
     @property

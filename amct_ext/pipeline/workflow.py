@@ -272,7 +272,7 @@ def params_meta(adapter: BaseModel, spec: PtqSpec, calib_windows: torch.Tensor |
 def check_params_dir(params_dir: Path, meta: dict[str, Any]) -> bool:
     """True when ``params_dir`` already holds parameters of this exact run (resume); False when
     it is absent or empty. Raises ParamsMismatchError for anything else (``RunFolder.check_meta``)."""
-    return RunFolder(Path(params_dir).parent).check_meta(meta)
+    return RunFolder.of_params(params_dir).check_meta(meta)
 
 
 def load_unit_params(unit, params_dir: Path) -> None:
@@ -325,7 +325,7 @@ def check_eval_args(mode: str, cfg: EvalConfig, scheme: QuantScheme | None, targ
         if params_dir is None:
             raise ConfigError("evaluation mode 'ptq' needs params_dir (OUTPUT/ptq_params)")
         pdir = Path(params_dir)
-        meta = RunFolder(pdir.parent).require_meta()
+        meta = RunFolder.of_params(pdir).require_meta()
         if meta.get("scheme_fingerprint") != scheme.fingerprint() or meta.get("targets") != list(targets):
             raise ParamsMismatchError(f"{pdir}: parameters were learned for scheme {meta.get('scheme')!r} "
                                       f"targets {meta.get('targets')}, not {scheme.name!r} {list(targets)}")
