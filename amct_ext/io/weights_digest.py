@@ -108,7 +108,7 @@ class WeightsDigest:
             tensors[key] = tensor_digest(self.root / shard, key, e.dtype, e.shape, e.start, e.end)
             self.bytes_hashed += e.nbytes
         own = hashlib.sha256("".join(f"{k}:{d}\n" for k, d in tensors.items()).encode()).hexdigest()
-        chain = hashlib.sha256(f"|{own}".encode()).hexdigest()
+        chain = hashlib.sha256(f"{prev}|{own}".encode()).hexdigest()
         return GroupDigest(name, own, chain, tensors)
 
     def _run(self) -> None:
