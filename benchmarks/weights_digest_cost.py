@@ -10,7 +10,7 @@ and computes, from the V4-Flash release layout (every layer's stored tensors: FP
 their block scales, FP4 experts with e8m0 scales, bf16 / fp32 rest; ``models/deepseek_v4``), the
 bytes each layer's digest reads and the seconds it takes at the measured rate, against a default
 run's layer time on the H200 (``--layer-seconds``: 46.6 s w4a16-g128 default, 18.4 s w8a8 RTN,
-benchmarks/RESULTS.md §0.13 and §7).
+benchmarks/RESULTS.md §0.13 and §0.8).
 
     PYTHONPATH=$PWD python benchmarks/weights_digest_cost.py [--mb 256] [--json FILE]
 """
