@@ -274,7 +274,7 @@ def unit_file_problem(path: Path) -> str | None:
     archive (truncated: the directory at its end is gone), or a member failing its CRC."""
     try:
         with zipfile.ZipFile(path) as z:
-            bad = None
+            bad = z.testzip()
     except (OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
         return f"unreadable unit file ({type(e).__name__}: {e}; truncated?)"
     if bad is not None:
