@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Time to error of every plan refusal (issue 25.1) on V4-Flash-sized inputs.
 
-Writes a V4-Flash checkpoint folder of config.json + model.safetensors.index.json only (43
-layers, every key of the release layout; the shard files are empty placeholders: the plan reads
-no tensor data), then runs ``tools/run_ptq.py --model v4-flash`` once per bad input as a new
+Writes a V4-Flash checkpoint folder of config.json + model.safetensors.index.json and one shard
+a layer whose safetensors header is real and whose data region is a sparse hole (43 layers,
+every key of the release layout; the plan reads every header, no tensor data), then runs ``tools/run_ptq.py --model v4-flash`` once per bad input as a new
 process and records the wall time until it exits with one ``error:`` line (exit 2), and the
 plan of the valid job (``build_job``) in-process.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,13 +23,40 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+#: safetensors dtype names of the stored dtypes of the release layout
+ST_DTYPE = {"bfloat16": "BF16", "float32": "F32", "float8_e4m3fn": "F8_E4M3", "float8_e8m0fnu": "F8_E8M0",
+            "int8": "I8", "int64": "I64", "int32": "I32", "float16": "F16"}
+ST_BITS = {"BF16": 16, "F32": 32, "F8_E4M3": 8, "F8_E8M0": 8, "I8": 8, "I64": 64, "I32": 32, "F16": 16}
+
+
+def write_sparse_shard(path: Path, entries: dict) -> int:
+    """A safetensors file whose header is real ({key: (safetensors dtype, shape)}, offsets in
+    order) and whose data region is a hole of the right size (a sparse file: no bytes written),
+    so the plan's header checks see a V4-Flash shard as it is. Returns the file's size."""
+    import math
+    import struct
+
+    header, off = {"__metadata__": {"format": "pt"}}, 0
+    for key, (dtype, shape) in entries.items():
+        n = -(-math.prod(shape) * ST_BITS[dtype] // 8)
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.truncate(8 + len(blob) + off)
+    return 8 + len(blob) + off
+
+
 def write_index_only_checkpoint(out: Path, like: str = "v4-flash", n_layers: int | None = None,
-                                drop_keys=(), config_drop=()) -> Path:
-    """config.json + index of a ``like`` checkpoint (release key layout), empty shard files."""
+                                drop_keys=(), config_drop=(), config_set=None, mutate=None) -> Path:
+    """config.json + index of a ``like`` checkpoint (release key layout) and one shard a layer
+    whose header is real and whose data is a sparse hole (``write_sparse_shard``).
+    ``mutate(entries_by_shard, weight_map)``: a defect applied before anything is written."""
     import torch
 
     from models.deepseek_v4.configuration import DeepseekV4Config
-    from models.deepseek_v4.loading import empty_block
     from models.deepseek_v4.modeling import DeepseekV4ForCausalLM
     from models.deepseek_v4.synthetic import base_config_dict, expected_release_layout, synthetic_config_dict
     from amct_ext.runtime.empty import empty_weights
@@ -37,30 +65,84 @@ def write_index_only_checkpoint(out: Path, like: str = "v4-flash", n_layers: int
     cfg_dict = synthetic_config_dict(like, n)
     config = DeepseekV4Config(**json.loads(json.dumps(cfg_dict)))
     out.mkdir(parents=True, exist_ok=True)
-    weight_map = {}
+    weight_map, shards = {}, {}
     one = DeepseekV4Config(**json.loads(json.dumps(synthetic_config_dict(like, 1))))
     with empty_weights():
-        stem = [k for k in DeepseekV4ForCausalLM(one, dtype=torch.bfloat16).state_dict() if not k.startswith("layers.")]
-    for k in stem:
-        weight_map[k] = "model-00000.safetensors"
+        stem = {k: t for k, t in DeepseekV4ForCausalLM(one, dtype=torch.bfloat16).state_dict().items()
+                if not k.startswith("layers.")}
+    shards["model-00000.safetensors"] = {k: (ST_DTYPE[str(t.dtype)[6:]], tuple(t.shape)) for k, t in stem.items()}
     layouts = {}
     for i in range(n):
         kind = (config.compress_ratios[i], i < config.n_hash_layers)
         if kind not in layouts:
             layouts[kind] = (i, expected_release_layout(config, i))
         rep, lay = layouts[kind]
-        for k in lay:
-            weight_map[f"layers.{i}." + k[len(f"layers.{rep}."):]] = f"model-{i + 1:05d}.safetensors"
-    del empty_block
+        name = f"model-{i + 1:05d}.safetensors"
+        shards[name] = {f"layers.{i}." + k[len(f"layers.{rep}."):]: (ST_DTYPE[str(dt)[6:]], tuple(shape))
+                        for k, (shape, dt) in lay.items()}
+    for name, entries in shards.items():
+        weight_map.update({k: name for k in entries})
     for k in drop_keys:
         weight_map.pop(k)
-    for name in set(weight_map.values()):
-        (out / name).touch()
+    if mutate is not None:
+        mutate(shards, weight_map)
+    for name, entries in shards.items():
+        write_sparse_shard(out / name, entries)
     for k in config_drop:
         cfg_dict.pop(k)
+    cfg_dict.update(config_set or {})
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=1))
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return out
+
+
+def _defects(root: Path) -> list:
+    """(what, folder) of the checkpoint defects the plan finds in the shard headers (issue 36)."""
+    def retype(key, dtype):
+        def f(shards, wm):
+            shards[wm[key]][key] = (dtype, shards[wm[key]][key][1])
+        return f
+
+    def reshape(key, shape):
+        def f(shards, wm):
+            shards[wm[key]][key] = (shards[wm[key]][key][0], shape)
+        return f
+
+    def drop_scale(key):
+        def f(shards, wm):
+            shards[wm[key]].pop(key)
+            wm.pop(key)
+        return f
+
+    def misplace(key, shard):
+        def f(shards, wm):
+            wm[key] = shard
+        return f
+
+    made = []
+    d = write_index_only_checkpoint(root / "truncated")
+    last = d / "model-00043.safetensors"
+    os.truncate(last, last.stat().st_size - 2 ** 20)
+    made.append(("shard truncated (model-00043 1 MiB short)", d))
+    d = write_index_only_checkpoint(root / "garbage")
+    with open(d / "model-00020.safetensors", "r+b") as f:
+        f.seek(8)
+        f.write(b"\xfe\xffgarbage!" * 8)
+    made.append(("garbage safetensors header (model-00020)", d))
+    made.append(("wrong shape (layers.42.attn.wq_a.weight)",
+                 write_index_only_checkpoint(root / "shape", mutate=reshape("layers.42.attn.wq_a.weight", (1024, 4000)))))
+    made.append(("wrong dtype (layers.2.ffn.gate.tid2eid stored as F32)",
+                 write_index_only_checkpoint(root / "dtype", mutate=retype("layers.2.ffn.gate.tid2eid", "F32"))))
+    made.append(("FP8 weight without its scale (layers.42.attn.wo_b)",
+                 write_index_only_checkpoint(root / "noscale", mutate=drop_scale("layers.42.attn.wo_b.scale"))))
+    made.append(("key in the wrong shard (layers.42.attn.attn_sink -> model-00001)",
+                 write_index_only_checkpoint(root / "misplaced",
+                                             mutate=misplace("layers.42.attn.attn_sink", "model-00001.safetensors"))))
+    made.append(("config disagrees with the stored shapes (q_lora_rank 1536)",
+                 write_index_only_checkpoint(root / "qlora", config_set={"q_lora_rank": 1536})))
+    made.append(("config num_hidden_layers 42, checkpoint 43 layers",
+                 write_index_only_checkpoint(root / "fewer", config_set={"num_hidden_layers": 42})))
+    return made
 
 
 def _child_cpu() -> float:
@@ -87,8 +169,7 @@ def main(argv=None) -> int:
     write_index_only_checkpoint(root / "nokey", drop_keys=["layers.42.attn.attn_sink"])
     for field in ("sliding_window", "rope_scaling", "routed_scaling_factor"):
         write_index_only_checkpoint(root / f"no-{field}", config_drop=[field])
-    noshard = root / "noshard"
-    shutil.copytree(good, noshard)
+    noshard = write_index_only_checkpoint(root / "noshard")   # (a copy would read the sparse holes)
     (noshard / "model-00043.safetensors").unlink()
     (root / "a-file").write_text("x")
     g96 = root / "w4-g96.json"
@@ -101,6 +182,8 @@ def main(argv=None) -> int:
     (other / "meta.json").write_text(json.dumps({"version": 1, "scheme": "w4a16-g128",
                                                  "scheme_fingerprint": load_scheme("w4a16-g128").fingerprint(),
                                                  "targets": ["attn-linear", "moe"], "dtype": "bf16"}))
+    nan_recipe = root / "nan-lr.json"
+    nan_recipe.write_text('{"recipe": [{"algo": "clip", "lr": NaN}]}')
     base = ["--model", "v4-flash", "--device", "cpu", "--quiet"]
     o = ["--output-dir", str(root / "o")]
     cases = [
@@ -124,7 +207,9 @@ def main(argv=None) -> int:
         ("--output-dir of another run (scheme fingerprint)", ["--model-path", str(good), "--scheme", "w8a8",
                                                               "--output-dir", str(root / "other-run")]),
         ("--start-layer 40 --end-layer 50", ["--model-path", str(good), "--start-layer", "40", "--end-layer", "50", *o]),
+        ("NaN learning rate in a recipe file (clip.lr)", ["--model-path", str(good), "--recipe", str(nan_recipe), *o]),
     ]
+    cases += [(what, ["--model-path", str(d), *o]) for what, d in _defects(root)]
     t, c = time.perf_counter(), _child_cpu()
     subprocess.run([sys.executable, "-c", "import torch"], check=True)
     floor = {"refusal": "(floor: a process that imports torch and exits)", "seconds": round(time.perf_counter() - t, 2),

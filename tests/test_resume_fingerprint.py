@@ -115,7 +115,7 @@ def test_changed_model_config_checkpoint_and_version(tiny_adapter, tiny_ckpt, ba
     old = json.loads((folder / META_NAME).read_text())
     old["version"] = 1
     (folder / META_NAME).write_text(json.dumps(old))
-    assert "format version: 1 in the folder, 2 now" in refusal(
+    assert "format version: 1 in the folder, 3 now" in refusal(
         folder, params_meta(tiny_adapter, PtqSpec(scheme, TARGETS, base_cfg), windows))
 
 

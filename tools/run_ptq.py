@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--start-layer", type=int, default=None, help="first layer to quantize")
     sr.add_argument("--end-layer", type=int, default=None, help="layers [start, end) are quantized (end exclusive)")
     sr.add_argument("--no-ptq", action="store_true", help="skip learning (PPL of float and RTN only)")
+    sr.add_argument("--allow-fewer-layers", action="store_true",
+                    help="accept a config.json whose num_hidden_layers is smaller than the checkpoint's layer "
+                         "count (quantize and evaluate that shorter model on purpose); refused otherwise")
 
     rt = ap.add_argument_group("runtime and memory")
     rt.add_argument("--device", default="auto", help="auto | npu | cuda | cpu (or cuda:1, npu:2)")
@@ -228,40 +231,23 @@ def job_request(args, model_path: Path, calib_path: Path, eval_path: Path):
         device=args.device, dtype=_default(args, "dtype"), threads=_default(args, "threads"),
         capture_memory_gb=_default(args, "capture_memory_gb"), hessian_memory_gb=args.hessian_memory_gb,
         sharded_ptq=args.sharded_ptq, sharded_eval=args.sharded_eval, start_layer=args.start_layer,
-        end_layer=args.end_layer, export=args.export, dequantize_rest=args.dequantize_rest, allow_partial=False)
+        end_layer=args.end_layer, export=args.export, dequantize_rest=args.dequantize_rest, allow_partial=False,
+        allow_fewer_layers=args.allow_fewer_layers)
 
 
 def _resume_check(out_dir: Path, scheme, targets, r, dtype: str) -> bool:
     """The fingerprint fields known before the model is opened (scheme, targets, recipe, dtype)
     against OUTPUT/ptq_params/meta.json; the full check (calibration windows, checkpoint) follows
     once the tokenizer ran, still before any perplexity."""
-    import json
+    from amct_ext.pipeline.run_folder import RunFolder
 
-    from amct_ext.pipeline.workflow import META_NAME, PARAMS_DIR, ParamsMismatchError
-
-    meta_path = Path(out_dir) / PARAMS_DIR / META_NAME
-    if not meta_path.is_file():
-        return False
-    try:
-        old = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ParamsMismatchError(f"{meta_path}: unreadable ({e}); pass a fresh --output-dir") from None
-    now = {"scheme": scheme.fingerprint(), "targets": list(targets), "dtype": dtype}
-    was = {"scheme": old.get("scheme_fingerprint"), "targets": old.get("targets"), "dtype": old.get("dtype")}
+    now = {"scheme_fingerprint": scheme.fingerprint(), "targets": list(targets), "dtype": dtype}
     # the recipe part of meta.json's "solver" entry (PtqSpec.solver_meta); --legacy-solver's
     # learned_clip settings are compared by the full check (prepare_params_dir) that follows
-    rm = {} if r.recipe is None else {"recipe": r.recipe.settings(), "propagate": r.propagate,
-                                      "holdout": r.holdout, "guard": r.guard}
-    for key, value in rm.items():
-        now[f"solver.{key}"], was[f"solver.{key}"] = value, (old.get("solver") or {}).get(key)
-    now, was = json.loads(json.dumps(now)), json.loads(json.dumps(was))   # as meta.json stores them
-    for key in now:
-        if now[key] != was[key]:
-            shown = (old.get("scheme"), scheme.name) if key == "scheme" else (was[key], now[key])
-            raise ParamsMismatchError(f"{Path(out_dir) / PARAMS_DIR} holds PTQ parameters of another run: {key}: "
-                                      f"{shown[0]!r} in the folder, {shown[1]!r} now; pass a fresh --output-dir "
-                                      "or delete that folder")
-    return True
+    if r.recipe is not None:
+        now.update({"solver.recipe": r.recipe.settings(), "solver.propagate": r.propagate,
+                    "solver.holdout": r.holdout, "solver.guard": r.guard})
+    return RunFolder(out_dir).check_settled(now, scheme_name=scheme.name)
 
 
 def run(args, phases=None) -> int:
@@ -282,6 +268,7 @@ def run(args, phases=None) -> int:
     from amct_ext.algorithms.recipe import parse_algo
     from amct_ext.pipeline.mtp_eval import evaluate_mtp
     from amct_ext.pipeline.ptq_spec import PtqSpec
+    from amct_ext.pipeline.run_folder import RunFolder
     from amct_ext.pipeline.workflow import (PARAMS_DIR, PtqRuntime, check_seq_len, evaluate_blockwise, layer_range,
                                             load_calib_windows, load_eval_windows, prepare_params_dir,
                                             run_blockwise_ptq)
@@ -314,6 +301,9 @@ def run(args, phases=None) -> int:
     check_weights_present(model_path, args.model)
     plan_spec = DeepseekV4PlanSpec()
     job = build_job(job_request(args, model_path, calib_path, eval_path), plan_spec, check_resume=_resume_check)
+    # the output folder is this run's until it ends: a second run on it is refused now, not after
+    # its perplexities (rank 0 holds it for a torchrun job; released when `folder` goes)
+    folder = RunFolder(job.output.dir).lock() if dist is None or dist.rank == 0 else None  # noqa: F841
     if threads:
         torch.set_num_threads(threads)
     scheme, targets = job.scheme.scheme, job.scheme.targets

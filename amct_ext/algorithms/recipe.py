@@ -115,12 +115,20 @@ def build_algorithm(name: str, options: Mapping[str, Any], where: str = "recipe"
                               f"{getattr(hints.get(key), '__name__', hints.get(key))}")
         kwargs[key] = coerced
     algo = cls(**kwargs)
+    from .field_ranges import check_field_ranges
+
+    bad = check_field_ranges(algo, where, finite_only=True)   # NaN / inf, named with the recipe
+    if bad is not None:
+        raise RecipeError(bad)
     try:
         algo.check()
     except RecipeError:
         raise
     except ConfigError as e:
         raise RecipeError(f"{where}: {name}: {e}") from None
+    bad = check_field_ranges(algo, where)     # negative, absurdly large (after its own rules)
+    if bad is not None:
+        raise RecipeError(bad)
     return algo
 
 

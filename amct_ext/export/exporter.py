@@ -33,6 +33,7 @@ from ..quant import formats
 from ..io.checkpoint import QUANT_STORAGE, CheckpointReader
 from ..errors import CheckpointError, ConfigError, DataError, QuantConfigError
 from ..io.io_utils import atomic_write_json
+from ..io.links import checked_file
 from ..base import model_binding
 from ..quant.quant_linear import QuantLinear
 from ..quant.schemes import QuantScheme, load_scheme, parse_targets, spec_targets
@@ -131,16 +132,13 @@ def _sha256(path: Path) -> str | None:
 def resolve_run(run_dir: str | Path, model_path: Path, scheme_arg: str | None,
                 targets_arg: str | None) -> tuple[QuantScheme, list[str], Path]:
     """Scheme, targets and params folder of a run_ptq output folder, checked against the model."""
-    pdir = Path(run_dir) / PARAMS_DIR
-    meta_path = pdir / META_NAME
-    if not meta_path.is_file():
+    from ..pipeline.run_folder import RunFolder
+
+    folder = RunFolder(run_dir)
+    pdir, meta_path = folder.params, folder.meta_path
+    meta = folder.read_meta()
+    if meta is None:
         raise DataError(f"--from {run_dir}: {meta_path} not found (not a run_ptq output folder)")
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{meta_path}: unreadable ({e})") from None
-    if not isinstance(meta, dict):
-        raise DataError(f"{meta_path}: expected a JSON object")
     model = meta.get("model") or {}
     want = _sha256(model_path / "config.json")
     if model.get("config_sha256") != want:
@@ -519,8 +517,8 @@ class _Exporter:
         atomic_write_json(src, cfg.out_dir / "config.json")
         for name in COPY_FILES:
             p = cfg.model_path / name
-            if p.is_file():
-                shutil.copyfile(p, cfg.out_dir / name)
+            if p.is_file():   # never through a link out of the checkpoint (io/links.py)
+                shutil.copyfile(checked_file(cfg.model_path, name, "side file"), cfg.out_dir / name)
 
 
 def _serving_metadata(exporter: "_Exporter", weight_only: list[str]) -> dict[str, Any]:

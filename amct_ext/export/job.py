@@ -119,7 +119,11 @@ def export_config(req: ExportRequest, say: Callable[[str], None] = print):
 
     from ..base import model_binding
     from ..quant.schemes import load_scheme, parse_targets
+    from ..pipeline.plan_checks import check_checkpoint_links
+    from ..pipeline.run_folder import RunFolder
     from .exporter import ExportConfig, resolve_run
+
+    check_checkpoint_links(Path(req.model_path))   # no side file copied through a link out of it
 
     spec = model_binding(Path(req.model_path)).plan_spec()   # the model's plan answers (config, unit stems)
     config = spec.read_config(Path(req.model_path))
@@ -127,7 +131,7 @@ def export_config(req: ExportRequest, say: Callable[[str], None] = print):
     layers = None
     if req.from_dir:
         scheme, targets, pdir = resolve_run(req.from_dir, Path(req.model_path), req.scheme, req.targets)
-        meta = json.loads((pdir / "meta.json").read_text(encoding="utf-8"))
+        meta = RunFolder.of_params(pdir).require_meta()
         if req.dtype is None and meta.get("dtype") in ("bf16", "fp32"):
             dtype_name = meta["dtype"]
     else:

@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from ..runtime import device_checks
 from ..errors import CheckpointError
+from .links import outside_reason
 from .storage_formats import FP4_PACKED_DTYPES, decode_fp4, decode_fp8_block
 
 log = logging.getLogger(__name__)
@@ -160,12 +161,8 @@ class CheckpointReader:
             bad = "absolute path"
         elif ".." in Path(shard.replace("\\", "/")).parts:
             bad = "'..' component"
-        else:
-            resolved = (self.root / shard).resolve()
-            try:
-                resolved.relative_to(self.root)
-            except ValueError:
-                bad = f"resolves to {resolved} outside the checkpoint directory"
+        else:   # a link out of the folder is refused; the hub cache's blobs/ is accepted (io/links.py)
+            bad = outside_reason(self.root, shard)
         if bad:
             raise CheckpointError(f"index entry {key!r} -> shard file {shard!r} refused: {bad} "
                                   f"(checkpoint directory {self.root})")

@@ -89,6 +89,7 @@ class JobRequest:
     export: str | None = None
     dequantize_rest: bool = False
     allow_partial: bool = False
+    allow_fewer_layers: bool = False
 
 
 # ----------------------------------------------------------------------------- the plan's parts
@@ -370,7 +371,10 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
     if req.eval_ppl and (eval_path is None or not eval_path.is_file()):
         raise DataError(f"evaluation text not found: {eval_path} (pass --eval-data wiki.test.raw)")
 
-    # ---- model: config, checkpoint index, layers, scheme x shapes
+    # ---- model: links, config, checkpoint index, layers, scheme x shapes
+    from .plan_checks import check_checkpoint_links, check_layer_count
+
+    check_checkpoint_links(Path(req.model_path))
     config = spec.read_config(Path(req.model_path))
     n_layers = spec.n_layers(config)
     max_len = getattr(config, "max_seq_len", None)
@@ -401,6 +405,8 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
 
     # ---- the index (every layer's keys, every shard) and the scheme against every targeted shape
     ck = spec.check_checkpoint(Path(req.model_path), config)
+    if "checkpoint_layers" in ck:
+        check_layer_count(n_layers, ck["checkpoint_layers"], str(req.model_path), req.allow_fewer_layers)
     units = spec.check_scheme(config, scheme, targets, list(layers))
 
     job = PtqJob(

@@ -64,18 +64,14 @@ from ..quant.quantizers import ActivationQuantizer
 from ..quant.schemes import QuantScheme
 from .ptq_spec import PtqSpec
 from .ptq_units import UnitResult
+from .resume_guard import ResumeGuard
 
 log = logging.getLogger(__name__)
 
-PARAMS_DIR = "ptq_params"
-META_NAME = "meta.json"
-# 2: the full fingerprint (dtype, device type, calibration hashes, checkpoint identity)
-META_VERSION = 2
+# the output folder's layout, meta.json and its checks live in run_folder (one owner)
+from .run_folder import META_NAME, META_VERSION, PARAMS_DIR, ParamsMismatchError, RunFolder  # noqa: E402,F401
+
 MODES = ("float", "rtn", "ptq")
-
-
-class ParamsMismatchError(AmctError):
-    """An output folder holds PTQ parameters of another scheme / targets / model / settings."""
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -273,64 +269,10 @@ def params_meta(adapter: BaseModel, spec: PtqSpec, calib_windows: torch.Tensor |
             "checkpoint": checkpoint_identity(Path(adapter.model_path))}
 
 
-# names shown in messages but not compared: a moved or renamed folder is the same run
-_DISPLAY_ONLY = {"scheme", "model.name"}
-_FIELD_NAMES = {"version": "format version", "scheme_fingerprint": "scheme"}
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        out.update(_flatten(v, key) if isinstance(v, dict) and v else {key: v})
-    return out
-
-
-def _mismatch(old: dict[str, Any], new: dict[str, Any]) -> str | None:
-    """The first field that differs, as ``field: OLD in the folder, NEW now``; or None."""
-    if old.get("version") != new["version"]:
-        return f"format version: {old.get('version')!r} in the folder, {new['version']!r} now"
-    flat_old, flat_new = _flatten(old), _flatten(new)
-    for key in [*flat_new, *(k for k in flat_old if k not in flat_new)]:
-        if key in _DISPLAY_ONLY:
-            continue
-        a, b = flat_old.get(key, "<absent>"), flat_new.get(key, "<absent>")
-        if a != b:
-            if key == "scheme_fingerprint":  # the names say more than two hashes
-                return f"scheme: {old.get('scheme')!r} in the folder, {new.get('scheme')!r} now (different fingerprint)"
-            return f"{_FIELD_NAMES.get(key, key)}: {a!r} in the folder, {b!r} now"
-    return None
-
-
 def check_params_dir(params_dir: Path, meta: dict[str, Any]) -> bool:
     """True when ``params_dir`` already holds parameters of this exact run (resume); False when
-    it is absent or empty. Raises ParamsMismatchError for anything else (never mix)."""
-    meta_path = params_dir / META_NAME
-    hint = "pass a fresh --output-dir or delete that folder"
-    if meta_path.is_file():
-        try:
-            old = json.loads(meta_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ParamsMismatchError(f"{meta_path}: unreadable ({e}); {hint}") from None
-        why = _mismatch(old if isinstance(old, dict) else {}, meta)
-        if why:
-            raise ParamsMismatchError(f"{params_dir} holds PTQ parameters of another run: {why}; {hint}")
-        return True
-    if params_dir.is_dir() and any(p.suffix == ".pt" for p in params_dir.iterdir()):
-        raise ParamsMismatchError(f"{params_dir} holds .pt files but no {META_NAME} (unknown scheme); {hint}")
-    return False
-
-
-def _read_meta(params_dir: Path) -> dict[str, Any]:
-    meta_path = params_dir / META_NAME
-    if not meta_path.is_file():
-        raise DataError(f"{meta_path} not found: no PTQ parameters in {params_dir} (run PTQ first)")
-    try:
-        return json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{meta_path}: unreadable ({e})") from None
+    it is absent or empty. Raises ParamsMismatchError for anything else (``RunFolder.check_meta``)."""
+    return RunFolder.of_params(params_dir).check_meta(meta)
 
 
 def load_unit_params(unit, params_dir: Path) -> None:
@@ -383,7 +325,7 @@ def check_eval_args(mode: str, cfg: EvalConfig, scheme: QuantScheme | None, targ
         if params_dir is None:
             raise ConfigError("evaluation mode 'ptq' needs params_dir (OUTPUT/ptq_params)")
         pdir = Path(params_dir)
-        meta = _read_meta(pdir)
+        meta = RunFolder.of_params(pdir).require_meta()
         if meta.get("scheme_fingerprint") != scheme.fingerprint() or meta.get("targets") != list(targets):
             raise ParamsMismatchError(f"{pdir}: parameters were learned for scheme {meta.get('scheme')!r} "
                                       f"targets {meta.get('targets')}, not {scheme.name!r} {list(targets)}")
@@ -624,9 +566,10 @@ def prepare_params_dir(adapter: BaseModel, output_dir: str | Path, spec: PtqSpec
     if calib_windows is None:
         calib_windows = load_calib_windows(adapter, spec.calibration)
     meta = params_meta(adapter, spec, calib_windows)
-    exists = check_params_dir(pdir, meta)
+    folder = RunFolder(output_dir)
+    exists = folder.check_meta(meta)
     if create and not exists:
-        atomic_write_json(meta, pdir / META_NAME)
+        folder.write_meta(meta)
     return pdir
 
 
@@ -696,6 +639,9 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
     if calib_windows is None:
         calib_windows = load_calib_windows(adapter, cfg)
     pdir = prepare_params_dir(adapter, output_dir, spec, calib_windows=calib_windows)
+    mtp_ids = _mtp_layers(adapter, layers) if mtp else []
+    # finished units are taken only when whole and computed from these weights (resume_guard)
+    resume = ResumeGuard(adapter, output_dir, [*range(layers.stop), *mtp_ids])
     dev = adapter.device
     devmod.reset_peak_memory(dev)
     t0 = time.perf_counter()
@@ -713,7 +659,6 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
     mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes)
     fcalib = calib if float_stream else None   # the float model's stream (same as calib until layer 1)
     last = layers.stop
-    mtp_ids = _mtp_layers(adapter, layers) if mtp else []
     # The layer is built where it runs (decoded there, never staged in host memory): the float
     # capture needs the whole layer on the device anyway, and a host-staged V4-Flash layer cost
     # ~3x its 13 GB in host RSS (build, .to(device), .to('cpu') after; benchmarks/RESULTS.md §7b).
@@ -736,7 +681,7 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
         with ph.phase("build", layer=i):
             adapter.quantize_block(block, scheme, targets)
         units = list(adapter.iter_ptq_units(block, i, targets))
-        todo = {u.name for u in units if not (pdir / f"{u.file_stem}.pt").is_file()}
+        todo = resume.todo(i, units)
         if block_algo is not None and todo:
             # the block stage tunes every unit of the layer together: a layer an interrupted run
             # left half written is solved again as a whole (its units are written after the block)
@@ -901,6 +846,7 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
         calib = Stream(next_hidden, calib.state)
         with ph.phase("release", layer=i):
             adapter.release_block(block)
+    resume.close()
     devmod.synchronize(dev)
     mem.peak_memory_bytes = max(devmod.peak_memory_bytes(dev), getattr(ph, "max_device_peak", lambda: 0)())
     result.memory = mem

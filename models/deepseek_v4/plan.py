@@ -79,6 +79,7 @@ class DeepseekV4PlanSpec:
         """Index against the skeleton: every layer's and the stem's keys, every shard present."""
         from amct_ext.export.readback import group_parts
         from amct_ext.io.checkpoint import CheckpointReader
+        from amct_ext.pipeline.plan_checks import check_checkpoint_headers
 
         from .loading import TOP_LEVEL_PREFIXES
 
@@ -101,9 +102,32 @@ class DeepseekV4PlanSpec:
                     more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
                     raise CheckpointError(f"{where}: layer {i} lacks key {missing[0]!r}{more}; the checkpoint is "
                                           "incomplete (re-download it)")
-            return {"keys": len(keys), "shards": len(set(reader.weight_map.values())), "layers": n}
+            # every shard's header (no data): dtypes, shapes, scales, keys in their shards, file sizes
+            checked = check_checkpoint_headers(reader, self.expected_tensors(config, exported=set(group_parts(keys))),
+                                               str(where))
+            return {"keys": len(keys), "shards": len(set(reader.weight_map.values())), "layers": n,
+                    "checkpoint_layers": len(reader.layer_indices()), "headers_checked": checked}
         finally:
             reader.close()
+
+    def expected_tensors(self, config, exported: set[str] = frozenset()) -> dict[str, tuple]:
+        """{checkpoint key: (shape, dtype)} of the stem and every layer, from meta skeletons (one
+        per layer kind); the logical names of an export's grouped parts (``exported``) are left
+        out (their storage is the export's, read back by ``export.readback``)."""
+        import copy
+
+        from .loading import build_skeleton, empty_block
+
+        stem_cfg = copy.copy(config)
+        stem_cfg.n_layers = 0      # the stem alone: embed, norm, head, hc_head_*
+        out = {k: (tuple(t.shape), t.dtype) for k, t in build_skeleton(stem_cfg).state_dict().items()}
+        by_kind: dict[tuple[int, bool], dict[str, tuple]] = {}
+        for i in range(self.n_layers(config)):
+            kind = _kind(config, i)
+            if kind not in by_kind:
+                by_kind[kind] = {k: (tuple(t.shape), t.dtype) for k, t in empty_block(config, i).state_dict().items()}
+            out.update({f"layers.{i}.{k}": v for k, v in by_kind[kind].items()})
+        return {k: v for k, v in out.items() if k not in exported}
 
     # ------------------------------------------------------------------ scheme x shapes
     def check_scheme(self, config, scheme, targets: Sequence[str], layers: Sequence[int]) -> dict[int, int]:
