@@ -1,4 +1,8 @@
-"""Atomic file output: write to a temporary name in the same folder, then rename."""
+"""Atomic file output: write to a temporary name in the same folder, then rename.
+
+An OS error on the way (read-only folder, full disk, no permission) leaves no temporary file and
+no half-written final file, and is raised as :class:`~amct_ext.errors.OutputError` naming the
+final path and the OS cause (one line; issue 36.3)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +12,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from ..errors import OutputError, os_error_line
 
 
 def _umask() -> int:
@@ -19,23 +25,34 @@ def _umask() -> int:
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     """Call ``write(tmp_path)`` then rename onto ``path``; a crash leaves no half-written file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:   # read-only / missing permission on the folder: nothing was created
+        raise OutputError(f"cannot write {os_error_line(e, path)}") from None
     os.close(fd)
     try:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file ordinary permissions
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno is not None:   # full disk, quota, I/O error
+            raise OutputError(f"cannot write {os_error_line(e, path)}") from None
         raise
     return path
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save`` done atomically."""
-    return atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    """``torch.save`` done atomically. It writes through an open file object: torch's own file
+    writer turns a full disk into a RuntimeError about stream positions, Python's file object
+    raises the OSError (ENOSPC) that :func:`atomic_write` names (casebook i36t-2)."""
+    def _write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+
+    return atomic_write(path, _write)
 
 
 def atomic_write_json(obj: Any, path: str | os.PathLike) -> Path:

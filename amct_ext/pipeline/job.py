@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from ..errors import AmctError, ConfigError, DataError, QuantConfigError
+from ..io.output_space import probe_writable
 
 PPL_MODES = ("float", "rtn")
 PROPAGATE = ("float", "quant")
@@ -280,6 +281,7 @@ def check_request(req: JobRequest) -> _Inputs:
 
     out = Path(req.output_dir)
     _check_output_dir(out)
+    probe_writable(out, "--output-dir")   # a read-only folder refused now, not after the perplexities
     # ---- runtime and sizes (flags by name, never a dataclass field)
     threads = req.threads
     if threads is not None and threads < 1:
@@ -348,6 +350,27 @@ def check_request(req: JobRequest) -> _Inputs:
                    samples, batch, eval_batch, modes, cap, hes)
 
 
+def _check_output_room(req: JobRequest, spec: ModelPlanSpec, config: Any, inp: _Inputs, layers: range,
+                       export: ExportPart | None, n_units: int) -> None:
+    """Free space on --output-dir's disk for the unit files and the export (io/output_space.py)."""
+    from ..io import output_space as room
+
+    count = getattr(spec, "quantized_weight_numel", None)
+    numel = count(config, inp.scheme, inp.targets, list(layers)) if count is not None else {}
+    need, what = 0, []
+    if not req.no_ptq:
+        names = [a.name for a in inp.recipe.recipe.algorithms] if inp.recipe.recipe is not None else []
+        need += room.ptq_params_bytes(numel, names, 2 if req.dtype == "bf16" else 4, n_units)
+        what.append("the run")
+    if export is not None:
+        need += room.export_bytes(room.checkpoint_bytes(req.model_path),
+                                  export.dequantize_rest or export.format == "ascend")
+        what.append(f"its {export.format} export")
+    out = Path(req.output_dir)
+    room.check_output_room(out, "--output-dir", need, " and ".join(what) or "the run",
+                           already=[out / "ptq_params", *([export.out_dir] if export else [])])
+
+
 def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> PtqJob:
     """The checked plan (see the module docstring). ``check_resume(out_dir, scheme, targets,
     recipe_part, dtype) -> bool``: the caller's fingerprint check of OUTPUT/ptq_params (True: a
@@ -402,6 +425,7 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
     # ---- the index (every layer's keys, every shard) and the scheme against every targeted shape
     ck = spec.check_checkpoint(Path(req.model_path), config)
     units = spec.check_scheme(config, scheme, targets, list(layers))
+    _check_output_room(req, spec, config, inp, layers, export, sum(units.values()))
 
     job = PtqJob(
         model=ModelPart(spec.name, Path(req.model_path), config, n_layers),

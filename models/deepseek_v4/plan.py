@@ -121,6 +121,26 @@ class DeepseekV4PlanSpec:
             units_of_kind[kind] = len(list(quant_module.iter_block_ptq_units(block, i, list(targets))))
         return {i: units_of_kind[_kind(config, i)] for i in layers}
 
+    def quantized_weight_numel(self, config, scheme, targets: Sequence[str], layers: Sequence[int]) -> dict[int, int]:
+        """{bits: elements} of every weight the scheme quantizes in ``layers`` (one meta skeleton
+        per layer kind): what the plan's output-size estimate counts (amct_ext/io/output_space.py)."""
+        from amct_ext.quant.quant_linear import QuantLinear
+
+        of_kind: dict[tuple[int, bool], dict[int, int]] = {}
+        total: dict[int, int] = {}
+        for i in layers:
+            kind = _kind(config, i)
+            if kind not in of_kind:
+                counts: dict[int, int] = {}
+                for m in self._quantized_meta_block(config, i, scheme, targets).modules():
+                    spec = m.weight_quantizer.spec if isinstance(m, QuantLinear) else None
+                    if spec is not None:
+                        counts[int(spec.bits)] = counts.get(int(spec.bits), 0) + m.weight.numel()
+                of_kind[kind] = counts
+            for bits, n in of_kind[kind].items():
+                total[bits] = total.get(bits, 0) + n
+        return total
+
     @staticmethod
     def _shape_misfit(config, i: int, scheme, targets: Sequence[str]) -> str | None:
         """The first targeted linear of layer ``i`` whose weight shape the scheme cannot take,
