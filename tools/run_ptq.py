@@ -244,7 +244,7 @@ def _resume_check(out_dir: Path, scheme, targets, r, dtype: str) -> bool:
         return False
     try:
         old = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ParamsMismatchError(f"{meta_path}: unreadable ({e}); pass a fresh --output-dir") from None
     now = {"scheme": scheme.fingerprint(), "targets": list(targets), "dtype": dtype}
     was = {"scheme": old.get("scheme_fingerprint"), "targets": old.get("targets"), "dtype": old.get("dtype")}

@@ -30,6 +30,7 @@ from typing import Any, Protocol, Sequence
 
 from ..errors import AmctError, ConfigError, DataError, QuantConfigError
 from ..io.output_space import probe_writable
+from .text_files import check_utf8_text
 
 PPL_MODES = ("float", "rtn")
 PROPAGATE = ("float", "quant")
@@ -215,7 +216,7 @@ def load_job_spec(path: str | Path) -> tuple[Any, dict[str, Any]]:
         raise RecipeError(f"--recipe {p}: file not found")
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:   # RecursionError: nested too deep
         raise RecipeError(f"--recipe {p}: invalid JSON ({e})") from None
     job = {}
     if isinstance(data, dict):
@@ -392,6 +393,9 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
     eval_path = Path(req.eval_path) if req.eval_path else None
     if req.eval_ppl and (eval_path is None or not eval_path.is_file()):
         raise DataError(f"evaluation text not found: {eval_path} (pass --eval-data wiki.test.raw)")
+    check_utf8_text(calib_path, "--calib-data")   # binary / UTF-16 text: one line now, not a traceback later
+    if req.eval_ppl:
+        check_utf8_text(eval_path, "--eval-data")
 
     # ---- model: config, checkpoint index, layers, scheme x shapes
     config = spec.read_config(Path(req.model_path))

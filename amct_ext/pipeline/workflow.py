@@ -312,7 +312,7 @@ def check_params_dir(params_dir: Path, meta: dict[str, Any]) -> bool:
     if meta_path.is_file():
         try:
             old = json.loads(meta_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ParamsMismatchError(f"{meta_path}: unreadable ({e}); {hint}") from None
         why = _mismatch(old if isinstance(old, dict) else {}, meta)
         if why:
@@ -329,7 +329,7 @@ def _read_meta(params_dir: Path) -> dict[str, Any]:
         raise DataError(f"{meta_path} not found: no PTQ parameters in {params_dir} (run PTQ first)")
     try:
         return json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise DataError(f"{meta_path}: unreadable ({e})") from None
 
 

@@ -107,7 +107,7 @@ def check_config_fields(model_path) -> None:
         raise CheckpointError(f"{cfg}: config.json not found (is {model_path} a DeepSeek-V4 checkpoint folder?)")
     try:
         raw = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ConfigError(f"{cfg}: cannot read JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{cfg}: expected a JSON object at the top level")
