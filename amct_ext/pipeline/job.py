@@ -30,6 +30,7 @@ from typing import Any, Protocol, Sequence
 
 from ..errors import AmctError, ConfigError, DataError, QuantConfigError
 from ..io.output_space import probe_writable
+from .size_caps import check_calibration_memory, check_recipe_sizes
 from .text_files import check_utf8_text
 
 PPL_MODES = ("float", "rtn")
@@ -346,6 +347,8 @@ def check_request(req: JobRequest) -> _Inputs:
         raise ConfigError(f"guard={guard!r} in recipe file {where}: must be true or false")
     targets_text = _merge("--quant-target", req.quant_target, "targets", job_spec, where, "attn-linear,moe")
     targets = scheme.check_targets(parse_targets(targets_text))
+    if recipe is not None:   # a search grid of 10^12 candidates: refused before any work
+        check_recipe_sizes(recipe.algorithms, where)
 
     return _Inputs(scheme, list(targets), RecipePart(recipe, propagate, float(holdout), guard, source),
                    samples, batch, eval_batch, modes, cap, hes)
@@ -409,6 +412,9 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
         raise ConfigError(f"--start-layer {start} / --end-layer {stop}: the layer range must satisfy "
                           f"0 <= start < end <= {n_layers}")
     layers = range(start, stop)
+    values = getattr(spec, "hidden_values_per_token", None)
+    if not req.no_ptq and values is not None:   # --calib-samples 10^9: refused now, not after minutes
+        check_calibration_memory(inp.samples, seq_len, values(config), 2 if req.dtype == "bf16" else 4)
     # ---- export: format x scheme x targets x engine (the exporter's own check), with the unit
     # parameters the recipe will save that the engine may not represent (the w3 pair's up_limit)
     export = None

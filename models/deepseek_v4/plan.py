@@ -121,6 +121,11 @@ class DeepseekV4PlanSpec:
             units_of_kind[kind] = len(list(quant_module.iter_block_ptq_units(block, i, list(targets))))
         return {i: units_of_kind[_kind(config, i)] for i in layers}
 
+    def hidden_values_per_token(self, config) -> int:
+        """Values one token's hidden state holds between layers (hc_mult streams of dim): the
+        plan's calibration-memory cap (amct_ext/pipeline/size_caps.py)."""
+        return int(config.hc_mult) * int(config.dim)
+
     def quantized_weight_numel(self, config, scheme, targets: Sequence[str], layers: Sequence[int]) -> dict[int, int]:
         """{bits: elements} of every weight the scheme quantizes in ``layers`` (one meta skeleton
         per layer kind): what the plan's output-size estimate counts (amct_ext/io/output_space.py)."""
