@@ -32,6 +32,7 @@ from ..errors import AmctError, ConfigError, DataError, QuantConfigError
 from ..io.output_space import probe_writable
 from .size_caps import check_calibration_memory, check_recipe_sizes
 from .text_files import check_utf8_text
+from .tokenizer_files import check_tokenizer
 
 PPL_MODES = ("float", "rtn")
 PROPAGATE = ("float", "quant")
@@ -339,7 +340,10 @@ def check_request(req: JobRequest) -> _Inputs:
         raise ConfigError(f"propagate={propagate!r} ({where}): must be one of {', '.join(PROPAGATE)}")
     holdout = _merge("--holdout", req.holdout, "holdout", job_spec, where, 0.25)
     if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
-        raise ConfigError(f"--holdout {holdout}: the held-out share of each unit's calls must lie in [0, 1)")
+        # name where the value came from, and its type: a string "0.5" in a recipe file is not 0.5
+        shown = (f"holdout={holdout!r} ({type(holdout).__name__}) in recipe file {where}" if "holdout" in job_spec
+                 else f"--holdout {holdout}")
+        raise ConfigError(f"{shown}: the held-out share of each unit's calls must be a number in [0, 1)")
     guard = _merge("--no-guard", False if req.no_guard else None, "guard", job_spec, where, True)
     if req.no_guard and job_spec.get("guard") is True:
         raise ConfigError(f"--no-guard conflicts with guard=true in recipe file {where}; give it in one place")
@@ -403,6 +407,7 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
     # ---- model: config, checkpoint index, layers, scheme x shapes
     config = spec.read_config(Path(req.model_path))
     n_layers = spec.n_layers(config)
+    check_tokenizer(Path(req.model_path), getattr(config, "vocab_size", None))   # named file, both sizes
     max_len = getattr(config, "max_seq_len", None)
     if isinstance(max_len, int) and seq_len > max_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings={max_len}")

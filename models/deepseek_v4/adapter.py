@@ -102,6 +102,8 @@ def check_config_fields(model_path) -> None:
     """One clear error naming config.json and the first missing required field."""
     from pathlib import Path
 
+    from .config_types import check_config_types
+
     cfg = Path(model_path) / "config.json"
     if not cfg.is_file():
         raise CheckpointError(f"{cfg}: config.json not found (is {model_path} a DeepSeek-V4 checkpoint folder?)")
@@ -111,6 +113,7 @@ def check_config_fields(model_path) -> None:
         raise ConfigError(f"{cfg}: cannot read JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{cfg}: expected a JSON object at the top level")
+    check_config_types(raw, cfg)   # a string where a number belongs: named by its config.json field
     for names in REQUIRED_CONFIG_FIELDS:
         if not any(n in raw for n in names):
             alts = [n for n in dict.fromkeys(names[1:]) if n != names[0]]
