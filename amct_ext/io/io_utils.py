@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ..errors import OutputError, os_error_line
+from ..errors import CheckpointError, OutputError, os_error_line
 
 
 def _umask() -> int:
@@ -65,5 +67,29 @@ def atomic_write_json(obj: Any, path: str | os.PathLike) -> Path:
 
 
 def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
-    """The only way the project reads ``.pt`` files: ``weights_only=True``."""
-    return torch.load(path, map_location=map_location, weights_only=True)
+    """The only way the project reads ``.pt`` files: ``weights_only=True``. A file holding other
+    Python objects is refused in one line naming it and the object (torch's own refusal runs to
+    seven lines of advice to load it unsafely: casebook i36t-8)."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: refused: {unpickling_refusal(str(e))}; this tool never writes such "
+                              "a file, so it was replaced or tampered with: delete it (a rerun redoes it)") from None
+
+
+def load_error_line(e: BaseException) -> str:
+    """One line for a failed ``torch.load`` (truncated, foreign or pickled-object file)."""
+    if isinstance(e, pickle.UnpicklingError):
+        return unpickling_refusal(str(e))
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"
+
+
+def unpickling_refusal(text: str) -> str:
+    """The one fact in torch's weights_only refusal: which object it would not load."""
+    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if m:
+        return f"it holds a Python object ({m.group(1)}) that weights_only loading does not allow"
+    m = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
+    detail = m.group(1).strip() if m else (text.strip().splitlines() or ["?"])[-1].strip()
+    return f"not a plain tensor file ({detail[:160]})"
