@@ -44,8 +44,12 @@ class DeepseekV4PlanSpec:
         from .adapter import check_config_fields
         from .loading import load_config
 
+        from .routing_table import check_hash_routing
+
         check_config_fields(model_path)
-        return load_config(model_path)
+        config = load_config(model_path)
+        check_hash_routing(Path(model_path), config)   # an expert id out of range: named now, not in a forward
+        return config
 
     def n_layers(self, config) -> int:
         return int(config.n_layers)
