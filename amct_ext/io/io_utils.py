@@ -40,10 +40,23 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(e, OSError) and e.errno is not None:   # full disk, quota, I/O error
-            raise OutputError(f"cannot write {os_error_line(e, path)}") from None
+        os_error = _os_error_in(e)
+        if os_error is not None:   # full disk, quota, I/O error
+            raise OutputError(f"cannot write {os_error_line(os_error, path)}") from None
         raise
     return path
+
+
+def _os_error_in(e: BaseException | None) -> OSError | None:
+    """The OSError behind ``e``: itself, or one it was raised while handling. torch.save's zip
+    writer, failing mid-file, raises a RuntimeError ("unexpected pos") from its ``__exit__``
+    with the ENOSPC as its context."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
