@@ -171,16 +171,24 @@ def test_too_little_free_space_refused_before_any_work(tiny_ckpt, tmp_path, monk
     assert "ppl[" not in capsys.readouterr().out and not out.exists()
 
 
-def test_free_space_counts_the_export(tiny_ckpt, tmp_path, monkeypatch, capsys):
-    """The run alone fits 4 MiB; with its export (a copy of the checkpoint's bytes) it does not."""
+def test_free_space_counts_the_export(tiny_ckpt, tmp_path, monkeypatch):
+    """A disk that holds exactly the export's estimate alone (the checkpoint's bytes + the
+    small-files allowance) holds the run (1 MiB + 40 units x 8 KiB) but not the run with its export."""
+    from amct_ext.data import CALIB_DEFAULT
+    from amct_ext.pipeline.job import JobRequest, build_job
+    from models.deepseek_v4.plan import DeepseekV4PlanSpec
+
     ck = output_space.checkpoint_bytes(tiny_ckpt)
     assert ck == sum(p.stat().st_size for p in tiny_ckpt.iterdir() if p.name.endswith(".safetensors"))
-    _small_disk(monkeypatch, ck)
-    out = tmp_path / "out"
-    code = run_ptq.main(["--model", "tiny", "--model-path", str(tiny_ckpt), "--output-dir", str(out), *FAST,
-                         "--export", "compressed-tensors"])
-    line = one_error_line(capsys, code)
-    assert "the run and its compressed-tensors export will write about" in line
+    assert ck > 512 << 10    # so ck + 1 MiB > the run's 1.3 MiB: the export decides
+    _small_disk(monkeypatch, ck + output_space.SMALL_FILES_BYTES)
+
+    def req(**kw):
+        return JobRequest(model_path=tiny_ckpt, output_dir=str(tmp_path / "o"), calib_path=CALIB_DEFAULT,
+                          calib_samples=2, seq_len=32, batch_size=1, eval_batch_size=1, **kw)
+    build_job(req(), DeepseekV4PlanSpec())
+    with pytest.raises(OutputError, match="the run and its compressed-tensors export will write about"):
+        build_job(req(export="compressed-tensors"), DeepseekV4PlanSpec())
 
 
 def test_ptq_estimate_by_what_the_recipe_stores():
@@ -250,7 +258,9 @@ def test_read_only_export_folder_refused_before_any_layer(request, tiny_ckpt, tm
 
 
 def test_export_too_little_free_space_refused(tiny_ckpt, tmp_path, monkeypatch, capsys):
-    _small_disk(monkeypatch, output_space.checkpoint_bytes(tiny_ckpt))
+    """ascend stores the rest in bf16: twice the checkpoint's bytes; a disk with room for one
+    copy is refused."""
+    _small_disk(monkeypatch, output_space.checkpoint_bytes(tiny_ckpt) + output_space.SMALL_FILES_BYTES)
     out = tmp_path / "e"
     code = export_tool.main(["--model", "tiny", "--model-path", str(tiny_ckpt), "--scheme", "w8a8",
                              "--format", "ascend", "--out", str(out), "--quiet", "--device", "cpu"])

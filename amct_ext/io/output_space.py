@@ -123,9 +123,11 @@ __all__ = ["check_output_room", "probe_writable", "check_free_space", "ptq_param
 
 
 def check_output_room(folder: str | os.PathLike, flag: str, need_bytes: int, what: str,
-                      already: Iterable[str | os.PathLike] = ()) -> None:
-    """The plan's one call: ``folder`` writable (probe), and its disk's free space at least
-    ``need_bytes`` less what the folders ``already`` hold (a resumed run or export wrote part)."""
-    probe_writable(folder, flag)
+                      already: Iterable[str | os.PathLike] = (), probe: bool = True) -> None:
+    """The plan's one call: ``folder`` writable (probe; ``probe=False`` where the caller probed
+    it already), and its disk's free space at least ``need_bytes`` less what the folders
+    ``already`` hold (a resumed run or export wrote part)."""
+    if probe:
+        probe_writable(folder, flag)
     done = sum(bytes_under(p) for p in already)
     check_free_space(folder, max(0, need_bytes - done), flag, what)

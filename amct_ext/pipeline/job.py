@@ -376,7 +376,8 @@ def _check_output_room(req: JobRequest, spec: ModelPlanSpec, config: Any, inp: _
         what.append(f"its {export.format} export")
     out = Path(req.output_dir)
     room.check_output_room(out, "--output-dir", need, " and ".join(what) or "the run",
-                           already=[out / "ptq_params", *([export.out_dir] if export else [])])
+                           already=[out / "ptq_params", *([export.out_dir] if export else [])],
+                           probe=False)   # check_request probed it, before the model was opened
 
 
 def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> PtqJob:
