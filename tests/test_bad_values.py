@@ -97,12 +97,18 @@ def test_calibration_text_too_short_for_its_windows(tmp_path):
     check_calibration_length(f, 128, 8, 32)            # exactly twice on average: accepted
 
 
-def test_calibration_text_too_short_refused_by_the_run(tiny, tmp_path, capsys):
+def test_calibration_text_too_short_refused_by_the_run(tiny, tiny_ckpt, tmp_path, capsys):
+    """60 words and windows of half their tokens: 8 windows draw each token 4 times."""
+    from transformers import AutoTokenizer
+
+    from amct_ext.pipeline.perplexity import encode_text
+
     out, argv = tiny
     f = tmp_path / "short.txt"
     f.write_text(" ".join(CALIB_DEFAULT.read_text(encoding="utf-8").split()[1000:1060]))
-    refused(capsys, [*argv, "--calib-data", str(f), "--calib-samples", "8"],
-            f"--calib-data {f}: 60 words (", out)
+    n = len(encode_text(AutoTokenizer.from_pretrained(str(tiny_ckpt)), f.read_text(), add_special_tokens=False))
+    refused(capsys, [*argv, "--calib-data", str(f), "--calib-samples", "8", "--seq-len", str(n // 2)],
+            f"--calib-data {f}: 60 words ({n} tokens) are too short for 8 x {n // 2} calibration windows", out)
 
 
 # ----------------------------------------------------------------------------- the checkpoint
