@@ -149,6 +149,19 @@ def test_missing_tokenizer_file_named(tiny, tiny_ckpt, tmp_path, capsys):
     refused(capsys, argv, f"{d / 'tokenizer.json'}: not found", out)
 
 
+def test_missing_tokenizer_is_refused_by_the_plan_itself(tiny_ckpt, tmp_path):
+    """The plan names it (before the adapter, whose own loader names it too, is built)."""
+    from amct_ext.pipeline.job import JobRequest, build_job
+    from models.deepseek_v4.plan import DeepseekV4PlanSpec
+
+    d = ckpt_copy(tiny_ckpt, tmp_path, "notok")
+    (d / "tokenizer.json").unlink()
+    req = JobRequest(model_path=d, output_dir=str(tmp_path / "o"), calib_path=CALIB_DEFAULT, calib_samples=2,
+                     seq_len=32, batch_size=1, eval_batch_size=1)
+    with pytest.raises(DataError, match=re.escape(f"{d / 'tokenizer.json'}: not found")):
+        build_job(req, DeepseekV4PlanSpec())
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("hidden_size", "128", "field 'hidden_size' must be an integer, got '128' (str)"),
     ("compress_ratios", [0, "4", 0, 0, 0], "field 'compress_ratios[1]' must be an integer, got '4' (str)"),
