@@ -440,7 +440,12 @@ class BaseModel(abc.ABC):
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
             return self._tokenizer
-        except Exception as e:  # missing / broken tokenizer files: one line, name the folder
+        except Exception as e:  # missing / broken tokenizer files: one line, name the file or the folder
+            from .pipeline.tokenizer_files import missing_tokenizer_line
+
+            missing = missing_tokenizer_line(self.model_path)
+            if missing is not None:
+                raise DataError(missing) from None
             raise DataError(f"{self.model_path}: cannot load the tokenizer "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -93,6 +94,9 @@ def write_index_only_checkpoint(out: Path, like: str = "v4-flash", n_layers: int
     cfg_dict.update(config_set or {})
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=1))
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    # the plan checks the tokenizer (issue 36.3): the trained tiny one (4096 ids <= the vocabulary)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(REPO / "assets" / "tiny-v4" / name, out / name)
     return out
 
 

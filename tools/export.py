@@ -50,7 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from amct_ext.errors import AmctError  # noqa: E402
+from amct_ext.errors import AmctError, user_error_line  # noqa: E402
 from models.deepseek_v4.cli import (MODELS, PlainHelpFormatter, add_model_arguments,  # noqa: E402,F401
                                     check_weights_present, resolve_model_path)
 
@@ -131,6 +131,12 @@ def main(argv=None) -> int:
         return 0
     except AmctError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:   # the OS refusing a file (read-only folder, full disk, permission): one line
+        line = user_error_line(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: rerun the same command to resume (written layers are kept)", file=sys.stderr)

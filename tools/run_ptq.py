@@ -93,7 +93,7 @@ sys.path.insert(0, str(REPO))
 
 from amct_ext.base import DEFAULT_EPOCHS, DEFAULT_LR  # noqa: E402
 from amct_ext.data import EVAL_DEFAULT  # noqa: E402
-from amct_ext.errors import AmctError, ConfigError  # noqa: E402
+from amct_ext.errors import AmctError, ConfigError, user_error_line  # noqa: E402
 # model resolution is shared with tools/export.py through a library module (no tool imports the other)
 from models.deepseek_v4.cli import (MODELS, MODELSCOPE_IDS, TRAINED_TINY, PlainHelpFormatter,  # noqa: E402,F401
                                     add_model_arguments, cache_root, check_weights_present,
@@ -515,7 +515,11 @@ def main(argv=None) -> int:
         return 2
     except Exception as e:  # a rank lost its peers: one line instead of a traceback per rank
         if distributed.env_from() is None or not distributed.is_comm_failure(e):
-            raise
+            line = user_error_line(e)   # the OS refusing a file (read-only, full disk): one line
+            if line is None:
+                raise
+            print(f"error: {line}", file=sys.stderr)
+            return 2
         rank = os.environ.get("RANK", "?")
         distributed.mark_stop_reported()   # before the line: torchrun's SIGTERM may follow at once
         print(f"error: rank {rank}: another rank stopped or is unreachable ({type(e).__name__}: "

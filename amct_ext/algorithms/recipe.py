@@ -269,12 +269,12 @@ def load_recipe_file(path: str | Path) -> Recipe:
                               "or write the recipe as JSON") from None
         try:
             data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, RecursionError) as e:
             raise RecipeError(f"recipe file {path}: invalid YAML ({str(e).splitlines()[0]})") from None
     else:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:   # nested 100,000 deep: one line
             raise RecipeError(f"recipe file {path}: invalid JSON ({e})") from None
     return recipe_from_data(data, str(path))
 

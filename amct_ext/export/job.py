@@ -143,6 +143,11 @@ def export_config(req: ExportRequest, say: Callable[[str], None] = print):
                        dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name], progress=req.progress,
                        **({} if req.serve is None else {"serve": req.serve}))
     cfg.check()
+    from ..io import output_space as room   # writable --out with the free space for the export
+
+    room.check_output_room(cfg.out_dir, "--out", room.export_bytes(
+        room.checkpoint_bytes(req.model_path), req.dequantize_rest or req.format == "ascend"),
+        f"the {req.format} export", already=[cfg.out_dir])
     if pdir is not None:   # (saved parameters an engine cannot represent: ExportConfig.check)
         layers = check_run_layers(pdir, spec.n_layers(config),
                                   lambda ls: spec.unit_stems(config, scheme, cfg.targets, ls),

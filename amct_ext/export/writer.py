@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 from safetensors.torch import save_file
 
-from ..errors import AmctError
+from ..errors import AmctError, os_error_line
 from ..io.io_utils import atomic_write, atomic_write_json
 
 STATE_NAME = ".amct_export_state.json"
@@ -75,6 +75,23 @@ def save_streaming(tensors: dict[str, torch.Tensor], path: str, metadata: dict[s
         os.fsync(f.fileno())
 
 
+def _names_os_errors(method):
+    """A full disk / read-only folder while a shard streams: one ExportOutputError naming the
+    shard file and the OS cause instead of a bare OSError (issue 36.3; the partial file never
+    reaches its final name)."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as e:
+            if e.errno is None:
+                raise
+            raise ExportOutputError(f"cannot write {os_error_line(e, self.path)}") from None
+    return wrapped
+
+
 class ShardStream:
     """One safetensors shard written while its tensors are produced: host memory holds one tensor
     at a time (plus the small ones, kept for the end).
@@ -88,6 +105,7 @@ class ShardStream:
 
     BIG = 1 << 20
 
+    @_names_os_errors
     def __init__(self, path: str | os.PathLike, n_hint: int, metadata: dict[str, str] | None = None):
         self.path = str(path)
         self.metadata = dict(metadata or {})
@@ -99,6 +117,7 @@ class ShardStream:
         self.pending: dict[str, torch.Tensor] = {}
         self.fallback: dict[str, torch.Tensor] | None = None
 
+    @_names_os_errors
     def add(self, name: str, t: torch.Tensor) -> None:
         if name in self.entries or name in self.pending or (self.fallback is not None and name in self.fallback):
             raise ExportOutputError(f"tensor {name!r} written twice into {self.path}")
@@ -115,6 +134,7 @@ class ShardStream:
         else:
             self.pending[name] = t.contiguous()
 
+    @_names_os_errors
     def add_file_range(self, name: str, st_dtype: str, shape: list[int], src: str | os.PathLike,
                        start: int, nbytes: int) -> bool:
         """Copy a tensor's bytes straight from another safetensors file (a tensor copied as
@@ -159,6 +179,7 @@ class ShardStream:
     def nbytes(self) -> int:
         return self.offset + sum(v.numel() * v.element_size() for v in (self.fallback or {}).values())
 
+    @_names_os_errors
     def close(self) -> None:
         for name in sorted(self.pending, key=lambda k: (-self.pending[k].element_size(), k)):
             self._write(name, self.pending.pop(name))

@@ -139,8 +139,8 @@ class CheckpointReader:
     def _read_index(self, index: Path) -> dict[str, str]:
         try:
             data = json.loads(index.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{index}: cannot read index json ({e})") from e
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise CheckpointError(f"{index}: cannot read index json ({e})") from None
         wm = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wm, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object")

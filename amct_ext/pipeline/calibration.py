@@ -18,6 +18,7 @@ from ..data import CALIB_DEFAULT, EVAL_DEFAULT
 from ..errors import DataError
 from .leak_guard import refuse_eval_overlap
 from .perplexity import encode_text
+from .text_files import check_calibration_length, check_utf8_text
 
 # the shipped validation split (package data): a fresh clone or an installed wheel has it
 DEFAULT_CALIBRATION_PATH = CALIB_DEFAULT
@@ -63,6 +64,7 @@ def load_calibration_windows(
     if seq_len < 1 or n_samples < 1:
         raise DataError(f"calibration needs seq_len >= 1 and n_samples >= 1, got {seq_len}, {n_samples}")
 
+    check_utf8_text(path, "calibration text")
     text = path.read_text(encoding="utf-8")
     ids = encode_text(tokenizer, text, add_special_tokens=False)
     n_tokens = len(ids)
@@ -70,6 +72,7 @@ def load_calibration_windows(
         raise DataError(
             f"calibration text {path} has {n_tokens} tokens, fewer than seq_len={seq_len}"
         )
+    check_calibration_length(path, n_tokens, n_samples, seq_len)   # not a few sentences drawn again and again
     ids_t = torch.tensor(ids, dtype=torch.long)
     rng = random.Random(seed)
     # randint is inclusive: start == n_tokens - seq_len is the last window that fits.

@@ -29,6 +29,10 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from ..errors import AmctError, ConfigError, DataError, QuantConfigError
+from ..io.output_space import probe_writable
+from .size_caps import check_calibration_memory, check_recipe_sizes
+from .text_files import check_utf8_text
+from .tokenizer_files import check_tokenizer
 
 PPL_MODES = ("float", "rtn")
 PROPAGATE = ("float", "quant")
@@ -215,7 +219,7 @@ def load_job_spec(path: str | Path) -> tuple[Any, dict[str, Any]]:
         raise RecipeError(f"--recipe {p}: file not found")
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:   # RecursionError: nested too deep
         raise RecipeError(f"--recipe {p}: invalid JSON ({e})") from None
     job = {}
     if isinstance(data, dict):
@@ -281,6 +285,7 @@ def check_request(req: JobRequest) -> _Inputs:
 
     out = Path(req.output_dir)
     _check_output_dir(out)
+    probe_writable(out, "--output-dir")   # a read-only folder refused now, not after the perplexities
     # ---- runtime and sizes (flags by name, never a dataclass field)
     threads = req.threads
     if threads is not None and threads < 1:
@@ -336,7 +341,10 @@ def check_request(req: JobRequest) -> _Inputs:
         raise ConfigError(f"propagate={propagate!r} ({where}): must be one of {', '.join(PROPAGATE)}")
     holdout = _merge("--holdout", req.holdout, "holdout", job_spec, where, 0.25)
     if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
-        raise ConfigError(f"--holdout {holdout}: the held-out share of each unit's calls must lie in [0, 1)")
+        # name where the value came from, and its type: a string "0.5" in a recipe file is not 0.5
+        shown = (f"holdout={holdout!r} ({type(holdout).__name__}) in recipe file {where}" if "holdout" in job_spec
+                 else f"--holdout {holdout}")
+        raise ConfigError(f"{shown}: the held-out share of each unit's calls must be a number in [0, 1)")
     guard = _merge("--no-guard", False if req.no_guard else None, "guard", job_spec, where, True)
     if req.no_guard and job_spec.get("guard") is True:
         raise ConfigError(f"--no-guard conflicts with guard=true in recipe file {where}; give it in one place")
@@ -344,9 +352,33 @@ def check_request(req: JobRequest) -> _Inputs:
         raise ConfigError(f"guard={guard!r} in recipe file {where}: must be true or false")
     targets_text = _merge("--quant-target", req.quant_target, "targets", job_spec, where, "attn-linear,moe")
     targets = scheme.check_targets(parse_targets(targets_text))
+    if recipe is not None:   # a search grid of 10^12 candidates: refused before any work
+        check_recipe_sizes(recipe.algorithms, where)
 
     return _Inputs(scheme, list(targets), RecipePart(recipe, propagate, float(holdout), guard, source),
                    samples, batch, eval_batch, modes, cap, hes)
+
+
+def _check_output_room(req: JobRequest, spec: ModelPlanSpec, config: Any, inp: _Inputs, layers: range,
+                       export: ExportPart | None, n_units: int) -> None:
+    """Free space on --output-dir's disk for the unit files and the export (io/output_space.py)."""
+    from ..io import output_space as room
+
+    count = getattr(spec, "quantized_weight_numel", None)
+    numel = count(config, inp.scheme, inp.targets, list(layers)) if count is not None else {}
+    need, what = 0, []
+    if not req.no_ptq:
+        names = [a.name for a in inp.recipe.recipe.algorithms] if inp.recipe.recipe is not None else []
+        need += room.ptq_params_bytes(numel, names, 2 if req.dtype == "bf16" else 4, n_units)
+        what.append("the run")
+    if export is not None:
+        need += room.export_bytes(room.checkpoint_bytes(req.model_path),
+                                  export.dequantize_rest or export.format == "ascend")
+        what.append(f"its {export.format} export")
+    out = Path(req.output_dir)
+    room.check_output_room(out, "--output-dir", need, " and ".join(what) or "the run",
+                           already=[out / "ptq_params", *([export.out_dir] if export else [])],
+                           probe=False)   # check_request probed it, before the model was opened
 
 
 def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> PtqJob:
@@ -370,6 +402,9 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
     eval_path = Path(req.eval_path) if req.eval_path else None
     if req.eval_ppl and (eval_path is None or not eval_path.is_file()):
         raise DataError(f"evaluation text not found: {eval_path} (pass --eval-data wiki.test.raw)")
+    check_utf8_text(calib_path, "--calib-data")   # binary / UTF-16 text: one line now, not a traceback later
+    if req.eval_ppl:
+        check_utf8_text(eval_path, "--eval-data")
 
     # ---- model: links, config, checkpoint index, layers, scheme x shapes
     from .plan_checks import check_checkpoint_links, check_layer_count
@@ -377,6 +412,7 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
     check_checkpoint_links(Path(req.model_path))
     config = spec.read_config(Path(req.model_path))
     n_layers = spec.n_layers(config)
+    check_tokenizer(Path(req.model_path), getattr(config, "vocab_size", None))   # named file, both sizes
     max_len = getattr(config, "max_seq_len", None)
     if isinstance(max_len, int) and seq_len > max_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings={max_len}")
@@ -386,6 +422,9 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
         raise ConfigError(f"--start-layer {start} / --end-layer {stop}: the layer range must satisfy "
                           f"0 <= start < end <= {n_layers}")
     layers = range(start, stop)
+    values = getattr(spec, "hidden_values_per_token", None)
+    if not req.no_ptq and values is not None:   # --calib-samples 10^9: refused now, not after minutes
+        check_calibration_memory(inp.samples, seq_len, values(config), 2 if req.dtype == "bf16" else 4)
     # ---- export: format x scheme x targets x engine (the exporter's own check), with the unit
     # parameters the recipe will save that the engine may not represent (the w3 pair's up_limit)
     export = None
@@ -408,6 +447,7 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
     if "checkpoint_layers" in ck:
         check_layer_count(n_layers, ck["checkpoint_layers"], str(req.model_path), req.allow_fewer_layers)
     units = spec.check_scheme(config, scheme, targets, list(layers))
+    _check_output_room(req, spec, config, inp, layers, export, sum(units.values()))
 
     job = PtqJob(
         model=ModelPart(spec.name, Path(req.model_path), config, n_layers),

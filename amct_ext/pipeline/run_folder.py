@@ -110,7 +110,7 @@ class RunFolder:
             return None
         try:
             meta = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise error(f"{context}{p}: unreadable ({e})" + ("; " + HINT if error is ParamsMismatchError else "")
                         ) from None
         if not isinstance(meta, dict):
@@ -187,7 +187,7 @@ class RunFolder:
             return None
         try:
             rec = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             return {}
         return rec if isinstance(rec, dict) else {}
 

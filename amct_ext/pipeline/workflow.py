@@ -57,7 +57,7 @@ from .calibration import load_calibration_windows
 from ..data import EVAL_DEFAULT
 from .capture import CALL_METER, CallSink, CaptureStore, SpilledCalls, call_nbytes, capture_unit_io
 from ..errors import AmctError, ConfigError, DataError
-from ..io.io_utils import atomic_save, atomic_write_json, safe_torch_load
+from ..io.io_utils import atomic_save, atomic_write_json, load_error_line, safe_torch_load
 from .perplexity import NllAccumulator, load_eval_text, tokenize_windows
 from .phases import NO_PHASES
 from ..quant.quantizers import ActivationQuantizer
@@ -281,8 +281,10 @@ def load_unit_params(unit, params_dir: Path) -> None:
         raise DataError(f"{path}: missing PTQ parameters of unit {unit.name} (run PTQ for this layer first)")
     try:
         params = safe_torch_load(path)
+    except AmctError as e:   # already one line naming the file (a refused pickle)
+        raise DataError(str(e)) from None
     except Exception as e:  # truncated / foreign file: one line naming it
-        raise DataError(f"{path}: cannot load ({type(e).__name__}: {e})") from None
+        raise DataError(f"{path}: cannot load ({load_error_line(e)})") from None
     if not isinstance(params, dict):
         raise DataError(f"{path}: expected a dict of tensors, got {type(params).__name__}")
     try:

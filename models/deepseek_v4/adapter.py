@@ -102,15 +102,18 @@ def check_config_fields(model_path) -> None:
     """One clear error naming config.json and the first missing required field."""
     from pathlib import Path
 
+    from .config_types import check_config_types
+
     cfg = Path(model_path) / "config.json"
     if not cfg.is_file():
         raise CheckpointError(f"{cfg}: config.json not found (is {model_path} a DeepSeek-V4 checkpoint folder?)")
     try:
         raw = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ConfigError(f"{cfg}: cannot read JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{cfg}: expected a JSON object at the top level")
+    check_config_types(raw, cfg)   # a string where a number belongs: named by its config.json field
     for names in REQUIRED_CONFIG_FIELDS:
         if not any(n in raw for n in names):
             alts = [n for n in dict.fromkeys(names[1:]) if n != names[0]]

@@ -228,17 +228,23 @@ class DeepseekV4Config(PretrainedConfig):
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
+        file_name = {rt: hf for hf, rt in HF_TO_RUNTIME.items()}
+        file_name.update({rt: f"rope_scaling.{k}" for k, rt in ROPE_SCALING_TO_RUNTIME.items()})
+
         def bad(field: str, why: str) -> ConfigError:
-            return ConfigError(f"DeepseekV4Config.{field}: {why}")
+            # the config.json field the user wrote (hidden_size), not the runtime name (dim)
+            shown = file_name.get(field, field)
+            return ConfigError(f"field {shown!r}" + (f" (DeepseekV4Config.{field})" if shown != field else "")
+                               + f": {why}")
 
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
                       "o_lora_rank", "moe_inter_dim", "n_routed_experts", "n_activated_experts", "hc_mult",
                       "window_size", "index_n_heads", "index_head_dim", "index_topk", "hc_sinkhorn_iters"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise bad(field, f"must be a positive integer, got {value!r}")
+                raise bad(field, f"must be a positive integer, got {value!r} ({type(value).__name__})")
         if len(self.compress_ratios) < self.n_layers:
-            raise bad("compress_ratios", f"has {len(self.compress_ratios)} entries, fewer than n_layers={self.n_layers}")
+            raise bad("compress_ratios", f"has {len(self.compress_ratios)} entries, fewer than num_hidden_layers={self.n_layers}")
         for i, r in enumerate(self.compress_ratios):
             if r not in COMPRESS_RATIOS:
                 raise bad("compress_ratios", f"entry {i} is {r}; supported ratios are {COMPRESS_RATIOS}")

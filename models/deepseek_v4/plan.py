@@ -44,8 +44,12 @@ class DeepseekV4PlanSpec:
         from .adapter import check_config_fields
         from .loading import load_config
 
+        from .routing_table import check_hash_routing
+
         check_config_fields(model_path)
-        return load_config(model_path)
+        config = load_config(model_path)
+        check_hash_routing(Path(model_path), config)   # an expert id out of range: named now, not in a forward
+        return config
 
     def n_layers(self, config) -> int:
         return int(config.n_layers)
@@ -144,6 +148,31 @@ class DeepseekV4PlanSpec:
                                        ) from None
             units_of_kind[kind] = len(list(quant_module.iter_block_ptq_units(block, i, list(targets))))
         return {i: units_of_kind[_kind(config, i)] for i in layers}
+
+    def hidden_values_per_token(self, config) -> int:
+        """Values one token's hidden state holds between layers (hc_mult streams of dim): the
+        plan's calibration-memory cap (amct_ext/pipeline/size_caps.py)."""
+        return int(config.hc_mult) * int(config.dim)
+
+    def quantized_weight_numel(self, config, scheme, targets: Sequence[str], layers: Sequence[int]) -> dict[int, int]:
+        """{bits: elements} of every weight the scheme quantizes in ``layers`` (one meta skeleton
+        per layer kind): what the plan's output-size estimate counts (amct_ext/io/output_space.py)."""
+        from amct_ext.quant.quant_linear import QuantLinear
+
+        of_kind: dict[tuple[int, bool], dict[int, int]] = {}
+        total: dict[int, int] = {}
+        for i in layers:
+            kind = _kind(config, i)
+            if kind not in of_kind:
+                counts: dict[int, int] = {}
+                for m in self._quantized_meta_block(config, i, scheme, targets).modules():
+                    spec = m.weight_quantizer.spec if isinstance(m, QuantLinear) else None
+                    if spec is not None:
+                        counts[int(spec.bits)] = counts.get(int(spec.bits), 0) + m.weight.numel()
+                of_kind[kind] = counts
+            for bits, n in of_kind[kind].items():
+                total[bits] = total.get(bits, 0) + n
+        return total
 
     @staticmethod
     def _shape_misfit(config, i: int, scheme, targets: Sequence[str]) -> str | None:

@@ -333,10 +333,12 @@ def check_export(cfg: Any, profile: engine.EngineProfile, planned_params=()) -> 
     profile.check_params(planned_params, where=lambda k: f"the planned recipe's parameter {k!r}")
     if cfg.params_dir is not None:
         for path in sorted(Path(cfg.params_dir).glob("layer_*.pt")):
+            from amct_ext.io.io_utils import load_error_line
+
             try:
                 names = list(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
             except Exception as e:   # truncated / foreign file: one line naming it
-                raise DataError(f"{path}: cannot load ({type(e).__name__}: {e})") from None
+                raise DataError(f"{path}: cannot load ({load_error_line(e)})") from None
             profile.check_params(names, where=lambda k, p=path: f"{p}: parameter {k!r}")
     for check in profile.checks:
         check(cfg, profile)
