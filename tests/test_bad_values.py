@@ -196,8 +196,11 @@ def test_recipe_nested_100000_deep_is_one_line(tiny, tmp_path, capsys):
 
 def test_absurd_grid_refused_with_the_field(tiny, tmp_path, capsys):
     out, argv = tiny
+    # 10^12 is out of the value range the recipe check knows (amct_ext/algorithms/field_ranges.py),
+    # which runs first; between that range and the size cap, the cap names its bound
     refused(capsys, [*argv, "--algo", "hclip:grid=1000000000000"],
-            "hclip.grid=1000000000000 (--algo): at most 1024 candidates", out)
+            "--algo entry 0 (hclip): hclip.grid = 1000000000000: larger than", out)
+    refused(capsys, [*argv, "--algo", "hclip:grid=5000"], "hclip.grid=5000 (--algo): at most 1024 candidates", out)
     r = tmp_path / "r.json"
     r.write_text(json.dumps({"recipe": [{"algo": "clip", "grid": 1025}]}))
     refused(capsys, [*argv, "--recipe", str(r)], f"clip.grid=1025 ({r}): at most 1024", out)

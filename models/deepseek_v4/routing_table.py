@@ -32,8 +32,9 @@ def check_hash_routing(model_path: Path, config) -> None:
             except Exception:   # an unreadable shard: the checkpoint checks name it
                 continue
             if table.is_floating_point() or table.dim() != 2:
-                raise CheckpointError(f"{reader.root / reader.shard_of(key)}: {key} must be an integer table [vocab, top-k], got "
-                                      f"{str(table.dtype).replace('torch.', '')} {list(table.shape)}")
+                # a table of the wrong dtype or rank: the plan's shard-header check (after the config)
+                # names it against the model's expectation; only the values are this check's concern
+                continue
             bad = (table < 0) | (table >= n_experts)
             if bool(bad.any()):
                 tok, col = (int(v) for v in bad.nonzero()[0])
