@@ -2,7 +2,7 @@
 `python -m pytest -q -m fast tests`: unit-level test files (number formats, quantizers, schemes,
 codecs, solvers on small matrices, static checks of the tree and of the evidence) that build no
 checkpoint, start no process and run no job, >= 100 tests in under a minute on 2 busy cores
-(RESULTS.md and ARCHITECTURE.md give the measured count and time).
+(README.md and ARCHITECTURE.md give the measured count and time).
 
 The tier is declared here by file, so a file is fast or not as a whole; tests/conftest.py marks
 every test of these files `fast` and, for `-m fast`, does not even import the other files (their
