@@ -12,6 +12,22 @@ A blockwise run never holds the whole model. It needs, from the model, only thes
 - ``quantize_block``           wrap a float layer with fake-quant modules;
 - ``set_quant_enabled``        switch a wrapped layer's quantizers off (float) / on.
 
+The model contract: everything the framework asks of a model, declared here and nowhere else
+(``amct_ext/`` never imports ``models/``; tests/test_layout.py refuses model names in its code):
+
+- ``BaseModel``      the adapter of a running job: the abstract hooks above, the optional ones with
+                     a default (``max_seq_len``, ``model_id``, ``mtp_layer_ids`` /
+                     ``mtp_block_inputs`` / ``mtp_logits``, ``layer_cost``, ``unit_device``,
+                     ``block_sample_batch`` ...);
+- ``ModelBinding``   what the export, the job plan and the torchrun split need without an adapter
+                     (one per config.json ``model_type``), and the vocabulary a recipe may name
+                     before any model is built: ``smoothing_pairs``;
+- ``PtqUnit``        (pipeline/ptq_units.py) a solvable piece of a layer; its module may offer
+                     ``SmoothableUnit`` (smoothing pairs) and ``GatedProjections`` (a gated MLP's
+                     gate / up / down projections by role: routed experts are stacked by role,
+                     never by the model's names);
+- ``LayerPlacement`` (runtime/dispatch.py) how a sharded layer is spread over devices.
+
 Per-sample state channel
 ------------------------
 Some layers need more than the hidden state: DeepSeek-V4's hash-routed MoE layers need each
@@ -30,7 +46,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
@@ -153,6 +169,9 @@ class ModelBinding(abc.ABC):
 
     #: the ``model_type`` of the config.json files this binding reads
     model_type: str = ""
+    #: the smoothing pairs its units offer (``SmoothableUnit.smoothing_subgraphs``), by name: what
+    #: ``--algo awq:pairs=A+B`` may name, checked when the recipe is parsed
+    smoothing_pairs: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def check_config(self, model_path: str | os.PathLike) -> None:
@@ -227,6 +246,32 @@ def register_model_binding(binding: ModelBinding) -> ModelBinding:
         raise TypeError(f"{type(binding).__name__}.model_type is empty")
     _BINDINGS[binding.model_type] = binding
     return binding
+
+
+def known_smoothing_pairs() -> tuple[str, ...]:
+    """Every smoothing pair name the registered model bindings declare (registration order)."""
+    return tuple(dict.fromkeys(name for b in _BINDINGS.values() for name in b.smoothing_pairs))
+
+
+# ------------------------------------------------------------------------------------ unit hooks
+@runtime_checkable
+class SmoothableUnit(Protocol):
+    """A unit module whose activations can be smoothed into a preceding weight (SmoothQuant,
+    AWQ): ``smoothing_subgraphs()`` lists its pairs (``algorithms.smoothing.SmoothPair``: name,
+    producer, readers), named as its binding's ``smoothing_pairs``."""
+
+    def smoothing_subgraphs(self) -> list: ...
+
+
+@runtime_checkable
+class GatedProjections(Protocol):
+    """A gated MLP unit (``down(act(gate(x)) * up(x))``): ``PROJECTIONS`` maps the roles ``gate``,
+    ``up``, ``down`` to its attribute (= checkpoint) names, ``projection(role)`` returns the
+    linear. Batched paths stack experts by role (``quant.quant_linear.QuantGatedMLP``)."""
+
+    PROJECTIONS: dict[str, str]
+
+    def projection(self, role: str) -> nn.Module: ...
 
 
 def model_binding(model_path: str | os.PathLike) -> ModelBinding:
@@ -394,6 +439,37 @@ class BaseModel(abc.ABC):
         kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
         with device_checks.deferred_checks():
             return block(x.to(dev), **kw)
+
+    # ------------------------------------------------------------------ optional hooks (declared)
+    @property
+    def max_seq_len(self) -> int | None:
+        """The longest window the model's positions allow (None: no limit known)."""
+        return None
+
+    def model_id(self) -> dict[str, Any]:
+        """What identifies the model in ptq_params/meta.json (a resumed run must agree on it);
+        a model adapter adds its config / index hashes. Default: the checkpoint folder's name."""
+        return {"name": str(self.model_path)}
+
+    def layer_name(self, layer_id: int) -> str:
+        """The checkpoint prefix of layer ``layer_id`` as reports name it (past the decoder layers:
+        the model's extra layers, e.g. an MTP layer)."""
+        return f"layers.{layer_id}"
+
+    def mtp_layer_ids(self) -> list[int]:
+        """Layer ids (after the decoder layers) of the model's multi-token-prediction layers that
+        the checkpoint holds complete; ``block(i)`` builds them. Default: none."""
+        return []
+
+    def mtp_block_inputs(self, layer_idx: int, hidden: Sequence[torch.Tensor], states: Sequence[dict[str, Any]]
+                         ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+        """MTP layer ``layer_idx``'s inputs and per-sample states from the last decoder layer's
+        outputs ``hidden`` and the samples' states."""
+        raise NotImplementedError(f"{type(self).__name__} declares no MTP layer (mtp_layer_ids)")
+
+    def mtp_logits(self, layer_idx: int, y: torch.Tensor) -> torch.Tensor:
+        """Logits of MTP layer ``layer_idx``'s output ``y``."""
+        raise NotImplementedError(f"{type(self).__name__} declares no MTP layer (mtp_layer_ids)")
 
     def layer_cost(self, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int) -> Any:
         """The cost of layer ``layer_idx`` (``distributed.LayerCost``) for the torchrun layer

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """llm-compressor 0.14's GPTQ on ONE decoder layer of a (synthetic) V4 checkpoint: its speed
-beside ours at real size (issue 24 item 4; benchmarks/scripts/h200_issue24.sh runs it).
+beside ours at real size (issue 24 item 4; benchmarks/scripts/h200_recipe_speed.sh runs it).
 
     PYTHONPATH=SITE python3 benchmarks/peer_llmcompressor_layer.py --model BF16_DIR --layer 2 \\
         --windows 32 --seq-len 2048 --device cuda --json OUT.json
@@ -66,7 +66,7 @@ def layer_targets(layer: int) -> list[str]:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, required=True, help="bf16 copy (release names), e.g. /tmp/i24/bf16")
+    ap.add_argument("--model", type=Path, required=True, help="bf16 copy (release names), e.g. /tmp/recipe_speed/bf16")
     ap.add_argument("--layer", type=int, default=2)
     ap.add_argument("--windows", type=int, required=True)
     ap.add_argument("--seq-len", type=int, default=2048)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The quality headlines: the perplexities README.md and RESULTS.md §0 quote, from ONE source.
+"""The quality headlines: the perplexities README.md and RESULTS.md §3 quote, from ONE source.
 
 Each headline is one `tools/run_ptq.py` command on the trained tiny V4 (assets/tiny-v4) on the
 reported windows (the first 64 x 256 of the shipped test split; recipes are chosen on the
@@ -7,8 +7,9 @@ disjoint dev windows 64-127, benchmarks/quality_table.py --split dev) and the on
 report.json that is quoted. `--write` runs every headline and writes
 benchmarks/quality/headlines.json (scheme, recipe, command, value, wall time, threads); `--check`
 reruns them and compares with the file (1e-4 relative); `--render` prints the text block that
-README.md and RESULTS.md §0 carry between the `headlines` markers (tests/test_quality_headlines.py
-checks both files against it, and reruns the headlines marked `ci`).
+README.md and RESULTS.md §3 carry between the `headlines` markers (tests/test_quality_headlines.py
+checks both files against it, and reruns the headlines marked `ci`); RESULTS.md §3 also carries
+every headline as a table (`headlines-table` markers, render_table).
 
     python benchmarks/quality_headlines.py --write [--only NAME[,NAME]] [--threads-check]
     python benchmarks/quality_headlines.py --check [--only NAME[,NAME]]
@@ -22,8 +23,8 @@ headlines on this machine and stores their values under `other_cpus` beside it, 
 alone. A rerun is compared with the value of its own CPU class within TOLERANCE, and on a class
 with no record with the quoted value within CROSS_CPU_TOLERANCE.
 
-A headline marked `ci: false` (too slow for the suite) is pinned by `--check` only, and README /
-RESULTS §0 do not quote it (RESULTS §3 does, with the command).
+A headline marked `ci: false` (too slow for the suite) is pinned by `--check` only: README and
+the headlines block do not quote it; RESULTS §3's table does (the command is in headlines.json).
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ CROSS_CPU_TOLERANCE = 1e-3
 REPORTED_WINDOWS = 64
 DEV_FIRST_WINDOW = 64
 BEGIN, END = "<!-- headlines:begin -->", "<!-- headlines:end -->"
+#: RESULTS.md's quality section also carries every headline (the slower ones too) as a table
+TABLE_BEGIN, TABLE_END = "<!-- headlines-table:begin -->", "<!-- headlines-table:end -->"
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,7 @@ def rel(a: float, b: float) -> str:
 
 
 def render(entries: dict[str, dict]) -> str:
-    """The block README.md and RESULTS.md §0 carry (only the headlines the suite reruns)."""
+    """The block README.md and RESULTS.md §3 carry (only the headlines the suite reruns)."""
     f = entries["float"]["value"]
     parts = [f"{n} **{e['value']:.2f}** ({rel(e['value'], f)}, `{e['recipe']}`)"
              for n, e in entries.items() if n != "float" and e["ci"]]
@@ -190,11 +193,26 @@ def render(entries: dict[str, dict]) -> str:
             f"the other schemes: RESULTS.md §3).\n{END}")
 
 
-def quoted_block(text: str, where: str) -> str:
-    i, j = text.find(BEGIN), text.find(END)
+def render_table(entries: dict[str, dict]) -> str:
+    """The table RESULTS.md's quality section carries: every headline, ``ci: false`` included
+    (those are pinned by ``--check``, not by the suite), with its recipe and CPU class."""
+    f = entries["float"]["value"]
+    lines = [TABLE_BEGIN,
+             "| headline | recipe@propagate | PPL | vs float | rerun by | CPU class of the value |",
+             "| --- | --- | ---: | ---: | --- | --- |"]
+    for n, e in entries.items():
+        recipe = f"`{e['recipe']}`" if e["recipe"] else "- (float)"
+        delta = "-" if e["metric"] == "float" else rel(e["value"], f)
+        by = "tests/test_quality_headlines.py" if e["ci"] else "`quality_headlines.py --check`"
+        lines.append(f"| {n} | {recipe} | {e['value']:.4f} | {delta} | {by} | {e['cpu']} |")
+    return "\n".join(lines + [TABLE_END])
+
+
+def quoted_block(text: str, where: str, begin: str = BEGIN, end: str = END) -> str:
+    i, j = text.find(begin), text.find(end)
     if i < 0 or j < i:
-        raise SystemExit(f"error: {where}: no {BEGIN} ... {END} block")
-    return text[i:j + len(END)]
+        raise SystemExit(f"error: {where}: no {begin} ... {end} block")
+    return text[i:j + len(end)]
 
 
 def main(argv=None) -> int:
@@ -202,10 +220,10 @@ def main(argv=None) -> int:
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true", help="run the headlines and write headlines.json")
     mode.add_argument("--check", action="store_true", help="rerun the headlines and compare with headlines.json")
-    mode.add_argument("--render", action="store_true", help="print the README / RESULTS §0 block")
+    mode.add_argument("--render", action="store_true", help="print the README / RESULTS §3 block")
     mode.add_argument("--record-cpu", action="store_true",
                       help="rerun the headlines and record their values for this CPU class (other_cpus)")
-    ap.add_argument("--in-place", action="store_true", help="--render: replace the block in README.md and RESULTS.md")
+    ap.add_argument("--in-place", action="store_true", help="--render: replace the blocks in README.md and RESULTS.md")
     ap.add_argument("--only", default="", help="comma list of headline names (default: all)")
     ap.add_argument("--threads-check", action="store_true",
                     help="--write: also run each headline with 2 intra-op threads and record the difference")
@@ -215,9 +233,12 @@ def main(argv=None) -> int:
         block = render(load_headlines())
         print(block)
         if args.in_place:
+            table = render_table(load_headlines())
             for path in (REPO / "README.md", REPO / "benchmarks" / "RESULTS.md"):
                 text = path.read_text(encoding="utf-8")
                 new = text.replace(quoted_block(text, path.name), block, 1)
+                if path.name == "RESULTS.md":
+                    new = new.replace(quoted_block(new, path.name, TABLE_BEGIN, TABLE_END), table, 1)
                 atomic_write(path, lambda tmp, new=new: Path(tmp).write_text(new, encoding="utf-8"))
         return 0
     names = [n for n in args.only.split(",") if n] or list(BY_NAME)

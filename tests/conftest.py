@@ -131,3 +131,38 @@ def wiki_valid() -> Path:
     """The Wikitext-2 validation split shipped in amct_ext/data (calibration / training)."""
     assert WIKI_VALID.is_file(), f"{WIKI_VALID} is missing from the checkout"
     return WIKI_VALID
+
+
+# ----------------------------------------------------------------------------- test tiers
+# `pytest -m fast`: the unit-level files of tests/tiers.py (one declared list; test_tiers.py guards it)
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fast: unit-level tier, `python -m pytest -q -m fast tests` (tests/tiers.py)")
+
+
+def _fast_only(config) -> bool:
+    return (config.getoption("markexpr", "") or "").strip() == "fast"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under `-m fast` the other test files are not imported at all (the same tests are selected)."""
+    from tests.tiers import FAST_FILES
+
+    if _fast_only(config) and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return collection_path.name not in FAST_FILES or None
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)      # before the mark plugin selects by `-m`
+def pytest_collection_modifyitems(config, items):
+    from tests.tiers import FAST_FILES
+
+    report = os.environ.get("AMCT_FAST_TIER_REPORT")      # test_tiers.py: what the tier reaches
+    fast = {}
+    for item in items:
+        if item.path.name in FAST_FILES and item.path.parent == Path(__file__).parent:
+            item.add_marker(pytest.mark.fast)
+            fast[item.nodeid] = sorted(getattr(item, "fixturenames", ()))
+    if report:
+        import json
+
+        Path(report).write_text(json.dumps(fast))

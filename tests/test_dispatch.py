@@ -56,7 +56,7 @@ def check_consistent(m, n_experts=N_EXPERTS):
 def test_classify():
     assert classify("attn_norm") == "stem"          # not "attn."
     assert classify("attn") == classify("attn.wq_a") == "attn"
-    assert classify("attn.indexer.compressor.wkv") == "indexer"
+    assert classify("attn.indexer.compressor.wkv") == "attn_side"      # V4's indexer: the attention's side unit
     assert classify("ffn.experts.3.w1") == "expert"
     assert classify("ffn.experts") == classify("ffn.shared_experts.w1") == "stem"
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+#: §3.2-3.3 (the first auto-round run and its rerun) are dated: they stay in the log RESULTS.md was
+LOG = BENCH / "history" / "RESULTS-2026-12-04.md"
 TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny-v4"
 
 
@@ -198,8 +200,8 @@ def test_committed_peer_results_used_our_windows(peer, wiki_test_raw):
 
 
 def test_results_section_quotes_the_committed_numbers(peer):
-    """RESULTS.md §3.1 quotes, per scheme, the committed auto-round PPL and our default's PPL."""
-    text = (BENCH / "RESULTS.md").read_text(encoding="utf-8")
+    """The log's §3.2 quotes, per scheme, the committed auto-round PPL and our default's PPL."""
+    text = LOG.read_text(encoding="utf-8")
     sec = text[text.index("### 3.2 Intel auto-round"):text.index("w4a16 candidates of ours")]
     res = json.loads(peer.DEFAULT_JSON.read_text())
     rows = [r for r in sec.splitlines() if re.match(r"^\| w\d", r)]
@@ -214,8 +216,8 @@ def test_results_section_quotes_the_committed_numbers(peer):
 
 
 def test_results_w4a16_candidates_quote_the_committed_numbers(peer):
-    """The w4a16 candidates table of RESULTS.md §3.1: reported and dev PPLs as committed."""
-    text = (BENCH / "RESULTS.md").read_text(encoding="utf-8")
+    """The w4a16 candidates table of the log's §3.2: reported and dev PPLs as committed."""
+    text = LOG.read_text(encoding="utf-8")
     sec = text[text.index("w4a16 candidates of ours"):text.index("## 4. One V4-Flash")]
     res = json.loads(peer.DEFAULT_JSON.read_text())
     rows = [r for r in sec.splitlines() if re.match(r"^\| (clip|autoround)", r)]
@@ -232,7 +234,7 @@ def test_results_w4a16_candidates_quote_the_committed_numbers(peer):
 
 
 def test_rerun_section_quotes_the_rerun_json(peer, wiki_test_raw):
-    """RESULTS §3.3 (casebook AR9): every auto-round and our figure of its table is the rerun
+    """The log's §3.3 (casebook AR9): every auto-round and our figure of its table is the rerun
     JSON's (both 64-window splits, the whole test split); the rerun records its package set, a
     repeat equal to its cell, the same calibration as the first run, and our float equal to
     transformers' on the whole split."""
@@ -248,7 +250,7 @@ def test_rerun_section_quotes_the_rerun_json(peer, wiki_test_raw):
     assert fs["calib_windows_sha256"] == first["protocol"]["calib_windows_sha256"]
     for c in list(rerun["cells"].values()) + list(fs["peer"].values()):
         assert c["quantized_modules"]["agree"] and c["quantized_modules"]["total"] == 126
-    text = (BENCH / "RESULTS.md").read_text(encoding="utf-8")
+    text = LOG.read_text(encoding="utf-8")
     sec = text[text.index("### 3.3 auto-round rerun"):text.index("### 3.4 ")]
     all_rows = [r for r in sec.splitlines() if re.match(r"^\| w\d", r)]
     rows = [r for r in all_rows if r.count("|") == 12]          # the main table: 11 columns

@@ -76,7 +76,7 @@ def test_compare_gap_and_agreement():
 
 
 def test_results_13_quotes_the_served_run():
-    """RESULTS §13.1 carries exactly the table the check wrote on the AVX-512 + AMX machine
+    """RESULTS §6 (serving) carries exactly the table the check wrote on the AVX-512 + AMX machine
     (benchmarks/cpu/vllm_cpu_check_avx512.json), and every served row passed it."""
     import json
 
@@ -86,7 +86,7 @@ def test_results_13_quotes_the_served_run():
     assert run["meta"]["cpu"]["avx512"] and run["meta"]["cpu"]["amx"] and run["meta"]["blocked"] is None
     table = vc.markdown(run["rows"], run["meta"]).strip()
     text = (REPO / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
-    sec = text[text.index("### 13.1 "):text.index("## 14. ")]
+    sec = text[text.index("## 6. Serving"):text.index("## 7. ")]
     assert table in sec
     served = [r for r in run["rows"] if "error" not in r]
     assert {r["cell"] for r in served} >= {"float", "w8a8__attn-linear", "w4a16-g128__attn-linear", "w4a8__attn-linear"}

@@ -43,6 +43,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..base import GatedProjections
+
 __all__ = ["LeafStat", "HessianCollector", "quant_leaves", "weight_error", "fake_quant_weight",
            "estimated_hessian_bytes", "plan_hessian_passes"]
 
@@ -229,7 +231,7 @@ class HessianCollector:
             if not isinstance(experts, nn.ModuleList) or not hasattr(moe, "route_grouped"):
                 continue
             index = {e: by_module[id(m)] for e, m in enumerate(experts) if id(m) in by_module}
-            if not index:
+            if not index or not all(isinstance(u.module, GatedProjections) for u in index.values()):
                 continue
             moe.row_observer = self._row_observer(moe, index)
             self._removers.append(lambda m=moe: m.__dict__.pop("row_observer", None))
@@ -254,8 +256,10 @@ class HessianCollector:
 
     def _row_observer(self, moe: nn.Module, index: dict[int, Any]):
         cache: dict[str, Any] = {"counts": None, "list": None}
-        # expert leaves: w1 and w3 read the sorted rows, w2 the SwiGLU output rows
-        readers = {"w1": ("w1", "w3"), "w2": ("w2",)}
+        # expert leaves by role (GatedProjections): gate and up read the sorted rows, down the
+        # activation's output rows; the model's grouped path names the projection it feeds
+        roles = type(next(iter(index.values())).module).PROJECTIONS
+        readers = {roles["gate"]: (roles["gate"], roles["up"]), roles["down"]: (roles["down"],)}
         # per projection the experts that want it (``only``), and their slots in its stack
         wanted = {p: {e: u for e, u in index.items() if any(self.wants(u.name, lf) for lf in leaves)}
                   for p, leaves in readers.items()}

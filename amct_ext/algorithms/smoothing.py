@@ -45,6 +45,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 from torch import nn
 
+from ..base import GatedProjections, SmoothableUnit, known_smoothing_pairs
 from ..pipeline.capture import CALL_METER, LazyCalls, UnitCall, call_nbytes
 from ..errors import ConfigError
 from ..quant.quant_linear import QuantLinear
@@ -260,18 +261,13 @@ def reobserve_static(unit_module: nn.Module, calls: Sequence[UnitCall], device: 
 
 # ----------------------------------------------------------------------------- the driver
 def _pairs(unit_module: nn.Module, wanted: str) -> list:
-    get = getattr(unit_module, "smoothing_subgraphs", None)
-    if get is None:
+    if not isinstance(unit_module, SmoothableUnit):
         return []
-    pairs = get()
+    pairs = unit_module.smoothing_subgraphs()
     if wanted.strip() == "all":
         return pairs
     names = set(pair_names(wanted))
     return [p for p in pairs if p.name in names]
-
-
-#: the pairs the V4 units offer (``smoothing_subgraphs``)
-KNOWN_PAIRS = ("attn_norm", "q_norm", "wo_a", "w3")
 
 
 def pair_names(pairs: str) -> list[str]:
@@ -279,16 +275,19 @@ def pair_names(pairs: str) -> list[str]:
     ',' separates algorithms: ``--algo awq:pairs=attn_norm+q_norm``); ',' is accepted too, for
     recipe files."""
     if pairs.strip() == "all":
-        return list(KNOWN_PAIRS)
+        return list(known_smoothing_pairs())
     return [w.strip() for w in pairs.replace(",", "+").split("+") if w.strip()]
 
 
 def _check_pairs(pairs: str) -> None:
+    """The pair names of the registered models (``ModelBinding.smoothing_pairs``) are the known ones."""
     if pairs.strip() != "all":
-        bad = sorted(set(pair_names(pairs)) - set(KNOWN_PAIRS))
+        known = known_smoothing_pairs()
+        bad = sorted(set(pair_names(pairs)) - set(known))
         if bad or not pairs.strip():
+            example = "+".join(known[:2]) if known else "A+B"
             raise ConfigError(f"pairs={pairs!r}: expected 'all' or names joined by '+' from "
-                              f"{', '.join(KNOWN_PAIRS)} (e.g. pairs=attn_norm+q_norm)")
+                              f"{', '.join(known) or '(none: no model package imported)'} (e.g. pairs={example})")
 
 
 def smooth_unit(unit_module: nn.Module, data: UnitData, device: torch.device, pairs: str,
@@ -450,11 +449,14 @@ class AWQ(Algorithm):
         if why:
             return why
         for u in units:
+            if not isinstance(u.module, GatedProjections):
+                return "the expert is not a gated MLP (GatedProjections)"
+            up, down = u.module.PROJECTIONS["up"], u.module.PROJECTIONS["down"]
             pairs = _pairs(u.module, self.pairs)
-            if [(p.name, p.producer, p.readers) for p in pairs] != [("w3", "w3", ["w2"])]:
-                return "the expert's smoothing pairs are not exactly w3 -> w2"
-            if not _is_quantizing(u.module.w2):
-                return "w2 does not quantize in every expert"
+            if [(p.producer, p.readers) for p in pairs] != [(up, [down])]:
+                return f"the expert's smoothing pairs are not exactly {up} -> {down} (up -> down)"
+            if not _is_quantizing(u.module.projection("down")):
+                return f"{down} (down) does not quantize in every expert"
             if any(isinstance(m, ActivationQuantizer) and m.is_static and m.mode != "off" for m in u.module.modules()):
                 return "static activation quantizers are re-observed one unit at a time"
         for name, lins in expert_projections(units).items():
@@ -484,10 +486,12 @@ class AWQ(Algorithm):
 
     @torch.no_grad()
     def _awq_chunk(self, units, datas, ctx: SolveContext) -> list[dict[str, Any]]:
-        """smooth_unit + AWQ.choose on the w3 -> w2 pair of ``len(units)`` experts at once."""
+        """smooth_unit + AWQ.choose on the up -> down pair of ``len(units)`` experts at once (the
+        projections by role, ``GatedProjections``)."""
         dev = ctx.device
         members = [u.module for u in units]
         cls = type(members[0])
+        up, down = cls.PROJECTIONS["up"], cls.PROJECTIONS["down"]
         lins = expert_projections(units)
         names, E = tuple(lins), len(members)
         held = [_held_out(d, ctx, self.validate) for d in datas]
@@ -505,7 +509,7 @@ class AWQ(Algorithm):
                                   for l in lins[n]])
                      if any(l.weight_quantizer.clip is not None for l in lins[n]) else None) for n in names}
         limit = members[0].swiglu_limit
-        inter = W["w3"].shape[1]
+        inter = W[up].shape[1]
         base_lim = (torch.stack([m.up_limit.to(dev) if m.up_limit is not None else
                                  torch.full((inter,), float(limit), dtype=torch.float32, device=dev) for m in members])
                     if limit > 0 else None)
@@ -519,10 +523,9 @@ class AWQ(Algorithm):
         def weights(s):         # the members' quantized weights with s folded in (None: as they are)
             if s is None:
                 return {n: fq(n, W[n]) for n in names}, None
-            w3 = (W["w3"].float() / s[:, :, None]).to(W["w3"].dtype)
-            w2 = (W["w2"].float() * s[:, None, :]).to(W["w2"].dtype)
-            return {"w1": fq("w1", W["w1"]), "w3": fq("w3", w3), "w2": fq("w2", w2)}, \
-                (None if base_lim is None else base_lim / s.float())
+            scaled = {**W, up: (W[up].float() / s[:, :, None]).to(W[up].dtype),
+                      down: (W[down].float() * s[:, None, :]).to(W[down].dtype)}
+            return {n: fq(n, scaled[n]) for n in names}, (None if base_lim is None else base_lim / s.float())
 
         def run(rows, wq, lim, taps=None):
             """Per slot: (squared error fp32 [E], elements [E]); lim: the members' up limits."""
@@ -548,7 +551,7 @@ class AWQ(Algorithm):
                 count += n.double()
             return total / count.clamp(min=1)
 
-        # float channel statistics of w2's input over the training calls (quantizers off)
+        # float channel statistics of the down projection's input over the training calls (quantizers off)
         iq = [getattr(members[0], n).input_quantizer for n in names]
         modes = [q.mode for q in iq]
         for q in iq:
@@ -558,7 +561,7 @@ class AWQ(Algorithm):
             cnt = torch.zeros(E, dtype=torch.float32, device=dev)
             taps: dict[str, torch.Tensor] = {}
             for _, _, t, n_rows in run(rows_train, dict(W), None, taps):
-                h = t["w2"].float().abs()                   # padding rows are zeros
+                h = t[down].float().abs()                   # padding rows are zeros
                 mx = h.amax(1) if mx is None else torch.maximum(mx, h.amax(1))
                 sm = h.sum(1) if sm is None else sm + h.sum(1)
                 cnt += n_rows
@@ -567,7 +570,7 @@ class AWQ(Algorithm):
                 q.mode = m
         mean = sm / cnt[:, None]
         loss_start = mse(rows_all)
-        wmax = W["w2"].float().abs().amax(1) if self.duo_scaling else None       # [E, I]
+        wmax = W[down].float().abs().amax(1) if self.duo_scaling else None       # [E, I]
         base = mse(rows_train)
         best_loss, best_alpha = base.clone(), torch.full((E,), -1.0, dtype=torch.float64, device=dev)
         best_s = torch.ones_like(mean)
@@ -598,9 +601,10 @@ class AWQ(Algorithm):
                 info = {**info, "held_out_before": host["h0"][e], "held_out_after": host["h1"][e]}
                 if not host["h1"][e] < host["h0"][e]:
                     keep, info["kept"] = False, False
+            pair = _pairs(m, self.pairs)[0]
             if keep:
-                commit_scales(m, None, _pairs(m, self.pairs)[0], best_s[e].to(m.w3.weight.device))
-            results.append({"pairs": {"w3": info}, "loss_before": host["start"][e], "batched_experts": E})
+                commit_scales(m, None, pair, best_s[e].to(m.projection("up").weight.device))
+            results.append({"pairs": {pair.name: info}, "loss_before": host["start"][e], "batched_experts": E})
         # the loss after, of the committed state (the experts' own weights and limits now)
         for lin_n in names:
             for l in lins[lin_n]:

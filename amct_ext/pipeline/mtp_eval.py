@@ -52,7 +52,7 @@ def evaluate_mtp(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfig, sch
                  targets: Sequence[str], params_dir: str | Path | None) -> dict[str, Any]:
     """Float vs quantized MTP layer on ``windows`` (the run's parameters from ``params_dir`` when it
     saved them for the MTP layer, else RTN). Returns the report.json entry."""
-    ids = list(getattr(adapter, "mtp_layer_ids", lambda: [])())
+    ids = adapter.mtp_layer_ids()
     if not ids:
         return {"status": "not evaluated: the checkpoint has no complete MTP layer"}
     targets = parse_targets(targets)
@@ -88,7 +88,7 @@ def evaluate_mtp(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfig, sch
     out = top1_stats(f, q, y)
     how = "run parameters" if len(with_params) == len(units) else \
         ("RTN" if not with_params else f"run parameters for {len(with_params)} of {len(units)} units, RTN for the rest")
-    out.update({"layer": f"mtp.{lid - adapter.num_layers}", "quantized_with": how,
+    out.update({"layer": adapter.layer_name(lid), "quantized_with": how,
                 "input": "the float main model's last hidden states on the evaluation windows",
                 "note": ACCURACY_NOTE})
     return out

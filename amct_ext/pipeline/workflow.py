@@ -94,7 +94,7 @@ def layer_range(adapter: BaseModel, start: int | None = None, end: int | None = 
 
 def check_seq_len(adapter: BaseModel, seq_len: int, what: str = "seq_len") -> None:
     """A window must predict at least one token and fit the model's positions."""
-    limit = getattr(adapter, "max_seq_len", None)
+    limit = adapter.max_seq_len
     if seq_len < 2:
         raise ConfigError(f"{what}={seq_len}: must be >= 2 (a window predicts tokens 1..S-1)")
     if limit is not None and seq_len > limit:
@@ -256,7 +256,7 @@ def params_meta(adapter: BaseModel, spec: PtqSpec, calib_windows: torch.Tensor |
     on every field; display-only entries (names) are listed in ``_DISPLAY_ONLY``."""
     spec = spec.resolved()
     cfg = spec.calibration
-    model_id = adapter.model_id() if hasattr(adapter, "model_id") else {"name": str(adapter.model_path)}
+    model_id = adapter.model_id()
     calib = cfg.calibration_settings()
     text = cfg.calibration_text()
     calib["text_sha256"] = _sha256_file(text) if text.is_file() else None
@@ -890,10 +890,9 @@ def run_block_stage(adapter: BaseModel, block: nn.Module, algo, units: Sequence,
 def _mtp_layers(adapter: BaseModel, layers: range) -> list[int]:
     """The MTP layer quantized after the run's layers: the adapter's first one (its input is
     the last main layer's output), when the run ends at the model's last layer."""
-    hook = getattr(adapter, "mtp_layer_ids", None)
-    if hook is None or layers.stop != adapter.num_layers:
+    if layers.stop != adapter.num_layers:
         return []
-    return hook()[:1]
+    return adapter.mtp_layer_ids()[:1]
 
 
 def _collect_hessians(adapter: BaseModel, block: nn.Module, calib: Stream, units: Sequence,

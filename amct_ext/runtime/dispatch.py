@@ -6,17 +6,18 @@ form them is the model adapter's to say (a ``LayerPlacement``; DeepSeek-V4's is
 
 - stem:     everything that is not one of the units below (norms, gates, containers) -- the
             block's forward runs here;
-- attn:     the attention module and its submodules (except the indexer);
-- indexer:  the attention's indexer and its submodules (in the layers that have one);
+- attn:     the attention module and its submodules (except its side unit);
+- attn_side: a part of the attention heavy enough for a device of its own, with its submodules
+            (in the layers that have one; DeepSeek-V4's indexer);
 - experts:  ``{experts_prefix}{e}`` and their submodules, one unit per routed expert.
 
 Placement rule (``build_layer_device_map``), with devices d0..d{n-1}:
-  stem -> d0; attn -> d1 (d0 if n == 1); indexer -> d2 when present and n >= 3, else attn's
+  stem -> d0; attn -> d1 (d0 if n == 1); attn_side -> d2 when present and n >= 3, else attn's
   device; the k devices taken by those units are "reserved" (k = 1, 2 or 3); routed experts go
   round-robin over d{k}..d{n-1}, or over ALL devices when no device is left after the reserved
-  ones. So 1 device: everything on d0; 2 devices: stem d0, attn(+indexer) d1, experts alternate
-  d0/d1; 3 devices with an indexer: stem d0, attn d1, indexer d2, experts over d0,d1,d2;
-  8 devices with an indexer: experts over d3..d7. Every device gets work whenever the layer has
+  ones. So 1 device: everything on d0; 2 devices: stem d0, attn(+side) d1, experts alternate
+  d0/d1; 3 devices with a side unit: stem d0, attn d1, side d2, experts over d0,d1,d2;
+  8 devices with a side unit: experts over d3..d7. Every device gets work whenever the layer has
   enough units (a layer without experts cannot fill more than 2-3 devices).
 
 ``dispatch_layer`` places each module's own parameters/buffers on its device (Parameter objects
@@ -51,17 +52,18 @@ def _expert_id(name: str, experts_prefix: str) -> str | None:
 @dataclass(frozen=True)
 class LayerPlacement:
     """The placement units of a layer by submodule name (relative to the layer): ``attn``,
-    ``indexer`` (None: the model has none) and the prefix of the routed experts' names."""
+    ``attn_side`` (a part of the attention placed on a device of its own; None: the model has
+    none) and the prefix of the routed experts' names."""
 
     attn: str
-    indexer: str | None
+    attn_side: str | None
     experts_prefix: str
 
 
 def classify(name: str, placement: LayerPlacement) -> str:
-    """'indexer' | 'attn' | 'expert' | 'stem' for a submodule / parameter name."""
-    if placement.indexer and _under(name, placement.indexer):
-        return "indexer"
+    """'attn_side' | 'attn' | 'expert' | 'stem' for a submodule / parameter name."""
+    if placement.attn_side and _under(name, placement.attn_side):
+        return "attn_side"
     if placement.attn and _under(name, placement.attn):
         return "attn"
     if _expert_id(name, placement.experts_prefix) is not None:
@@ -82,13 +84,13 @@ def build_layer_device_map(module_names: Iterable[str], devices: Sequence[torch.
         raise ValueError("build_layer_device_map: at least one device is required")
     names = list(dict.fromkeys(module_names))  # de-duplicate, keep order
     kinds = {n: classify(n, placement) for n in names}
-    has_indexer = "indexer" in kinds.values()
+    has_side = "attn_side" in kinds.values()
 
     n = len(devs)
     stem = devs[0]
     attn = devs[1] if n >= 2 else devs[0]
-    indexer = devs[2] if (has_indexer and n >= 3) else attn
-    reserved = min(n, 1 + (n >= 2) + (has_indexer and n >= 3))
+    side = devs[2] if (has_side and n >= 3) else attn
+    reserved = min(n, 1 + (n >= 2) + (has_side and n >= 3))
     pool = devs[reserved:] or devs
 
     expert_ids = sorted({_expert_id(x, experts_prefix) for x in names if kinds[x] == "expert"},
@@ -98,8 +100,8 @@ def build_layer_device_map(module_names: Iterable[str], devices: Sequence[torch.
     out: dict[str, torch.device] = {ROOT: stem}
     for x in names:
         k = kinds[x]
-        if k == "indexer":
-            out[x] = indexer
+        if k == "attn_side":
+            out[x] = side
         elif k == "attn":
             out[x] = attn
         elif k == "expert":

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The real-size cost of `--recipe best` (hclip,blockround@quant) on one V4-Flash layer, from the
-H200 runs of h200_issue24.sh (RESULTS §0.14).
+H200 runs of h200_recipe_speed.sh (the dated log benchmarks/history/RESULTS-2026-12-04.md §0.14).
 
 A full 200-step run does not fit one device call (600 s), so the runs are cut short with
 ``blockround:iters=N`` and the 200-step layer is projected from what they measured:
@@ -16,7 +16,7 @@ A full 200-step run does not fit one device call (600 s), so the runs are cut sh
     python benchmarks/scripts/blockround_cost.py [--check-results]
 
 Input: benchmarks/gpu/h200_2026-12-02f/lease*/ (each call's result folder, as the script wrote it).
-``--check-results``: exit 1 unless RESULTS.md §0.14 carries exactly the rendered table.
+``--check-results``: exit 1 unless the log's §0.14 carries exactly the rendered table.
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RUNS = REPO / "benchmarks" / "gpu" / "h200_2026-12-02f"
+#: the section that quotes this table is dated (superseded by RESULTS.md §2's block-rounding table)
+LOG = REPO / "benchmarks" / "history" / "RESULTS-2026-12-04.md"
 FULL_ITERS = 200                 # blockround's default
 FLASH_LAYERS = 43
 GIB = 2 ** 30
@@ -96,14 +98,14 @@ def render(recs: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check-results", action="store_true", help="exit 1 unless RESULTS.md carries this table")
+    ap.add_argument("--check-results", action="store_true", help="exit 1 unless the dated log carries this table")
     args = ap.parse_args(argv)
     block = render(records())
     if args.check_results:
-        text = (REPO / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+        text = LOG.read_text(encoding="utf-8")
         i, j = text.find(BEGIN), text.find(END)
         if i < 0 or text[i:j + len(END)] != block:
-            print("error: benchmarks/RESULTS.md: the blockround-cost block differs from the runs", file=sys.stderr)
+            print(f"error: {LOG.relative_to(REPO)}: the blockround-cost block differs from the runs", file=sys.stderr)
             return 1
         return 0
     print(block)

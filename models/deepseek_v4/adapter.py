@@ -95,7 +95,7 @@ _SHARD_ATTR = "_amct_shard_devices"
 
 #: how a V4 layer is spread over devices (runtime/dispatch.py): attention, its indexer (the
 #: ratio-4 layers), routed experts one unit each; the rest (norms, hc, gate, shared expert) is the stem
-V4_PLACEMENT = LayerPlacement(attn="attn", indexer="attn.indexer", experts_prefix="ffn.experts.")
+V4_PLACEMENT = LayerPlacement(attn="attn", attn_side="attn.indexer", experts_prefix="ffn.experts.")
 
 
 def check_config_fields(model_path) -> None:
@@ -317,6 +317,11 @@ class DeepseekV4Adapter(BaseModel):
         return torch.cat(list(inputs)), state
 
     # ------------------------------------------------------------------ MTP (mtp.{j}.*)
+    def layer_name(self, layer_id: int) -> str:
+        """``layers.{i}``, or ``mtp.{j}`` for the MTP layer ``n_layers + j``."""
+        n = self.num_layers
+        return f"layers.{layer_id}" if layer_id < n else f"mtp.{layer_id - n}"
+
     def mtp_layer_ids(self) -> list[int]:
         """Layer ids (n_layers + j) of the MTP layers whose block the checkpoint holds completely;
         ``block(id)`` builds them. [] for an exported checkpoint (its MTP is evaluated as exported)."""

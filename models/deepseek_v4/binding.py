@@ -15,6 +15,8 @@ from amct_ext.pipeline.ptq_units import PtqUnit
 
 class V4Binding(ModelBinding):
     model_type = "deepseek_v4"
+    #: the pairs of QuantV4Attention / QuantV4Expert.smoothing_subgraphs (quant_module.py)
+    smoothing_pairs = ("attn_norm", "q_norm", "wo_a", "w3")
 
     def check_config(self, model_path) -> None:
         from .adapter import check_config_fields

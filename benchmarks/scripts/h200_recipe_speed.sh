@@ -1,43 +1,44 @@
 #!/usr/bin/env bash
-# Issue 24 item 4: one run, side by side, on one H200. A 3-layer synthetic V4-Flash checkpoint
+# The PTQ time of one real-size layer per recipe, side by side, on one H200 (written for issue 24
+# item 4; the table is RESULTS.md §2). A 3-layer synthetic V4-Flash checkpoint
 # (layer 2: compress ratio 4, hash routing, compressor + indexer: the slowest kind), then on
 # layer 2 at the default calibration: every built-in scheme's DEFAULT recipe (bench_ptq), GPTQ
 # (sequential and sequential=false) at 8 / 32 / 128 windows, llm-compressor 0.14's GPTQ on the
 # same layer and windows (wheels carried, bf16 copy of the checkpoint), and ONE table with the
-# floors and the V4-Flash projection (benchmarks/scripts/issue24_table.py).
+# floors and the V4-Flash projection (benchmarks/scripts/recipe_speed_table.py).
 #
-# Usage (repository root; state in $I24, default /tmp/i24, kept between calls while the machine
+# Usage (repository root; state in $RS, default /tmp/recipe_speed, kept between calls while the machine
 # stays warm; every stage done is skipped on the next call, so the SAME command is repeated
 # until it prints "all stages done"):
-#   bash benchmarks/scripts/h200_issue24.sh [STAGE_OR_GROUP ...]      # default group: all
-#   I24_SMALL=1 bash benchmarks/scripts/h200_issue24.sh              # CPU, tiny dims, minutes
+#   bash benchmarks/scripts/h200_recipe_speed.sh [STAGE_OR_GROUP ...]      # default group: all
+#   RS_SMALL=1 bash benchmarks/scripts/h200_recipe_speed.sh              # CPU, tiny dims, minutes
 # Groups: all = prep ours peer table; prep = env ckpt wheels probe; ours = gptq defaults alts;
 # gptq = gptq-nseq-128 gptq-seq-128 gptq-nseq-8 gptq-nseq-32 gptq-seq-8 gptq-seq-32;
-# defaults = def-<scheme> for $I24_SCHEMES; alts = alt-1 .. alt-N from $I24_ALTS;
+# defaults = def-<scheme> for $RS_SCHEMES; alts = alt-1 .. alt-N from $RS_ALTS;
 # peer = bf16 llmc-8 llmc-32 llmc-128 rmbf16. A call stops starting stages once the next one's
-# estimate would pass $I24_CALL_BUDGET (540 s) since the call began ("deferred": call again);
+# estimate would pass $RS_CALL_BUDGET (540 s) since the call began ("deferred": call again);
 # every run of ours is cut at its stage's limit (timeout -s INT: the table reads how far it got).
-# Results: $I24/res (JSON + logs), the table $I24/res/issue24.{md,json}, and copies of the table
+# Results: $RS/res (JSON + logs), the table $RS/res/recipe_speed.{md,json}, and copies of the table
 # plus a results tarball under $OUT (the device tool's return folder) after every call.
-# The device keeps $I24 only while warm (KINDS.md: 30 s after a call): issue the next call at
-# once. If it went back, carry the last i24_results.tgz (e.g. copied to .dev/i24/) and set
-# I24_SEED=.dev/i24/i24_results.tgz: its results are restored and their stages count as done
+# The device keeps $RS only while warm (KINDS.md: 30 s after a call): issue the next call at
+# once. If it went back, carry the last recipe_speed_results.tgz (e.g. copied to .dev/recipe_speed/) and set
+# RS_SEED=.dev/recipe_speed/recipe_speed_results.tgz: its results are restored and their stages count as done
 # (the checkpoint, wheels and probe are simply redone, ~85 s).
 #
-# Environment (defaults in brackets; I24_SMALL=1 switches to the CPU/tiny column):
-#   I24_LAYERS_CKPT [3]  I24_LAYER [2]  I24_CALIB [128 | 4]  I24_SEQ [2048 | 64]
-#   I24_WINDOWS ["8 32 128" | "2 4 8"]   I24_REPEATS [1]: runs per stage (table: median, min-max)
-#   I24_SCHEMES [every built-in scheme with weights, i.e. builtin_schemes() minus kv8, kv8-fp8]
-#   I24_ALTS ["": ';'-separated "SCHEME RUN_PTQ_ARGS", e.g. "w4a16-g128 --recipe best;w8a8 --algo clip"]
-#   I24_SEQ_WINDOWS [$I24_WINDOWS]: the windows of gptq-seq-* (the last window count always runs)
-#   I24_GPTQ_SCHEME [w8a8]  I24_LLMC_ROUTED_ONLY [0]: 1 = moe_calibrate_all_experts=False
-#   I24_LIMIT_DEF [110] I24_LIMIT_GPTQ [150] I24_LIMIT_LLMC [330] I24_LIMIT_ALT [$I24_LIMIT_DEF]: seconds per run
-#   I24_PY [python3]  I24_LLMC_PY [""]: a python with llmcompressor (CPU: /work/venvs/llmc/bin/python);
-#   empty = $I24_PY with PYTHONPATH=$I24/site, filled by stage wheels from $I24_WHEELS [.dev/wheels-llmc]
-#   I24_BF16_DIR [$I24/bf16]  I24_KEEP_BF16 [0]  I24_REDO [0]: rerun stages already done
-#   I24_SEED [""]: a results tarball of an earlier call to restore (see above)  I24_CALL_BUDGET [540]
+# Environment (defaults in brackets; RS_SMALL=1 switches to the CPU/tiny column):
+#   RS_LAYERS_CKPT [3]  RS_LAYER [2]  RS_CALIB [128 | 4]  RS_SEQ [2048 | 64]
+#   RS_WINDOWS ["8 32 128" | "2 4 8"]   RS_REPEATS [1]: runs per stage (table: median, min-max)
+#   RS_SCHEMES [every built-in scheme with weights, i.e. builtin_schemes() minus kv8, kv8-fp8]
+#   RS_ALTS ["": ';'-separated "SCHEME RUN_PTQ_ARGS", e.g. "w4a16-g128 --recipe best;w8a8 --algo clip"]
+#   RS_SEQ_WINDOWS [$RS_WINDOWS]: the windows of gptq-seq-* (the last window count always runs)
+#   RS_GPTQ_SCHEME [w8a8]  RS_LLMC_ROUTED_ONLY [0]: 1 = moe_calibrate_all_experts=False
+#   RS_LIMIT_DEF [110] RS_LIMIT_GPTQ [150] RS_LIMIT_LLMC [330] RS_LIMIT_ALT [$RS_LIMIT_DEF]: seconds per run
+#   RS_PY [python3]  RS_LLMC_PY [""]: a python with llmcompressor (CPU: /work/venvs/llmc/bin/python);
+#   empty = $RS_PY with PYTHONPATH=$RS/site, filled by stage wheels from $RS_WHEELS [.dev/wheels-llmc]
+#   RS_BF16_DIR [$RS/bf16]  RS_KEEP_BF16 [0]  RS_REDO [0]: rerun stages already done
+#   RS_SEED [""]: a results tarball of an earlier call to restore (see above)  RS_CALL_BUDGET [540]
 #
-# PLAN, one H200, full scale (estimates: RESULTS §0.5 / §0.8 / §0.9 and the issue's figures;
+# PLAN, one H200, full scale (estimates: history/RESULTS-2026-12-04.md §0.5 / §0.8 / §0.9 and the issue's figures;
 # "warm" = a later run of the same machine, page cache filled; each run of bench_ptq pays ~30 s
 # outside the layer: imports, embedding, float layers 0-1, probes):
 #   stage            est. s  from
@@ -60,67 +61,74 @@
 #   4. gptq-seq-8 -32 + bf16 + llmc-8                                    ~ 490 s
 #   5. llmc-32 + llmc-128 + rmbf16 + table                               ~ 330 s
 #   = ~37 min at the limits: over the ~20 min budget. The lean run (what to cut, in this order):
-#   a) I24_SCHEMES="w8a8 w4a16-g128 w3a16-g128 w4a16": one default per distinct default recipe
+#   a) RS_SCHEMES="w8a8 w4a16-g128 w3a16-g128 w4a16": one default per distinct default recipe
 #      (rtn: also mxfp4; clip,gptq: also w4a8, mxfp8; clip: also fp8, w2a16-g64): -5 x ~100 s;
-#   b) I24_SEQ_WINDOWS=128: sequential GPTQ at 128 windows only (its target row): -2 x ~150 s;
+#   b) RS_SEQ_WINDOWS=128: sequential GPTQ at 128 windows only (its target row): -2 x ~150 s;
 #   giving 3 calls:
 #   1. prep + def-w8a8 + gptq-nseq-128 + gptq-seq-128 + def-w4a16-g128   ~ 500 s
 #   2. def-w3a16-g128 + def-w4a16 + gptq-nseq-8 -32 + bf16               ~ 500 s
 #   3. llmc-8 + llmc-32 + llmc-128 + rmbf16 + table                      ~ 410 s
 #   = ~24 min at the limits; less where runs end before their limit (a default that meets its
-#   60 s target ends in ~100 s, not 110; rtn in ~55 s). Then c) I24_LIMIT_DEF=90 (-60 s), and
-#   d) I24_WINDOWS="8 128" (drops the 32-window rows: -~200 s) if still over.
+#   60 s target ends in ~100 s, not 110; rtn in ~55 s). Then c) RS_LIMIT_DEF=90 (-60 s), and
+#   d) RS_WINDOWS="8 128" (drops the 32-window rows: -~200 s) if still over.
 set -u
+# The variables were called I24_* before the script was named for what it measures: refuse them
+# (one line) rather than run the defaults silently with a setting ignored.
+old_vars=$(env | sed -n 's/^\(I24[A-Z0-9_]*\)=.*/\1/p' | tr '\n' ' ')
+if [ -n "$old_vars" ]; then
+  echo "error: ${old_vars% }: renamed RS_* (e.g. I24_SCHEMES -> RS_SCHEMES, I24 -> RS); unset them" >&2
+  exit 2
+fi
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$REPO" || exit 2
-I24=${I24:-/tmp/i24}
-SMALL=${I24_SMALL:-0}
+RS=${RS:-/tmp/recipe_speed}
+SMALL=${RS_SMALL:-0}
 if [ "$SMALL" = 1 ]; then
-  LIKE=tiny; DEVICE=${I24_DEVICE:-cpu}; CALIB=${I24_CALIB:-4}; SEQ=${I24_SEQ:-64}; WINDOWS=${I24_WINDOWS:-"2 4 8"}
+  LIKE=tiny; DEVICE=${RS_DEVICE:-cpu}; CALIB=${RS_CALIB:-4}; SEQ=${RS_SEQ:-64}; WINDOWS=${RS_WINDOWS:-"2 4 8"}
   SCALE=0   # estimates: small
   # the tiny dims widened to assets/tiny-v4's (hidden 128, ...): every targeted input dim a
   # multiple of 128, as the group-128 schemes need (the synthetic tiny has hidden 64)
   CKPT_OVERRIDES="--override hidden_size=128 --override head_dim=64 --override qk_rope_head_dim=16
     --override q_lora_rank=128 --override o_lora_rank=64 --override moe_intermediate_size=256 --override index_head_dim=32"
 else
-  LIKE=v4-flash; DEVICE=${I24_DEVICE:-cuda}; CALIB=${I24_CALIB:-128}; SEQ=${I24_SEQ:-2048}
-  WINDOWS=${I24_WINDOWS:-"8 32 128"}; SCALE=1; CKPT_OVERRIDES=
+  LIKE=v4-flash; DEVICE=${RS_DEVICE:-cuda}; CALIB=${RS_CALIB:-128}; SEQ=${RS_SEQ:-2048}
+  WINDOWS=${RS_WINDOWS:-"8 32 128"}; SCALE=1; CKPT_OVERRIDES=
 fi
-LAYERS_CKPT=${I24_LAYERS_CKPT:-3}; L=${I24_LAYER:-2}
-REPEATS=${I24_REPEATS:-1}
-PY=${I24_PY:-python3}
-LLMC_PY=${I24_LLMC_PY:-}
-WHEELS=${I24_WHEELS:-.dev/wheels-llmc}
-GPTQ_SCHEME=${I24_GPTQ_SCHEME:-w8a8}
-LIMIT_DEF=${I24_LIMIT_DEF:-110}; LIMIT_GPTQ=${I24_LIMIT_GPTQ:-150}; LIMIT_LLMC=${I24_LIMIT_LLMC:-330}
-LIMIT_ALT=${I24_LIMIT_ALT:-$LIMIT_DEF}   # --recipe best runs take minutes: give them their own limit
-[ "$SMALL" = 1 ] && { LIMIT_DEF=${I24_LIMIT_DEF:-900}; LIMIT_GPTQ=${I24_LIMIT_GPTQ:-900}; LIMIT_LLMC=${I24_LIMIT_LLMC:-900}; }
-BUDGET=${I24_CALL_BUDGET:-540}
-[ "$SMALL" = 1 ] && BUDGET=${I24_CALL_BUDGET:-100000}
-RES=$I24/res; DONE=$I24/done; WORK=$I24/work; CKPT=$I24/ckpt; SITE=$I24/site
-BF16=${I24_BF16_DIR:-$I24/bf16}
+LAYERS_CKPT=${RS_LAYERS_CKPT:-3}; L=${RS_LAYER:-2}
+REPEATS=${RS_REPEATS:-1}
+PY=${RS_PY:-python3}
+LLMC_PY=${RS_LLMC_PY:-}
+WHEELS=${RS_WHEELS:-.dev/wheels-llmc}
+GPTQ_SCHEME=${RS_GPTQ_SCHEME:-w8a8}
+LIMIT_DEF=${RS_LIMIT_DEF:-110}; LIMIT_GPTQ=${RS_LIMIT_GPTQ:-150}; LIMIT_LLMC=${RS_LIMIT_LLMC:-330}
+LIMIT_ALT=${RS_LIMIT_ALT:-$LIMIT_DEF}   # --recipe best runs take minutes: give them their own limit
+[ "$SMALL" = 1 ] && { LIMIT_DEF=${RS_LIMIT_DEF:-900}; LIMIT_GPTQ=${RS_LIMIT_GPTQ:-900}; LIMIT_LLMC=${RS_LIMIT_LLMC:-900}; }
+BUDGET=${RS_CALL_BUDGET:-540}
+[ "$SMALL" = 1 ] && BUDGET=${RS_CALL_BUDGET:-100000}
+RES=$RS/res; DONE=$RS/done; WORK=$RS/work; CKPT=$RS/ckpt; SITE=$RS/site
+BF16=${RS_BF16_DIR:-$RS/bf16}
 mkdir -p "$RES" "$DONE" "$WORK"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 T0=$(date +%s)
 DEFERRED=()
-# A machine that went back (idle) lost $I24: I24_SEED=path/i24_results.tgz (what an earlier call
+# A machine that went back (idle) lost $RS: RS_SEED=path/recipe_speed_results.tgz (what an earlier call
 # returned under $OUT, carried back) restores the results and marks their stages done
-if [ -n "${I24_SEED:-}" ] && [ ! -f "$RES/.seeded" ]; then
-  if [ -f "$I24_SEED" ]; then
-    tar -xzf "$I24_SEED" -C "$I24" --skip-old-files res && touch "$RES/.seeded"
+if [ -n "${RS_SEED:-}" ] && [ ! -f "$RES/.seeded" ]; then
+  if [ -f "$RS_SEED" ]; then
+    tar -xzf "$RS_SEED" -C "$RS" --skip-old-files res && touch "$RES/.seeded"
     for j in "$RES"/ours_*.r1.json; do [ -f "$j" ] || continue; t=${j##*/ours_}; touch "$DONE/${t%.r1.json}"; done
     for j in "$RES"/llmc_*.r1.json; do grep -q '"oneshot_s"' "$j" 2>/dev/null || continue; t=${j##*/llmc_}; touch "$DONE/llmc-${t%.r1.json}"; done
-    echo "seeded from $I24_SEED: $(ls "$DONE" | tr '\n' ' ')"
-  else echo "warning: I24_SEED=$I24_SEED: no such file"; fi
+    echo "seeded from $RS_SEED: $(ls "$DONE" | tr '\n' ' ')"
+  else echo "warning: RS_SEED=$RS_SEED: no such file"; fi
 fi
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
 schemes() {   # every built-in scheme that has weights (the cache-only ones have no recipe to run)
-  if [ -n "${I24_SCHEMES:-}" ]; then echo "$I24_SCHEMES"; return; fi
+  if [ -n "${RS_SCHEMES:-}" ]; then echo "$RS_SCHEMES"; return; fi
   PYTHONPATH=$REPO $PY -c "from amct_ext.quant.schemes import builtin_schemes, load_scheme
 print(' '.join(s for s in builtin_schemes() if any(t.weight is not None for t in load_scheme(s).targets.values())))"
 }
-alts() { [ -n "${I24_ALTS:-}" ] && echo "$I24_ALTS" | tr ';' '\n' | sed '/^ *$/d'; }
+alts() { [ -n "${RS_ALTS:-}" ] && echo "$RS_ALTS" | tr ';' '\n' | sed '/^ *$/d'; }
 
 expand() {    # groups -> stage names, in order
   local g
@@ -131,7 +139,7 @@ expand() {    # groups -> stage names, in order
       ours) expand gptq-first defaults gptq-rest alts ;;
       gptq-first) echo "def-$(first_scheme)"; for w in $(last_window); do echo gptq-nseq-$w gptq-seq-$w; done ;;
       gptq-rest) for w in $(other_windows); do echo gptq-nseq-$w; done
-                 for w in $(other_windows); do case " ${I24_SEQ_WINDOWS:-$WINDOWS} " in *" $w "*) echo gptq-seq-$w ;; esac; done ;;
+                 for w in $(other_windows); do case " ${RS_SEQ_WINDOWS:-$WINDOWS} " in *" $w "*) echo gptq-seq-$w ;; esac; done ;;
       gptq) expand gptq-first gptq-rest ;;
       defaults) for s in $(schemes); do echo "def-$s"; done ;;
       alts) local i=0; while IFS= read -r _; do i=$((i + 1)); echo "alt-$i"; done < <(alts) ;;
@@ -167,8 +175,8 @@ limit_for() {  # a run's time limit: its cap, but never past the call's budget
 disk_ok() {   # a run of ours writes its layer (and may spill calls) under $WORK: refuse early when full
   local free_gib
   free_gib=$(df -Pk "$WORK" | awk 'NR == 2 {print int($4 / 1048576)}')
-  if [ "${free_gib:-0}" -lt "${I24_MIN_FREE_GIB:-16}" ]; then
-    echo "error: $WORK has ${free_gib} GiB free (< ${I24_MIN_FREE_GIB:-16}): the bf16 copy ($BF16, ~40 GiB) is still there?" \
+  if [ "${free_gib:-0}" -lt "${RS_MIN_FREE_GIB:-16}" ]; then
+    echo "error: $WORK has ${free_gib} GiB free (< ${RS_MIN_FREE_GIB:-16}): the bf16 copy ($BF16, ~40 GiB) is still there?" \
          "run the llmc stages and rmbf16 before more runs of ours (casebook i24-or-4)"
     return 1
   fi
@@ -180,7 +188,7 @@ bench() {     # tag, limit, calib samples, bench_ptq args... (one bench_ptq run 
   disk_ok || return 2
   for r in $(seq 1 "$REPEATS"); do
     local j="$RES/ours_$tag.r$r.json" lim
-    [ -f "$j" ] && [ "${I24_REDO:-0}" != 1 ] && { echo "  $tag r$r: kept"; continue; }
+    [ -f "$j" ] && [ "${RS_REDO:-0}" != 1 ] && { echo "  $tag r$r: kept"; continue; }
     lim=$(limit_for "$cap")
     rm -rf "$WORK/$tag"
     local t=$(date +%s)
@@ -202,7 +210,7 @@ bench() {     # tag, limit, calib samples, bench_ptq args... (one bench_ptq run 
 st_env() {
   { date -u '+%Y-%m-%d %H:%M UTC'; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU (nvidia-smi)";
     $PY -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)";
-    echo "$(getconf _NPROCESSORS_ONLN) cores, host memory $(free -g | awk '/^Mem:/ {print $2}') GiB, disk free at $I24: $(df -h "$I24" | awk 'NR == 2 {print $4}')";
+    echo "$(getconf _NPROCESSORS_ONLN) cores, host memory $(free -g | awk '/^Mem:/ {print $2}') GiB, disk free at $RS: $(df -h "$RS" | awk 'NR == 2 {print $4}')";
     echo "tree $(git -C "$REPO" log -1 --format='%h' 2>/dev/null || echo '?')"; } > "$RES/env.txt" 2>&1
   cat "$RES/env.txt"
 }
@@ -238,7 +246,7 @@ print('import ok: llmcompressor', m.version('llmcompressor'), 'compressed-tensor
 }
 
 st_probe() {
-  PYTHONPATH=$REPO $PY benchmarks/scripts/issue24_table.py --probe "$RES/rates.json" --device "$DEVICE" \
+  PYTHONPATH=$REPO $PY benchmarks/scripts/recipe_speed_table.py --probe "$RES/rates.json" --device "$DEVICE" \
       $([ "$SMALL" = 1 ] && echo --small)
 }
 
@@ -246,10 +254,10 @@ st_def() {   # scheme
   bench "def-$1" "$LIMIT_DEF" "$CALIB" -- --scheme "$1"
 }
 
-st_alt() {   # index into $I24_ALTS: "SCHEME RUN_PTQ_ARGS"
+st_alt() {   # index into $RS_ALTS: "SCHEME RUN_PTQ_ARGS"
   local line scheme args
   line=$(alts | sed -n "${1}p")
-  [ -n "$line" ] || { echo "error: I24_ALTS has no entry $1"; return 2; }
+  [ -n "$line" ] || { echo "error: RS_ALTS has no entry $1"; return 2; }
   scheme=${line%% *}; args=${line#"$scheme"}
   echo "$line" > "$RES/ours_alt-$1.what"
   # shellcheck disable=SC2086
@@ -273,14 +281,14 @@ st_llmc() {  # windows
   [ -f "$BF16/model.safetensors.index.json" ] || { echo "error: no bf16 copy at $BF16 (stage bf16)"; return 2; }
   for r in $(seq 1 "$REPEATS"); do
     local j="$RES/llmc_$w.r$r.json" lim meta
-    [ -f "$j" ] && grep -q '"oneshot_s"' "$j" && [ "${I24_REDO:-0}" != 1 ] && { echo "  llmc-$w r$r: kept"; continue; }
+    [ -f "$j" ] && grep -q '"oneshot_s"' "$j" && [ "${RS_REDO:-0}" != 1 ] && { echo "  llmc-$w r$r: kept"; continue; }
     lim=$(limit_for "$LIMIT_LLMC")
     meta=$(ls "$RES"/ours_gptq-nseq-$w.r*.meta.json "$RES"/ours_gptq-seq-$w.r*.meta.json 2>/dev/null | head -1)
     local t=$(date +%s)
     # shellcheck disable=SC2046
     timeout -s INT "$lim" $(llmc_python) benchmarks/peer_llmcompressor_layer.py --model "$BF16" --layer "$L" \
         --windows "$w" --seq-len "$SEQ" --device "$DEVICE" --scheme "$GPTQ_SCHEME" --json "$j" \
-        $([ -n "$meta" ] && echo --ours-meta "$meta") $([ "${I24_LLMC_ROUTED_ONLY:-0}" = 1 ] && echo --routed-only) \
+        $([ -n "$meta" ] && echo --ours-meta "$meta") $([ "${RS_LLMC_ROUTED_ONLY:-0}" = 1 ] && echo --routed-only) \
         $([ "$SMALL" = 1 ] && echo --threads 1) > "$RES/llmc_$w.r$r.log" 2>&1
     rc=$?
     echo "  llmc-$w r$r: rc=$rc (limit $lim s) wall $(( $(date +%s) - t )) s"
@@ -292,18 +300,18 @@ st_llmc() {  # windows
 st_rmbf16() {  # only once every llm-compressor stage is done: a deferred one still needs the copy
   local w
   for w in $WINDOWS; do [ -f "$DONE/llmc-$w" ] || { echo "  kept $BF16: llmc-$w not done yet"; return 3; }; done
-  [ "${I24_KEEP_BF16:-0}" = 1 ] || rm -rf "$BF16"
+  [ "${RS_KEEP_BF16:-0}" = 1 ] || rm -rf "$BF16"
 }
 
 st_table() {
-  PYTHONPATH=$REPO $PY benchmarks/scripts/issue24_table.py --results "$RES" --layer "$L" --gptq-scheme "$GPTQ_SCHEME" \
-      --md "$RES/issue24.md" --json "$RES/issue24.json" > "$RES/table.log" 2>&1 || { tail -5 "$RES/table.log"; return 2; }
-  cat "$RES/issue24.md"
+  PYTHONPATH=$REPO $PY benchmarks/scripts/recipe_speed_table.py --results "$RES" --layer "$L" --gptq-scheme "$GPTQ_SCHEME" \
+      --md "$RES/recipe_speed.md" --json "$RES/recipe_speed.json" > "$RES/table.log" 2>&1 || { tail -5 "$RES/table.log"; return 2; }
+  cat "$RES/recipe_speed.md"
 }
 
 run_stage() {
   local s=$1 e rc
-  if [ -f "$DONE/$s" ] && [ "${I24_REDO:-0}" != 1 ]; then echo "[$s] done before"; return 0; fi
+  if [ -f "$DONE/$s" ] && [ "${RS_REDO:-0}" != 1 ]; then echo "[$s] done before"; return 0; fi
   e=$(est "$s")
   # after a deferral only the independent runs of ours may go ahead of it (the peer stages,
   # the copy and its removal keep their order)
@@ -339,11 +347,11 @@ for s in $STAGES; do
   run_stage "$s"
 done
 # the table (and what comes back) after every call, whatever was asked
-st_table > /dev/null 2>&1 && echo "table: $RES/issue24.md"
+st_table > /dev/null 2>&1 && echo "table: $RES/recipe_speed.md"
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
-  cp "$RES/issue24.md" "$RES/issue24.json" "$OUT/" 2>/dev/null
-  tar -czf "$OUT/i24_results.tgz" -C "$I24" res 2>/dev/null
+  cp "$RES/recipe_speed.md" "$RES/recipe_speed.json" "$OUT/" 2>/dev/null
+  tar -czf "$OUT/recipe_speed_results.tgz" -C "$RS" res 2>/dev/null
 fi
 if [ ${#DEFERRED[@]} -gt 0 ]; then echo "deferred to the next call: ${DEFERRED[*]}"; else
   left=$(for s in $STAGES; do [ "$s" = table ] || [ -f "$DONE/$s" ] || echo "$s"; done)

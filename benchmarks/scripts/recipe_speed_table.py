@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Issue 24 item 4's one table (benchmarks/scripts/h200_issue24.sh): every run of ours (bench_ptq
-JSONs ``ours_<tag>.r<k>.json``) and of llm-compressor (``llmc_<windows>.r<k>.json``) on the same
+"""The per-recipe layer-speed table (benchmarks/scripts/h200_recipe_speed.sh; RESULTS.md §2): every
+run of ours (bench_ptq JSONs ``ours_<tag>.r<k>.json``) and of llm-compressor (``llmc_<windows>.r<k>.json``) on the same
 layer, with the floors beside each and the V4-Flash projection; markdown and JSON.
 
-    python benchmarks/scripts/issue24_table.py --probe RES/rates.json --device cuda     # the rates
-    python benchmarks/scripts/issue24_table.py --results RES --md RES/issue24.md --json RES/issue24.json
+    python benchmarks/scripts/recipe_speed_table.py --probe RES/rates.json --device cuda     # the rates
+    python benchmarks/scripts/recipe_speed_table.py --results RES --md RES/recipe_speed.md --json RES/recipe_speed.json
 
 Per row (median over its repeats, [min-max] when there are several): capture s, solve s (ours:
 the ``solve:*`` phases; llm-compressor: ``oneshot``, which holds its calibration forward, its
@@ -331,7 +331,7 @@ def llmc_rows(res: Path, rates: dict, sh: dict | None) -> list[dict]:
 # ----------------------------------------------------------------------------- output
 def markdown(rows: list[dict], rates: dict, sh: dict | None, env: str) -> str:
     bound = (sh["layer_params"] * 2 + HOST_SLACK) if sh else None
-    lines = ["# Issue 24: one layer, every default recipe, GPTQ beside llm-compressor", ""]
+    lines = ["# One real-size layer per recipe: every default recipe, GPTQ beside llm-compressor", ""]
     if env:
         lines += ["Machine: " + "; ".join(x for x in env.splitlines() if x.strip()), ""]
     if rates:
@@ -398,7 +398,7 @@ def markdown(rows: list[dict], rates: dict, sh: dict | None, env: str) -> str:
               "are the layer's phases (bench_ptq; solve split by unit kind), layer s adds build, write and release; "
               "the float layers before it are not counted. llm-compressor: `oneshot` alone (its calibration forward "
               "of every layer, the other layers propagated in float, its Hessians and its solve), the whole model "
-              "resident on the device; its load is beside it. Floors: see benchmarks/scripts/issue24_table.py "
+              "resident on the device; its load is beside it. Floors: see benchmarks/scripts/recipe_speed_table.py "
               "(GPTQ: Cholesky + inverse + sweep at the fp32 rate; Hessians: 2 T C^2 per accumulated Hessian; "
               "bench_ptq's learned-clip FLOPs at the bf16 rate and captured bytes at the h2d bandwidth).",
               "", "V4-Flash projection: 43 layers (2 ratio-0 + 21 ratio-4 + 20 ratio-128), each costed like this "

@@ -1,4 +1,5 @@
-"""benchmarks/scripts/issue24_table.py: the GPTQ floor it prints and how it reads repeats."""
+"""benchmarks/scripts/recipe_speed_table.py: the GPTQ floor it prints and how it reads repeats, and the
+dated log's §0.10-0.13 (benchmarks/history/RESULTS-2026-12-04.md) quote its rows of the committed runs."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ from tests.conftest import REPO, load_script
 
 
 def _table():
-    return load_script("benchmarks/scripts/issue24_table.py")
+    return load_script("benchmarks/scripts/recipe_speed_table.py")
 
 
 def test_gptq_floor_of_the_flash_experts_is_the_hand_count_of_results_0_9():
@@ -72,7 +73,7 @@ def test_a_run_killed_before_its_json_is_listed_from_its_log(tmp_path):
 
 
 def _committed_rows(tmp_path, folder: str) -> list[str]:
-    """The table rows issue24_table.py makes of a committed H200 run folder."""
+    """The table rows recipe_speed_table.py makes of a committed H200 run folder."""
     import shutil
     import subprocess
     import sys
@@ -80,23 +81,25 @@ def _committed_rows(tmp_path, folder: str) -> list[str]:
     work = tmp_path / folder
     shutil.copytree(REPO / "benchmarks" / "gpu" / folder / "res", work)
     md = tmp_path / f"{folder}.md"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "scripts" / "issue24_table.py"), "--results", str(work),
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "scripts" / "recipe_speed_table.py"), "--results", str(work),
                     "--layer", "2", "--gptq-scheme", "w8a8", "--md", str(md), "--json", str(tmp_path / f"{folder}.json")],
                    check=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True)
     return [r for r in md.read_text().splitlines() if r.startswith(ROW_PREFIXES)]
 
 
 ROW_PREFIXES = ("| def-", "| gptq-", "| llmc-", "| alt-")
+#: the sections this file checks are dated: they stay in the log RESULTS.md was until 2026-12-04
+LOG = REPO / "benchmarks" / "history" / "RESULTS-2026-12-04.md"
 
 
 def _quoted_rows(start: str, end: str) -> list[str]:
-    text = (REPO / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    text = LOG.read_text(encoding="utf-8")
     sec = text[text.index(start):text.index(end)]
     return [r for r in sec.splitlines() if r.startswith(ROW_PREFIXES)]
 
 
 def test_results_0_10_is_the_table_of_the_committed_h200_runs(tmp_path):
-    """RESULTS §0.10 quotes, row by row, what issue24_table.py makes of the committed H200 JSONs
+    """RESULTS §0.10 quotes, row by row, what recipe_speed_table.py makes of the committed H200 JSONs
     (benchmarks/gpu/h200_2026-12-02/res): a number edited by hand, or a run's JSON changed, fails."""
     rows = _committed_rows(tmp_path, "h200_2026-12-02")
     assert len(rows) == 12 and _quoted_rows("### 0.10 ", "### 0.11 ") == rows
