@@ -230,9 +230,9 @@ class ModelBinding(abc.ABC):
         return {}
 
     def layer_cost(self, config: Any, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int) -> Any:
-        """Seconds of one layer under the stated rates (``distributed.LayerCost``), for the
+        """Seconds of one layer under the stated rates (``layer_cost.LayerCost``), for the
         torchrun layer split; the default counts every layer alike."""
-        from .pipeline.distributed import LayerCost
+        from .pipeline.layer_cost import LayerCost
 
         return LayerCost(float_s=1.0, solve_s=1.0 if targets else 0.0)
 
@@ -472,9 +472,9 @@ class BaseModel(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} declares no MTP layer (mtp_layer_ids)")
 
     def layer_cost(self, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int) -> Any:
-        """The cost of layer ``layer_idx`` (``distributed.LayerCost``) for the torchrun layer
+        """The cost of layer ``layer_idx`` (``layer_cost.LayerCost``) for the torchrun layer
         split. Default: every layer alike; a model adapter states its own cost model."""
-        from .pipeline.distributed import LayerCost
+        from .pipeline.layer_cost import LayerCost
 
         return LayerCost(float_s=1.0, solve_s=1.0 if targets else 0.0)
 

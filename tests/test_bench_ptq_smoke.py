@@ -1,4 +1,4 @@
-"""benchmarks/bench_ptq.py --smoke: the job's own run() on a tiny synthetic checkpoint with the
+"""benchmarks/bench_ptq.py --smoke: the job's own entry point (run_job) on a tiny synthetic checkpoint with the
 V4-Flash layer pattern, timed per phase, with the statistics capture and projections."""
 import json
 import sys
@@ -9,16 +9,17 @@ from tests.conftest import REPO
 def test_bench_ptq_smoke(tmp_path, one_thread):
     sys.path.insert(0, str(REPO / "benchmarks"))
     import bench_ptq
-    import run_ptq
+    from amct_ext.pipeline import job_runner
 
     calls = []
-    real_run = run_ptq.run
-    run_ptq.run = lambda args, phases=None: calls.append(args) or real_run(args, phases=phases)
+    real_run = job_runner.run_job
+    job_runner.run_job = lambda job, phases=None, t_start=None: calls.append(job) or real_run(
+        job, phases=phases, t_start=t_start)
     try:
         out = tmp_path / "r.json"
         assert bench_ptq.main(["--smoke", "--workdir", str(tmp_path / "w"), "--keep", "--json", str(out)]) == 0
     finally:
-        run_ptq.run = real_run
+        job_runner.run_job = real_run
     assert len(calls) == 1                                  # the job's own entry point ran, once
     r = json.loads(out.read_text())
     per = r["ptq"]["per_layer"]

@@ -159,7 +159,7 @@ def test_sequential_on_statistics_without_a_rerun_says_so():
 def test_workflow_sequential_gptq_stores_no_calls_and_equals_stored_calls(tiny_adapter, tmp_path, monkeypatch):
     """run_blockwise_ptq with ``gptq``: no call captured, the layer re-run once per later stage,
     parameters equal to those of stored calls (bit for bit), also in several Hessian passes."""
-    import amct_ext.pipeline.workflow as wf
+    import amct_ext.pipeline.capture_modes as wf   # where the capture modes call these
     from amct_ext.algorithms.hessians import estimated_hessian_bytes
 
     calib = load_calib_windows(tiny_adapter, PTQ)

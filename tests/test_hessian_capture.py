@@ -198,7 +198,7 @@ PTQ = PtqConfig(epochs=1, lr=5e-3, n_samples=2, seq_len=48, batch_size=1, seed=0
 def test_workflow_stores_no_calls_for_a_statistics_recipe(tiny_adapter, tmp_path, monkeypatch):
     """run_blockwise_ptq with gptq:sequential=false: no call is captured (capture_unit_io is never
     reached) and the parameters equal those of the same recipe on stored calls."""
-    import amct_ext.pipeline.workflow as wf
+    import amct_ext.pipeline.capture_modes as wf   # where the capture modes call these
 
     calib = load_calib_windows(tiny_adapter, PTQ)
     recipe = parse_algo("gptq:sequential=false")
@@ -344,7 +344,7 @@ def test_an_interrupted_multi_pass_layer_resumes_at_its_next_pass(tiny_adapter, 
     """Each pass's units are written when the pass is solved: a run stopped while the second
     pass collects keeps the first pass's units, and the rerun solves only the rest, to the
     uninterrupted run's bits."""
-    import amct_ext.pipeline.workflow as wf
+    import amct_ext.pipeline.capture_modes as wf   # where the capture modes call these
     from amct_ext.algorithms.hessians import estimated_hessian_bytes
 
     calib = load_calib_windows(tiny_adapter, PTQ)

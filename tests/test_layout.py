@@ -144,6 +144,7 @@ V4_ONLY = re.compile(r"\b(wq_a|wq_b|wkv|wo_a|wo_b|attn_sink|compressor|shared_ex
 # in modules other helpers were reworking at the time (export, run folder, targets, the loop).
 V4_KNOWN = {
     "amct_ext/export/exporter.py": {"tid2eid", "compress_ratios", "mtp"},   # serve-export; export profiles
+    "amct_ext/export/export_format.py": {"tid2eid", "mtp"},               # serve-export (moved from exporter.py)
     "amct_ext/export/compressed_tensors.py": {"shared_experts", "mtp"},   # serve-export (the ignore list)
     "amct_ext/export/ascend.py": {"w2"},                                  # export profiles (w2's TP row sums)
     "amct_ext/export/readback.py": {"attn-linear-all"},                   # targets: one declared target set
@@ -151,7 +152,7 @@ V4_KNOWN = {
     "amct_ext/io/checkpoint.py": {"mtp"},                                 # the reader's default skip prefix
     "amct_ext/io/checkpoint_writer.py": {"mtp"},                          # shard groups of the release layout
     "amct_ext/pipeline/workflow.py": {"mtp"},                             # run_blockwise_ptq(mtp=...): the loop split
-    "amct_ext/algorithms/smoothing.py": {"up_limit", "swiglu_limit"},     # batched AWQ reads the experts' clamp limit
+    "amct_ext/algorithms/smoothing.py": {"up_limit", "swiglu_limit", "attn_norm", "q_norm", "wo_a"},   # batched AWQ reads the experts' limit
 }
 
 

@@ -54,7 +54,7 @@ from amct_ext.errors import AmctError, user_error_line  # noqa: E402
 from models.deepseek_v4.cli import (MODELS, PlainHelpFormatter, add_model_arguments,  # noqa: E402,F401
                                     check_weights_present, resolve_model_path)
 
-FORMATS = ("compressed-tensors", "ascend")
+from amct_ext.export.export_format import FORMATS  # noqa: E402  (each format's rules: export_format.py)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,7 +78,6 @@ seconds, before any perplexity.
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import shutil
@@ -199,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     oe = ap.add_argument_group("output and export")
     oe.add_argument("--output-dir", required=True)
-    oe.add_argument("--export", choices=("compressed-tensors", "ascend"), default=None,
+    from amct_ext.export.export_format import FORMATS
+
+    oe.add_argument("--export", choices=FORMATS, default=None,
                     help="after the run, export the quantized model into OUTPUT/export-FORMAT (checked "
                          "against the scheme, targets and recipe before any work)")
     oe.add_argument("--dequantize-rest", action="store_true",
@@ -232,6 +233,7 @@ def job_request(args, model_path: Path, calib_path: Path, eval_path: Path):
         capture_memory_gb=_default(args, "capture_memory_gb"), hessian_memory_gb=args.hessian_memory_gb,
         sharded_ptq=args.sharded_ptq, sharded_eval=args.sharded_eval, start_layer=args.start_layer,
         end_layer=args.end_layer, export=args.export, dequantize_rest=args.dequantize_rest, allow_partial=False,
+        model=args.model, eval_first_window=args.eval_first_window, boundary=args.boundary, quiet=args.quiet,
         allow_fewer_layers=args.allow_fewer_layers)
 
 
@@ -250,35 +252,15 @@ def _resume_check(out_dir: Path, scheme, targets, r, dtype: str) -> bool:
     return RunFolder(out_dir).check_settled(now, scheme_name=scheme.name)
 
 
-def run(args, phases=None) -> int:
-    """The whole job. ``phases``: an ``amct_ext.pipeline.phases.PhaseTimer`` given to the PTQ loop
-    (benchmarks/bench_ptq.py reads its per-phase times and memory)."""
-    import torch
-
-    from amct_ext.runtime import device as devmod
-    from amct_ext.pipeline import distributed
-    from amct_ext.base import EvalConfig, PtqConfig, RunConfig
+def plan_job(args):
+    """The checked job plan (``amct_ext.pipeline.job.PtqJob``) from the parsed flags: every input
+    checked before anything is computed or written (the cheap checks first, the request checked
+    once), the model resolved (the tiny checkpoints generated on first use)."""
     from amct_ext.pipeline.calibration import DEFAULT_CALIBRATION_PATH, refuse_test_split
     from amct_ext.errors import DataError
-    from amct_ext.export.job import write_layers_record
-    from amct_ext.io.io_utils import atomic_write_json
     from amct_ext.pipeline.job import build_job, check_request
-    from amct_ext.pipeline.progress import PtqProgress, done_units, interactive
-    from amct_ext.pipeline.summary import format_ppl, format_summary, summarize_units, write_error_plot
-    from amct_ext.algorithms.recipe import parse_algo
-    from amct_ext.pipeline.mtp_eval import evaluate_mtp
-    from amct_ext.pipeline.ptq_spec import PtqSpec
-    from amct_ext.pipeline.run_folder import RunFolder
-    from amct_ext.pipeline.workflow import (PARAMS_DIR, PtqRuntime, check_seq_len, evaluate_blockwise, layer_range,
-                                            load_calib_windows, load_eval_windows, prepare_params_dir,
-                                            run_blockwise_ptq)
-    from models.deepseek_v4.adapter import DeepseekV4Adapter
     from models.deepseek_v4.plan import DeepseekV4PlanSpec
 
-    t_start = time.perf_counter()
-    dist = distributed.env_from()
-
-    # ---- the plan: every input checked before anything is computed or written
     if args.calib_data and args.calib_dataset:
         raise ConfigError("pass either --calib-data FILE or --calib-dataset NAME, not both")
     eval_path = Path(args.eval_data) if args.eval_data else DEFAULT_EVAL_PATH
@@ -294,204 +276,22 @@ def run(args, phases=None) -> int:
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads {threads}: must be >= 1 (omit it for torch's default)")
     # flags, scheme, recipe, targets, output folder first: they need neither the model nor the text
-    check_request(job_request(args, Path(args.model_path or "."), calib_path, eval_path))
+    checked = check_request(job_request(args, Path(args.model_path or "."), calib_path, eval_path))
     # by content, before anything is trained or computed on it (also guards tokenizer training)
     refuse_test_split(calib_path, "calibration", [eval_path])
     model_path = resolve_model_path(args, calib_path)
     check_weights_present(model_path, args.model)
-    plan_spec = DeepseekV4PlanSpec()
-    job = build_job(job_request(args, model_path, calib_path, eval_path), plan_spec, check_resume=_resume_check)
-    # the output folder is this run's until it ends: a second run on it is refused now, not after
-    # its perplexities (rank 0 holds it for a torchrun job; released when `folder` goes)
-    folder = RunFolder(job.output.dir).lock() if dist is None or dist.rank == 0 else None  # noqa: F841
-    if threads:
-        torch.set_num_threads(threads)
-    scheme, targets = job.scheme.scheme, job.scheme.targets
-    recipe, propagate, holdout, guard = job.recipe.recipe, job.recipe.propagate, job.recipe.holdout, job.recipe.guard
-    if recipe is None:   # --legacy-solver: the pre-recipe solver, an algorithm of the recipe now
-        recipe = parse_algo(f"learned_clip:epochs={args.epochs}:lr={args.lr!r}", "--legacy-solver")
-    if dist is not None:   # quantized predecessors make the layers sequential: refused under torchrun
-        distributed.check_propagate(propagate)
-    dtype_name = job.runtime.dtype
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    if dist is not None:   # each rank on the device of its LOCAL_RANK, in the job's process group
-        dist = distributed.init(dist, args.device)
-        distributed.install_stop_handler(dist)
-        distributed.start_watchdog(dist)
-    main_rank = dist is None or dist.is_main
-    tty = interactive()
-    if main_rank and not args.quiet:
-        print(job.describe(), flush=True)
-    # bars on a terminal; in a log file (not a TTY) plain lines instead (PtqProgress), no escape codes
-    run_cfg = RunConfig(model_path=model_path, device=str(dist.device) if dist else args.device, dtype=dtype,
-                        progress=not args.quiet and main_rank and tty)
-    seq_len = job.calibration.seq_len
-    eval_ppl = job.evaluation.enabled
-    ptq_cfg = PtqConfig(epochs=args.epochs, lr=args.lr, n_samples=job.calibration.samples, seq_len=seq_len,
-                        batch_size=job.calibration.batch_size, seed=args.seed,
-                        calib_path=calib_path, eval_paths=(str(eval_path),))
-    ptq_cfg.check()
-    spec = PtqSpec(scheme, targets, ptq_cfg, recipe=recipe, propagate=propagate, holdout=holdout,
-                   guard=guard).resolved()
-    eval_cfg = EvalConfig(seq_len=seq_len, max_windows=job.evaluation.windows, first_window=args.eval_first_window,
-                          batch_size=job.evaluation.batch_size, data_path=eval_path,
-                          sharded=args.sharded_eval)
-    eval_cfg.check()
-    capture_gb = job.runtime.capture_memory_gb
-    runtime = PtqRuntime(capture_memory_bytes=None if capture_gb is None else int(capture_gb * 2 ** 30),
-                         sharded=args.sharded_ptq,
-                         hessian_memory_bytes=None if args.hessian_memory_gb is None
-                         else int(args.hessian_memory_gb * 2 ** 30))
-    runtime.check()
+    return build_job(job_request(args, model_path, calib_path, eval_path), DeepseekV4PlanSpec(),
+                     check_resume=_resume_check, checked=checked)
 
-    out = job.output.dir
-    with DeepseekV4Adapter(run_cfg) as adapter:
-        check_seq_len(adapter, seq_len, "--seq-len")
-        layers = layer_range(adapter, args.start_layer, args.end_layer)
-        exported = adapter.exported is not None
-        if exported and not args.no_ptq:
-            raise ConfigError(f"{model_path} is an exported quantized checkpoint ({adapter.exported.format}); "
-                              "evaluate it with --no-ptq --eval-ppl (its float PPL applies the declared "
-                              "activation quantization)")
-        calib = load_calib_windows(adapter, ptq_cfg)
-        if not args.no_ptq:
-            prepare_params_dir(adapter, out, spec, create=False, calib_windows=calib)
-        # one process: the workflow itself; torchrun: its scale-out over the ranks
-        evaluate = evaluate_blockwise if dist is None else functools.partial(distributed.evaluate, dist)
-        windows = load_eval_windows(adapter, eval_cfg) if eval_ppl else None
 
-        # ---- work
-        ppl = {"float": None, "rtn": None, "quant": None}
-        peaks = []
-        evals = {}
-        # static activation quantizers left in float because no calibration data reached them
-        unobserved = {}
-        if eval_ppl:
-            modes = ("float",) if exported else job.evaluation.modes
-            for mode in modes:
-                r = evaluate(adapter, windows, eval_cfg, mode, scheme=scheme, targets=targets,
-                             layers=layers, calib_windows=calib, calib_batch_size=ptq_cfg.batch_size)
-                ppl[mode] = r.ppl
-                evals[mode] = r.to_dict()
-                if mode == "rtn":
-                    unobserved["rtn"] = r.unobserved_static
-                peaks.append(r.memory.peak_memory_bytes)
-                if main_rank:
-                    print(f"ppl[{mode}] = {r.ppl:.4f}  ({r.n_windows} windows x {r.seq_len}, {r.seconds:.1f} s)", flush=True)
-        units = []
-        ptq_memory = None
-        ptq_wall = None
-        groups = []
-        mtp_report = None
-        if not args.no_ptq:
-            stems = plan_spec.unit_stems(adapter.config, scheme, targets, list(layers))
-            pdir = out / PARAMS_DIR
-            if main_rank:   # the run's range first: an interrupted run is then known to be incomplete
-                pdir.mkdir(parents=True, exist_ok=True)
-                write_layers_record(pdir, layers, stems)
-            progress = PtqProgress(job.scheme.units_per_layer, enabled=main_rank and not args.quiet and not tty,
-                                   done_before=done_units(pdir, stems),
-                                   on_layer_done=lambda i: write_layers_record(pdir, layers, stems))
-            t_ptq = time.perf_counter()
-            runtime.phases = phases
-            if dist is None:
-                runtime.on_unit_done = progress.unit_done
-                res = run_blockwise_ptq(adapter, spec, out, layers=layers, calib_windows=calib, runtime=runtime)
-            else:
-                res = distributed.run_ptq(dist, adapter, spec, out, layers=layers, calib_windows=calib,
-                                          boundary=args.boundary, runtime=runtime)
-            ptq_wall = time.perf_counter() - t_ptq
-            units = res.units
-            unobserved["ptq_calibration"] = res.unobserved_static
-            ptq_memory = res.memory.to_dict()
-            peaks.append(res.memory.peak_memory_bytes)
-            if main_rank:
-                write_layers_record(pdir, layers, stems)
-            if eval_ppl:
-                r = evaluate(adapter, windows, eval_cfg, "ptq", scheme=scheme, targets=targets,
-                             layers=layers, params_dir=out / PARAMS_DIR)
-                ppl["quant"] = r.ppl
-                evals["ptq"] = r.to_dict()
-                unobserved["ptq"] = r.unobserved_static
-                peaks.append(r.memory.peak_memory_bytes)
-                if main_rank:
-                    print(f"ppl[ptq] = {r.ppl:.4f}  ({r.seconds:.1f} s)", flush=True)
-                    # issue 23.6: the MTP layer's quantization cost (amct_ext/pipeline/mtp_eval.py)
-                    mtp_report = evaluate_mtp(adapter, windows, eval_cfg, scheme, targets, out / PARAMS_DIR)
-                    if mtp_report is not None:
-                        print(f"mtp: {mtp_report}", flush=True)
-            groups = summarize_units(units)
-            if main_rank:
-                print(format_summary(groups, ppl if eval_ppl else None), flush=True)
-        elif main_rank and eval_ppl:
-            print(format_ppl(ppl), flush=True)
+def run(args, phases=None) -> int:
+    """The whole job: the plan from the flags, then the library's ``run_job``. ``phases``: an
+    ``amct_ext.pipeline.phases.PhaseTimer`` given to the PTQ loop."""
+    from amct_ext.pipeline.job_runner import run_job
 
-        report = {
-            "model": args.model, "model_path": str(model_path), "scheme": scheme.name,
-            "scheme_fingerprint": scheme.fingerprint(), "quant_target": list(targets),
-            "layers": [layers.start, layers.stop], "device": str(adapter.device), "dtype": dtype_name,
-            "threads": torch.get_num_threads(),
-            "calibration": {"path": str(calib_path), "samples": ptq_cfg.n_samples, "seq_len": seq_len,
-                            "epochs": ptq_cfg.epochs, "lr": ptq_cfg.lr, "seed": ptq_cfg.seed},
-            "eval": None if not eval_ppl else {"path": str(eval_path), "windows": int(windows.shape[0]),
-                                               "first_window": eval_cfg.first_window, "seq_len": seq_len},
-            "recipe": None if recipe is None else {"algorithms": recipe.settings(), "propagate": propagate,
-                                                   "holdout": holdout, "guard": guard,
-                                                   "source": job.recipe.source},
-            "plan_seconds": job.seconds,
-            "ptq_wall_s": ptq_wall,
-            "ppl": ppl,
-            "summary": [g.to_dict() for g in groups],
-            "units": [{"name": u.name, "kind": u.kind, "layer": u.layer, "loss_before": u.loss_before,
-                       "loss_after": u.loss_after, "seconds": u.seconds, "n_calls": u.n_calls,
-                       "resumed": u.resumed, "stats": u.stats} for u in units],
-            "evaluations": evals,
-            "mtp": mtp_report,
-            "unobserved_static_quantizers": unobserved,
-            "ptq_runtime": {"capture_memory_gb": capture_gb, "sharded": args.sharded_ptq,
-                            "hessian_memory_gb": args.hessian_memory_gb,
-                            "batch_size": ptq_cfg.batch_size, "memory": ptq_memory},
-            "wall_s": time.perf_counter() - t_start,
-            "peak_memory_bytes": max(peaks) if peaks else devmod.peak_memory_bytes(adapter.device),
-            "peak_memory_note": ("process peak RSS (cpu)" if adapter.device.type == "cpu"
-                                 else f"{adapter.device.type} allocator peak"),
-        }
-        if dist is not None:   # PTQ peaks are gathered over the ranks; evaluation peaks are rank 0's
-            report["distributed"] = {"world_size": dist.world_size, "boundary": args.boundary,
-                                     "ptq_ranges": ([[r.start, r.stop] for r in res.ranges] if not args.no_ptq
-                                                    else None),
-                                     "ptq_rank_seconds": None if args.no_ptq else res.rank_seconds}
-    if not main_rank:
-        return 0
-    if job.export is not None:
-        from amct_ext.export.job import ExportRequest, export_run
-
-        eout = job.export.out_dir
-        # a finished export of an earlier run is replaced; a partial one is resumed (the export's
-        # own fingerprint refuses one made from other parameters)
-        complete = any((eout / n).is_file() for n in ("model.safetensors.index.json",
-                                                       "quant_model_weights.safetensors.index.json"))
-        ereq = ExportRequest(model_path=model_path, format=job.export.format, out_dir=eout, from_dir=out,
-                             scheme=args.scheme, device=args.device, dtype=dtype_name, overwrite=complete,
-                             dequantize_rest=job.export.dequantize_rest,
-                             progress=not args.quiet)
-        # rank 0 alone (the other ranks have returned): the export must not start a group
-        report["export"] = {k: v for k, v in export_run(ereq, allow_distributed=False).items()
-                            if k in ("out_dir", "format", "mtp", "seconds", "bytes_written")}
-    atomic_write_json(report, out / "report.json")
-    plot = write_error_plot(groups, out / "layer_errors.png") if groups else None
-    if ptq_memory is not None and ptq_memory.get("call_memory_peak_bytes"):
-        # the capture's own accounting (capture.CALL_METER): what the budget bounds
-        print(f"captured calls in host memory at once: {ptq_memory['call_memory_peak_bytes'] / 2**30:.2f} GiB "
-              f"(the capture store {ptq_memory['capture_memory_peak_bytes'] / 2**30:.2f} GiB, budget "
-              + (f"{capture_gb:g} GiB" if capture_gb is not None else "none")
-              + f"; spilled {ptq_memory['capture_spilled_bytes'] / 2**30:.2f} GiB)", flush=True)
-    if any(unobserved.values()):
-        print("static activation quantizers left in float (no calibration data reached them): "
-              + ", ".join(f"{k} {v}" for k, v in unobserved.items()), flush=True)
-    print(f"wrote {out / 'report.json'}" + (f" and {plot.name}" if plot else "")
-          + f"  (wall {report['wall_s']:.1f} s, peak memory {report['peak_memory_bytes'] / 2**20:.0f} MiB)",
-          flush=True)
+    t_start = time.perf_counter()
+    run_job(plan_job(args), phases=phases, t_start=t_start)
     return 0
 
 

@@ -261,32 +261,10 @@ def _say(cfg: TrainConfig, *msg: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------------- train
-def train(cfg: TrainConfig) -> TrainResult:
-    t_start = time.perf_counter()
-    text_path = Path(cfg.text_path)
-    refuse_test_split(text_path, "training")
-    for name in ("steps", "batch_size", "seq_len", "eval_every", "log_every"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    device = resolve_device(cfg.device)
-    if cfg.amp not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"amp must be auto, bf16 or fp32, got {cfg.amp!r}")
-    use_bf16 = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type != "cpu")
-    amp_dtype = torch.bfloat16 if use_bf16 else None
-
-    torch.manual_seed(cfg.seed)
-    out = Path(cfg.out) if cfg.out else None
-    import tempfile
-
-    tmp = None
-    if out is None:
-        tmp = tempfile.TemporaryDirectory(prefix="train_tiny_tok_")
-        tok_dir = Path(tmp.name)
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        tok_dir = out
-
-    # tokenizer + data
+def _training_data(cfg: TrainConfig, text_path: Path, tok_dir: Path, tmp):
+    """The tokenizer trained into ``tok_dir`` (``tmp``: its temporary folder, removed after),
+    the text's tokens split into training and held-out ids: (tokenizer bytes, ids, train ids,
+    held-out ids, held-out windows, vocabulary size, held-out unigram loss)."""
     train_bpe_tokenizer(text_path, cfg.vocab_size, tok_dir)
     vocab = tokenizer_vocab_size(tok_dir)
     ids = load_tokens(text_path, tok_dir)
@@ -301,8 +279,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     uni = unigram_loss(train_ids, val_ids, vocab)
     _say(cfg, f"tokens: {ids.numel()} (train {train_ids.numel()}, held-out {val_ids.numel()}, "
               f"{vwin.shape[0]} eval windows), vocab {vocab}, held-out unigram loss {uni:.3f}")
+    return tok_bytes, ids, train_ids, val_ids, vwin, vocab, uni
 
-    # model
+
+def _build_model(cfg: TrainConfig, vocab: int, tok_bytes: int, out: Path | None, device):
+    """(model config, MTP tensors, parameter count, the initialised model on ``device``); the
+    checkpoint's size is checked on a meta skeleton first (a too-big model is never allocated)."""
     config = build_model_config(cfg, vocab)
     with empty_weights():  # size check on a meta skeleton first: a too-big model is never allocated
         skeleton = DeepseekV4ForCausalLM(config, dtype=torch.float32)
@@ -319,15 +301,132 @@ def train(cfg: TrainConfig) -> TrainResult:
     model = DeepseekV4ForCausalLM(config, dtype=torch.float32)
     init_random_weights(model, cfg.seed)
     model.to(device).train()
+    return config, mtp, n_params, model
+
+
+def _write_train_log(cfg: TrainConfig, out: Path, config, device, amp_dtype, n_params: int, tokens: tuple,
+                     result: TrainResult, train_wall: float) -> None:
+    """OUTPUT/train_log.json (the command, the settings, the losses), and the size check of the
+    written checkpoint."""
+    ids, train_ids, val_ids, vwin = tokens
+    ckpt_bytes = result.checkpoint_bytes
+    log = {
+        "command": " ".join([sys.executable] + sys.argv),
+        "seed": cfg.seed,
+        "train_config": {k: v for k, v in asdict(cfg).items() if k != "verbose"},
+        "model_config": official_config_dict(config, "bf16"),
+        "device": str(device),
+        "amp": "bf16" if amp_dtype is not None else "fp32",
+        "torch_version": torch.__version__,
+        "n_params": n_params,
+        "tokens": {"total": ids.numel(), "train": train_ids.numel(), "held_out": val_ids.numel(),
+                   "eval_windows": int(vwin.shape[0])},
+        "steps_requested": cfg.steps,
+        "steps_done": result.steps_done,
+        "stopped_early": result.stopped_early,
+        "final_train_loss": result.final_train_loss,
+        "final_val_loss": result.final_val_loss,
+        "best_val_loss": result.best_val_loss,
+        "best_step": result.best_step,
+        "saved_weights": f"step {result.best_step}" if cfg.keep_best else f"step {result.steps_done}",
+        "unigram_val_loss": result.unigram_val_loss,
+        "train_wall_s": train_wall,
+        "wall_s": result.wall_s,
+        "checkpoint_bytes": ckpt_bytes,
+        "val_history": result.val_history,
+        "losses": result.losses,
+    }
+    atomic_write_json(log, out / "train_log.json")
+    _say(cfg, f"checkpoint {out}: {ckpt_bytes / 1e6:.2f} MB (+ train_log.json)")
+    if ckpt_bytes > MAX_CHECKPOINT_BYTES:
+        raise ConfigError(f"checkpoint in {out} is {ckpt_bytes / 1e6:.2f} MB, over the "
+                          f"{MAX_CHECKPOINT_BYTES / 1e6:.0f} MB limit: do not commit it; shrink the model")
+
+
+def _checked_device(cfg: TrainConfig):
+    """(device, autocast dtype or None) after the sizes and the amp setting are checked."""
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "log_every"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    device = resolve_device(cfg.device)
+    if cfg.amp not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"amp must be auto, bf16 or fp32, got {cfg.amp!r}")
+    use_bf16 = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type != "cpu")
+    return device, (torch.bfloat16 if use_bf16 else None)
+
+
+def _tokenizer_dir(out: Path | None):
+    """(where the tokenizer is trained, its temporary folder or None): the output folder, or a
+    temporary one when the run writes no checkpoint."""
+    import tempfile
+
+    if out is None:
+        tmp = tempfile.TemporaryDirectory(prefix="train_tiny_tok_")
+        return Path(tmp.name), tmp
+    out.mkdir(parents=True, exist_ok=True)
+    return out, None
+
+
+def _finish_model(cfg: TrainConfig, model, balancer, best_state, best_step: int, best_val: float) -> None:
+    """The best held-out weights back (``best_state`` None: the last ones are the best, or
+    keep_best is off), the balancer's hooks removed, eval mode."""
+    if cfg.keep_best and best_state is not None:
+        model.load_state_dict(best_state)
+        _say(cfg, f"restored the best held-out weights (step {best_step}, val {best_val:.4f})")
+    for h in balancer.handles:
+        h.remove()
+    model.eval()
+
+
+def _write_checkpoint(model, config, out: Path, cfg: TrainConfig, mtp) -> int:
+    """The release-layout bf16 checkpoint of the trained model (+ MTP tensors); its bytes."""
+    state = {k: t.detach().cpu() for k, t in model.state_dict().items()}
+    write_release_checkpoint(state, config, out, fmt="bf16", n_shards=cfg.n_shards, extra=mtp)
+    return sum(p.stat().st_size for p in out.iterdir() if p.is_file() and p.name != "train_log.json")
+
+
+def _optimizer(model, cfg: TrainConfig, device) -> torch.optim.Optimizer:
+    """AdamW, weight decay on the matrices only."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas,
+                             # one fused kernel group on accelerators (the step is launch-bound there)
+                             **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+
+
+def _step_line(cfg: TrainConfig, done: int, interval_loss: torch.Tensor, lr: float, tokens: int, seconds: float,
+               val_history: list, balance: float | None) -> str:
+    """The progress line every ``log_every`` steps."""
+    n = done % cfg.log_every or cfg.log_every
+    msg = (f"step {done:5d}/{cfg.steps}  loss {float(interval_loss) / n:.4f}  lr {lr:.2e}  "
+           f"{tokens / seconds:,.0f} tok/s  {seconds / n * 1e3:.0f} ms/step")
+    if val_history and val_history[-1][0] == done:
+        msg += f"  val {val_history[-1][1]:.4f}"
+    if balance is not None:
+        msg += f"  max/mean expert load {balance:.2f}"
+    return msg
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    t_start = time.perf_counter()
+    text_path = Path(cfg.text_path)
+    refuse_test_split(text_path, "training")
+    device, amp_dtype = _checked_device(cfg)
+
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out) if cfg.out else None
+    tok_dir, tmp = _tokenizer_dir(out)
+
+    # tokenizer + data
+    tok_bytes, ids, train_ids, val_ids, vwin, vocab, uni = _training_data(cfg, text_path, tok_dir, tmp)
+
+    # model
+    config, mtp, n_params, model = _build_model(cfg, vocab, tok_bytes, out, device)
     balancer = LoadBalancer(model, cfg.bias_rate)
     for g in balancer.gates:
         g.bias.requires_grad_(False)  # aux-loss-free balancing, not gradient
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas,
-                            # one fused kernel group on accelerators (the step is launch-bound there)
-                            **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    opt = _optimizer(model, cfg, device)
     data_gen = torch.Generator().manual_seed(cfg.seed + 2)
     offsets = torch.arange(cfg.seq_len + 1)
 
@@ -389,14 +488,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             flush_losses()
             synchronize(device)
             now = time.perf_counter()
-            n = done % cfg.log_every or cfg.log_every
-            msg = (f"step {done:5d}/{cfg.steps}  loss {float(interval_loss) / n:.4f}  lr {lr:.2e}  "
-                   f"{tokens_since_log / (now - t_log):,.0f} tok/s  {(now - t_log) / n * 1e3:.0f} ms/step")
-            if val_history and val_history[-1][0] == done:
-                msg += f"  val {val_history[-1][1]:.4f}"
-            if balance is not None:
-                msg += f"  max/mean expert load {balance:.2f}"
-            _say(cfg, msg)
+            _say(cfg, _step_line(cfg, done, interval_loss, lr, tokens_since_log, now - t_log, val_history, balance))
             interval_loss.zero_()
             tokens_since_log, t_log = 0, now
         step_times.append(time.perf_counter() - t0)
@@ -416,18 +508,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     final_train = sum(tail) / len(tail)
     train_wall = time.perf_counter() - t_train
 
-    if cfg.keep_best and best_state is not None and best_step != steps_done:
-        model.load_state_dict(best_state)
-        _say(cfg, f"restored the best held-out weights (step {best_step}, val {best_val:.4f})")
-    for h in balancer.handles:
-        h.remove()
-    model.eval()
+    _finish_model(cfg, model, balancer, best_state if best_step != steps_done else None, best_step, best_val)
 
-    ckpt_bytes = None
-    if out is not None:
-        state = {k: t.detach().cpu() for k, t in model.state_dict().items()}
-        write_release_checkpoint(state, config, out, fmt="bf16", n_shards=cfg.n_shards, extra=mtp)
-        ckpt_bytes = sum(p.stat().st_size for p in out.iterdir() if p.is_file() and p.name != "train_log.json")
+    ckpt_bytes = _write_checkpoint(model, config, out, cfg, mtp) if out is not None else None
     wall = time.perf_counter() - t_start
     result = TrainResult(
         losses=losses, val_history=val_history, steps_done=steps_done, final_train_loss=final_train,
@@ -439,37 +522,8 @@ def train(cfg: TrainConfig) -> TrainResult:
               f"best val {best_val:.4f} @ step {best_step}, unigram {uni:.3f}; {steps_done} steps in "
               f"{train_wall:.1f} s, wall {wall:.1f} s")
     if out is not None:
-        log = {
-            "command": " ".join([sys.executable] + sys.argv),
-            "seed": cfg.seed,
-            "train_config": {k: v for k, v in asdict(cfg).items() if k != "verbose"},
-            "model_config": official_config_dict(config, "bf16"),
-            "device": str(device),
-            "amp": "bf16" if amp_dtype is not None else "fp32",
-            "torch_version": torch.__version__,
-            "n_params": n_params,
-            "tokens": {"total": ids.numel(), "train": train_ids.numel(), "held_out": val_ids.numel(),
-                       "eval_windows": int(vwin.shape[0])},
-            "steps_requested": cfg.steps,
-            "steps_done": steps_done,
-            "stopped_early": stopped_early,
-            "final_train_loss": final_train,
-            "final_val_loss": final_val,
-            "best_val_loss": best_val,
-            "best_step": best_step,
-            "saved_weights": f"step {best_step}" if cfg.keep_best else f"step {steps_done}",
-            "unigram_val_loss": uni,
-            "train_wall_s": train_wall,
-            "wall_s": wall,
-            "checkpoint_bytes": ckpt_bytes,
-            "val_history": val_history,
-            "losses": losses,
-        }
-        atomic_write_json(log, out / "train_log.json")
-        _say(cfg, f"checkpoint {out}: {ckpt_bytes / 1e6:.2f} MB (+ train_log.json)")
-        if ckpt_bytes > MAX_CHECKPOINT_BYTES:
-            raise ConfigError(f"checkpoint in {out} is {ckpt_bytes / 1e6:.2f} MB, over the "
-                              f"{MAX_CHECKPOINT_BYTES / 1e6:.0f} MB limit: do not commit it; shrink the model")
+        _write_train_log(cfg, out, config, device, amp_dtype, n_params, (ids, train_ids, val_ids, vwin), result,
+                         train_wall)
     return result
 
 

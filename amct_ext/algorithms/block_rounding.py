@@ -242,44 +242,8 @@ class BlockRound(Algorithm):
             p.requires_grad_(True)
         gen = torch.Generator().manual_seed(data.seed)
 
-        def group_error(ks: list[int]) -> tuple[torch.Tensor, int]:
-            """(sum of squared errors in fp32, elements) of samples ``ks``: one forward of them
-            all where the model concatenates samples (``data.concat``), else one forward each."""
-            # each sample to the device first (pinned host -> device), joined there: a host-side
-            # join of 8 V4-Flash windows is a 0.5 GB pageable copy a step (casebook i34-2)
-            joined = data.concat([data.inputs[k].to(dev, non_blocking=True) for k in ks],
-                                 [data.states[k] for k in ks]) \
-                if (data.concat is not None and len(ks) > 1) else None
-            if joined is None:
-                errs = [group_error_of(data.inputs[k], data.states[k], data.targets[k]) for k in ks]
-                return sum(e for e, _ in errs), sum(c for _, c in errs)
-            return group_error_of(*joined, torch.cat([data.targets[k].to(dev, non_blocking=True) for k in ks]))
-
-        def group_error_of(x, state, target) -> tuple[torch.Tensor, int]:
-            out = output_tensor(data.forward(x, state))
-            diff = out.float() - target.to(dev).float()
-            return diff.square().sum(), diff.numel()
-
-        @torch.no_grad()
-        def full_mse() -> float:
-            # the parameters frozen for the pass: each leaf's fake-quant weight is computed once
-            # and cached for every sample (the cache key holds no offset: invalidated around it)
-            for p in params:
-                p.requires_grad_(False)
-            for m in modules:
-                _invalidate(m)
-            try:
-                total, count = 0.0, 0
-                for k0 in range(0, n, self.batch):
-                    se, c = group_error(list(range(k0, min(k0 + self.batch, n))))
-                    total += float(se.double().item())
-                    count += c
-            finally:
-                for m in modules:
-                    _invalidate(m)
-                for p in params:
-                    p.requires_grad_(True)
-            return total / max(count, 1)
+        layer_loss = _LayerLoss(data, params, modules, self.batch)
+        group_error, full_mse = layer_loss.group_error, layer_loss.full_mse
 
         # the SignSGD step of each parameter as soon as its gradient is complete (one backward a
         # step: autograd accumulates a parameter's contributions first); its gradient is then
@@ -292,10 +256,6 @@ class BlockRound(Algorithm):
             p.grad = None
 
         hooks = []
-
-        def batches():
-            while True:
-                yield from torch.randperm(n, generator=gen).tolist()
 
         t_start = time.perf_counter()
         try:
@@ -313,7 +273,7 @@ class BlockRound(Algorithm):
             lr0 = self.lr or (1.0 / max(self.iters, 1))
             # keep_best=False: the end state against the start only (no copy of a later state)
             every = (self.eval_every or max(self.iters // 10, 1)) if self.keep_best else max(self.iters, 1)
-            order = batches()
+            order = _sample_order(n, gen)
             # the stacked offsets step inside their backward (sign_step); the rest as their
             # gradient completes
             stepped_inside = {id(v) for st in stacks for v in st.offsets}
@@ -343,45 +303,14 @@ class BlockRound(Algorithm):
                              self.iters, loss, time.perf_counter() - t_start)
                     if loss < best_loss:   # strict: ties keep the earlier state
                         best_loss, best_step = loss, t + 1
-                        with torch.no_grad():   # into the same buffers: one copy of the state, not two
-                            for k, p in enumerate(params):
-                                if best[k] is None:
-                                    best[k] = p.detach().clone()
-                                else:
-                                    best[k].copy_(p)
-            with torch.no_grad():
-                for p, b in zip(params, best):
-                    if b is None:
-                        p.zero_()
-                    else:
-                        p.copy_(b)
-            out = {}
-            for u in data.units:
-                lfs = per_unit[u.name]
-                changed = sum(int((wq.round_offset != 0).sum()) for _, _, wq in lfs if wq.round_offset is not None)
-                n_off = sum(w.numel() for _, w, _ in lfs)
-                for _, _, wq in lfs:   # an all-zero offset is the start state: nothing to save
-                    wq.round_offset.requires_grad_(False)
-                    if not bool(wq.round_offset.any()):
-                        wq.round_offset = None
-                for _, _, wq in lfs:
-                    if wq.clip is not None:
-                        wq.clip.requires_grad_(False)
-                folded = _fold_leaves([leaf for leaf, _, _ in lfs]) if (self.fold_grid and lfs) else 0
-                out[u.name] = {"layer_loss_before": loss_before, "layer_loss_after": best_loss,
-                               "best_step": best_step, "n_offsets": n_off, "n_nonzero_offsets": changed,
-                               "folded_leaves": folded, "layer_leaves": len(leaves)}
+                        _keep(params, best)
+            _restore(params, best)
+            out = self._unit_results(data, per_unit, len(leaves), loss_before, best_loss, best_step)
             log.info("blockround layer %s: done in %.1f s (steps %.1f s), device peak so far %.1f GiB", data.layer_idx,
                      time.perf_counter() - t_start, time.perf_counter() - t_steps, devmod.peak_memory_bytes(dev) / 2 ** 30)
             return out
         except torch.OutOfMemoryError:
-            state = sum(p.numel() * p.element_size() for p in params)
-            total = devmod.total_memory_bytes(dev)
-            raise DeviceMemoryError(
-                f"blockround, layer {data.layer_idx}: out of device memory on {dev}"
-                f"{'' if total is None else f' ({total / 2 ** 30:.1f} GiB)'}; the layer's learnable state alone is "
-                f"{state / 2 ** 30:.1f} GiB{'' if self.offset_dtype == 'float16' else ' (offset_dtype=float16 halves it)'}"
-                "; lower blockround:batch, or use a recipe without a block stage for this model") from None
+            raise self._out_of_memory(data, params) from None
         finally:
             for h in hooks:
                 h.remove()
@@ -395,3 +324,110 @@ class BlockRound(Algorithm):
             for m, tr in zip(modules, was_training):
                 _invalidate(m)
                 m.train(tr)
+
+    def _unit_results(self, data: BlockData, per_unit: dict[str, list], n_leaves: int, loss_before: float,
+                      best_loss: float, best_step: int) -> dict[str, dict[str, Any]]:
+        """Each unit's statistics, its offsets settled (an all-zero one dropped: the start state,
+        nothing to save) and, with ``fold_grid``, folded into codes on a fixed grid."""
+        out = {}
+        for u in data.units:
+            lfs = per_unit[u.name]
+            changed = sum(int((wq.round_offset != 0).sum()) for _, _, wq in lfs if wq.round_offset is not None)
+            n_off = sum(w.numel() for _, w, _ in lfs)
+            for _, _, wq in lfs:   # an all-zero offset is the start state: nothing to save
+                wq.round_offset.requires_grad_(False)
+                if not bool(wq.round_offset.any()):
+                    wq.round_offset = None
+            for _, _, wq in lfs:
+                if wq.clip is not None:
+                    wq.clip.requires_grad_(False)
+            folded = _fold_leaves([leaf for leaf, _, _ in lfs]) if (self.fold_grid and lfs) else 0
+            out[u.name] = {"layer_loss_before": loss_before, "layer_loss_after": best_loss,
+                           "best_step": best_step, "n_offsets": n_off, "n_nonzero_offsets": changed,
+                           "folded_leaves": folded, "layer_leaves": n_leaves}
+        return out
+
+    def _out_of_memory(self, data: BlockData, params: list[torch.Tensor]) -> DeviceMemoryError:
+        dev = data.device
+        state = sum(p.numel() * p.element_size() for p in params)
+        total = devmod.total_memory_bytes(dev)
+        return DeviceMemoryError(
+            f"blockround, layer {data.layer_idx}: out of device memory on {dev}"
+            f"{'' if total is None else f' ({total / 2 ** 30:.1f} GiB)'}; the layer's learnable state alone is "
+            f"{state / 2 ** 30:.1f} GiB{'' if self.offset_dtype == 'float16' else ' (offset_dtype=float16 halves it)'}"
+            "; lower blockround:batch, or use a recipe without a block stage for this model")
+
+
+def _sample_order(n: int, gen: torch.Generator):
+    """Sample indices for the steps: one random permutation of the samples after another."""
+    while True:
+        yield from torch.randperm(n, generator=gen).tolist()
+
+
+def _keep(params: list[torch.Tensor], best: list[torch.Tensor | None]) -> None:
+    """The current state as the best: into the same buffers (one copy of the state, not two)."""
+    with torch.no_grad():
+        for k, p in enumerate(params):
+            if best[k] is None:
+                best[k] = p.detach().clone()
+            else:
+                best[k].copy_(p)
+
+
+def _restore(params: list[torch.Tensor], best: list[torch.Tensor | None]) -> None:
+    """The kept state back into the parameters (None: the all-zero start offset)."""
+    with torch.no_grad():
+        for p, b in zip(params, best):
+            if b is None:
+                p.zero_()
+            else:
+                p.copy_(b)
+
+
+class _LayerLoss:
+    """The layer's output error on the calibration samples: ``group_error(ks)`` (with autograd,
+    a step's batch) and ``full_mse()`` (every sample, the parameters frozen for the pass)."""
+
+    def __init__(self, data: BlockData, params: list[torch.Tensor], modules: list, batch: int):
+        self.data, self.params, self.modules, self.batch = data, params, modules, batch
+
+    def group_error(self, ks: list[int]) -> tuple[torch.Tensor, int]:
+        """(sum of squared errors in fp32, elements) of samples ``ks``: one forward of them
+        all where the model concatenates samples (``data.concat``), else one forward each."""
+        data, dev = self.data, self.data.device
+        # each sample to the device first (pinned host -> device), joined there: a host-side
+        # join of 8 V4-Flash windows is a 0.5 GB pageable copy a step (casebook i34-2)
+        joined = data.concat([data.inputs[k].to(dev, non_blocking=True) for k in ks],
+                             [data.states[k] for k in ks]) \
+            if (data.concat is not None and len(ks) > 1) else None
+        if joined is None:
+            errs = [self.group_error_of(data.inputs[k], data.states[k], data.targets[k]) for k in ks]
+            return sum(e for e, _ in errs), sum(c for _, c in errs)
+        return self.group_error_of(*joined, torch.cat([data.targets[k].to(dev, non_blocking=True) for k in ks]))
+
+    def group_error_of(self, x, state, target) -> tuple[torch.Tensor, int]:
+        out = output_tensor(self.data.forward(x, state))
+        diff = out.float() - target.to(self.data.device).float()
+        return diff.square().sum(), diff.numel()
+
+    @torch.no_grad()
+    def full_mse(self) -> float:
+        # the parameters frozen for the pass: each leaf's fake-quant weight is computed once
+        # and cached for every sample (the cache key holds no offset: invalidated around it)
+        n = len(self.data.inputs)
+        for p in self.params:
+            p.requires_grad_(False)
+        for m in self.modules:
+            _invalidate(m)
+        try:
+            total, count = 0.0, 0
+            for k0 in range(0, n, self.batch):
+                se, c = self.group_error(list(range(k0, min(k0 + self.batch, n))))
+                total += float(se.double().item())
+                count += c
+        finally:
+            for m in self.modules:
+                _invalidate(m)
+            for p in self.params:
+                p.requires_grad_(True)
+        return total / max(count, 1)

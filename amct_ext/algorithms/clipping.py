@@ -338,19 +338,8 @@ class Clip(Algorithm):
             grid_kept = torch.zeros(E, dtype=torch.bool, device=dev)
             grid_c, grid_train, grid_judge = None, None, None
             if self.grid:
-                # E[x^2] per input channel of every projection, over the training rows, in the base state
-                acc = {n: None for n in names}
-                count = torch.zeros(E, dtype=torch.float32, device=dev)
-                for k in range(train.max_calls):
-                    taps: dict[str, torch.Tensor] = {}
-                    x, _, w, _, n_rows = train.slot(torch.full((E,), k, dtype=torch.long, device=dev))
-                    cls.grouped_forward(members, x, w, base_wq, taps)
-                    for n in names:
-                        s = taps[n].float().square().sum(1)          # padding rows are zeros
-                        acc[n] = s if acc[n] is None else acc[n] + s
-                    count += n_rows
-                grid_c = {n: grid_clip(W[n], specs[n], (acc[n] / count[:, None])[:, None, :], self.grid, self.grid_min)
-                          for n in names}
+                energy = _input_energy(cls, members, train, base_wq, names, E, dev)
+                grid_c = {n: grid_clip(W[n], specs[n], energy[n], self.grid, self.grid_min) for n in names}
                 grid_train = mse(train, {n: formats.fake_quant(W[n], specs[n], grid_c[n]) for n in names})
                 grid_kept = grid_train <= base_train          # else the proxy misled: start from RTN
                 grid_judge = mse(judge, {n: formats.fake_quant(W[n], specs[n], grid_c[n]) for n in names})
@@ -384,15 +373,8 @@ class Clip(Algorithm):
                     if l < loss:
                         choice, loss = name, l
                 for n in names:
-                    wq, lin = lins[n][e].weight_quantizer, lins[n][e]
-                    if choice == "incoming":
-                        clip, fs, fz = incoming[n][e]
-                        wq.clip, wq.fixed_scale, wq.fixed_zero_point = clip, fs, fz
-                    else:
-                        value = (grid_c if choice == "grid" else learned["clip"])[n][e]
-                        wq.clip = nn.Parameter(value.detach().to(lin.weight.device, torch.float32).clone(),
-                                               requires_grad=False)
-                    lin.invalidate_cache()
+                    _set_choice(lins[n][e], choice, incoming[n][e],
+                                None if choice == "incoming" else (grid_c if choice == "grid" else learned["clip"])[n][e])
                 t, h = splits[e]
                 stats: dict[str, Any] = {"holdout_calls": len(h), "train_calls": len(t)}
                 if self.grid:
@@ -451,3 +433,31 @@ class Clip(Algorithm):
                 for name, p in P.items():
                     best_c[name] = torch.where(better.reshape(shape(p)), p.detach(), best_c[name])
         return {"clip": best_c, "train": best_loss, "epoch": best_epoch}
+
+
+def _input_energy(cls, members, train, base_wq, names, E: int, dev) -> dict[str, torch.Tensor]:
+    """E[x^2] per input channel of every projection of the stacked experts, over the training
+    rows, in the base state: {name: [E, 1, in]} (the grid search's importance)."""
+    acc = {n: None for n in names}
+    count = torch.zeros(E, dtype=torch.float32, device=dev)
+    for k in range(train.max_calls):
+        taps: dict[str, torch.Tensor] = {}
+        x, _, w, _, n_rows = train.slot(torch.full((E,), k, dtype=torch.long, device=dev))
+        cls.grouped_forward(members, x, w, base_wq, taps)
+        for n in names:
+            s = taps[n].float().square().sum(1)          # padding rows are zeros
+            acc[n] = s if acc[n] is None else acc[n] + s
+        count += n_rows
+    return {n: (acc[n] / count[:, None])[:, None, :] for n in names}
+
+
+def _set_choice(lin, choice: str, incoming: tuple, value: torch.Tensor | None) -> None:
+    """One expert's projection set to its chosen candidate: the incoming state (clip, fixed
+    grid) as it was, or the chosen clip ``value``."""
+    wq = lin.weight_quantizer
+    if choice == "incoming":
+        clip, fs, fz = incoming
+        wq.clip, wq.fixed_scale, wq.fixed_zero_point = clip, fs, fz
+    else:
+        wq.clip = nn.Parameter(value.detach().to(lin.weight.device, torch.float32).clone(), requires_grad=False)
+    lin.invalidate_cache()

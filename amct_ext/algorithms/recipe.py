@@ -23,7 +23,7 @@ import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import ConfigError
 from .base import Algorithm, Needs
@@ -297,7 +297,8 @@ def resolve_recipe(algo: str | None = None, recipe_file: str | Path | None = Non
 
 __all__ = ["Recipe", "RecipeError", "register", "known_algorithms", "algorithm_class", "build_algorithm",
            "parse_algo", "recipe_from_data", "load_recipe_file", "resolve_recipe", "BUILTIN_MODULES",
-           "DEFAULT_RECIPES", "BEST_RECIPES", "NAMED_RECIPES", "named_recipe", "default_recipe"]
+           "DEFAULT_RECIPES", "BEST_RECIPES", "NAMED_RECIPES", "named_recipe", "default_recipe",
+           "resolve_named_recipe", "choose_recipe", "RecipeChoice"]
 
 
 # ----------------------------------------------------------------------------- defaults
@@ -381,6 +382,47 @@ def named_recipe(scheme, name: str = "default") -> tuple[str, str]:
 def default_recipe(scheme) -> tuple[str, str]:
     """(algo string, propagate) of the scheme's default recipe (``named_recipe(scheme)``)."""
     return named_recipe(scheme, "default")
+
+
+def resolve_named_recipe(scheme, name: str = "default") -> tuple[Recipe, str]:
+    """(Recipe, propagate) of the scheme's named recipe ``name`` (``named_recipe``), parsed."""
+    algo, propagate = named_recipe(scheme, name)
+    where = f"{name} recipe"
+    return (parse_algo(algo, where) if isinstance(algo, str) else recipe_from_data(list(algo), where)), propagate
+
+
+@dataclass
+class RecipeChoice:
+    """What ``--algo`` / ``--recipe`` / ``--legacy-solver`` chose. ``recipe`` None: the legacy
+    solver; ``propagate``: the named recipe's propagation (None: not a named recipe, float
+    unless given); ``source``: where the recipe came from (the report's "source");
+    ``job_spec``: the job keys a recipe file held beside its algorithms."""
+
+    recipe: Recipe | None
+    propagate: str | None
+    source: str
+    job_spec: dict
+
+
+def choose_recipe(scheme, algo: str | None = None, recipe: str | None = None, *, legacy: bool = False,
+                  read_file: Callable[[str], tuple[Recipe, dict]] | None = None) -> RecipeChoice:
+    """The one resolution of a run's recipe: ``--algo`` or ``--recipe FILE|default|best`` (not
+    both; neither = the scheme's default recipe), or the legacy solver. ``read_file(path)`` ->
+    (Recipe, job keys) reads a recipe file (default: ``load_recipe_file``, no job keys)."""
+    if legacy and (algo or recipe):
+        raise ConfigError("--legacy-solver runs the learned-clip solver alone: drop --algo / --recipe")
+    if algo and recipe:
+        raise RecipeError("pass either --algo or --recipe, not both")
+    if recipe and recipe not in NAMED_RECIPES:   # a file (one named like a named recipe: ./best)
+        rec, job_spec = read_file(recipe) if read_file is not None else (load_recipe_file(recipe), {})
+        return RecipeChoice(rec, None, str(recipe), job_spec)
+    if algo:
+        return RecipeChoice(parse_algo(algo), None, "--algo", {})
+    if legacy:
+        return RecipeChoice(None, None, "legacy", {})
+    name = recipe or "default"
+    rec, propagate = resolve_named_recipe(scheme, name)
+    return RecipeChoice(rec, propagate, f"{name} for {scheme.name}'s content", {})
 
 
 def builtin_scheme_named(scheme) -> str | None:

@@ -572,18 +572,7 @@ class AWQ(Algorithm):
         loss_start = mse(rows_all)
         wmax = W[down].float().abs().amax(1) if self.duo_scaling else None       # [E, I]
         base = mse(rows_train)
-        best_loss, best_alpha = base.clone(), torch.full((E,), -1.0, dtype=torch.float64, device=dev)
-        best_s = torch.ones_like(mean)
-        for i in range(self.n_grid):
-            alpha = i / self.n_grid
-            if alpha == 0.0 and wmax is None:
-                continue
-            s = _awq_scales_rows(mean, alpha, wmax)
-            loss = mse(rows_train, s)
-            better = loss < best_loss
-            best_loss = torch.where(better, loss, best_loss)
-            best_alpha = torch.where(better, torch.full_like(best_alpha, alpha), best_alpha)
-            best_s = torch.where(better[:, None], s, best_s)
+        best_loss, best_alpha, best_s = _awq_grid_rows(lambda sc: mse(rows_train, sc), mean, wmax, base, self.n_grid)
         chosen = best_alpha >= 0
         h0 = h1 = None
         if rows_held is not None:
@@ -615,6 +604,25 @@ class AWQ(Algorithm):
         for r, a in zip(results, after):
             r["loss_after"] = a
         return results
+
+
+def _awq_grid_rows(loss_of, mean: torch.Tensor, wmax: torch.Tensor | None, base: torch.Tensor, n_grid: int):
+    """AWQ's alpha grid on every expert at once: (best loss [E], best alpha [E] (-1: none beat
+    ``base``), best scales [E, C]); ``loss_of(scales)`` is the experts' training loss [E]."""
+    E = base.shape[0]
+    best_loss, best_alpha = base.clone(), torch.full((E,), -1.0, dtype=torch.float64, device=base.device)
+    best_s = torch.ones_like(mean)
+    for i in range(n_grid):
+        alpha = i / n_grid
+        if alpha == 0.0 and wmax is None:
+            continue
+        s = _awq_scales_rows(mean, alpha, wmax)
+        loss = loss_of(s)
+        better = loss < best_loss
+        best_loss = torch.where(better, loss, best_loss)
+        best_alpha = torch.where(better, torch.full_like(best_alpha, alpha), best_alpha)
+        best_s = torch.where(better[:, None], s, best_s)
+    return best_loss, best_alpha, best_s
 
 
 def _awq_scales_rows(act_absmean: torch.Tensor, alpha: float, weight_absmax: torch.Tensor | None) -> torch.Tensor:

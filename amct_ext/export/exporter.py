@@ -29,22 +29,21 @@ from typing import Any, Sequence
 import torch
 
 from ..runtime import device as devmod
-from ..quant import formats
 from ..io.checkpoint import QUANT_STORAGE, CheckpointReader
 from ..errors import CheckpointError, ConfigError, DataError, QuantConfigError
 from ..io.io_utils import atomic_write_json
 from ..io.links import checked_file
 from ..base import model_binding
 from ..quant.quant_linear import QuantLinear
-from ..quant.schemes import QuantScheme, load_scheme, parse_targets, spec_targets
+from ..quant.schemes import QuantScheme, load_scheme, parse_targets
 from ..io.storage_formats import decode_fp4, decode_fp8_block
 from ..pipeline.workflow import META_NAME, PARAMS_DIR, load_unit_params
-from . import ascend, compressed_tensors as ct, engine
+from . import ascend, engine
+from .export_format import FORMATS, export_format
 from .writer import ShardedWriter
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("compressed-tensors", "ascend")
 EXPORT_KEY = "amct_export"
 EXPORT_VERSION = 1
 #: files copied from the source folder besides the weights and config.json
@@ -96,10 +95,7 @@ class ExportConfig:
         if self.format not in FORMATS:
             raise ConfigError(f"--format {self.format!r} is unknown; valid: {', '.join(FORMATS)}")
         self.targets = self.scheme.check_targets(parse_targets(self.targets))
-        if self.format == "ascend":
-            ascend.check_scheme(self.scheme, self.targets)
-        else:
-            ct.quantization_config(self.scheme, self.targets)  # raises on what it cannot describe
+        export_format(self.format).check_scheme(self.scheme, self.targets)
         for t in self.targets:
             spec = self.scheme.cache if t == "attn-cache" else self.scheme.target(t).input
             if spec is not None and not spec.dynamic:
@@ -189,7 +185,7 @@ class _Exporter:
         self.config = self.model.load_config(cfg.model_path)
         self.reader = CheckpointReader(cfg.model_path)
         self.device = devmod.resolve_device(cfg.device)
-        self.ascend = cfg.format == "ascend"
+        self.fmt = export_format(cfg.format)
         self.bytes_read = 0
         self.types: dict[str, str] = {}
         self._headers: dict[str, tuple[int, dict]] = {}
@@ -224,7 +220,7 @@ class _Exporter:
     def _copy_released(self, keys: list[str], stream) -> None:
         """Tensors as released; FP8 / FP4 weights decoded to bf16 for ascend / dequantize_rest."""
         present = set(keys)
-        decode = self.ascend or self.cfg.dequantize_rest
+        decode = self.fmt.decodes_released or self.cfg.dequantize_rest
         # the '.scale' companions of quantized-storage weights, found before the loop: 'X.scale'
         # sorts before 'X.weight', so marking them while iterating would be too late
         companion = {k: k[: -len(".weight")] + ".scale" for k in keys if k.endswith(".weight")
@@ -240,16 +236,13 @@ class _Exporter:
                 self.types[key] = ascend.FLOAT
                 continue
             self.types[key] = ascend.FLOAT
-            if not (self.ascend and key.endswith("tid2eid")):
+            if self.fmt.copies_raw(key):
                 # large tensors go file to file (the embedding and head are GBs at real size)
                 src, st_dtype, shape, start, nbytes = self._location(key)
                 if stream.add_file_range(key, st_dtype, shape, src, start, nbytes):
                     self.bytes_read += nbytes
                     continue
-            t = self._raw(key)
-            if self.ascend and key.endswith("tid2eid"):
-                t = t.to(torch.int32)   # as msModelSlim stores it
-            stream.add(key, t)
+            stream.add(key, self.fmt.released_tensor(key, self._raw(key)))
 
     # -------------------------------------------------------------- one decoder block
     def _export_block(self, block: torch.nn.Module, prefix: str, keys: list[str], layer_idx: int,
@@ -282,11 +275,7 @@ class _Exporter:
                     continue
             with torch.no_grad():
                 d = leaf.weight_quantizer.export(w)
-                if self.ascend:
-                    fq = formats.dequantize({("q" if k == "qweight" else k): v for k, v in d.items()}, spec)
-                    tensors, typ = ascend.encode_weight(base, spec, act, d, tuple(w.shape), fq)
-                else:
-                    tensors, typ = ct.encode_weight(base, spec, act, d, tuple(w.shape)), None
+                tensors, typ = self.fmt.encode_weight(base, spec, act, d, tuple(w.shape))
             for k, v in tensors.items():
                 stream.add(k, v)
                 self.types[k] = typ or ascend.FLOAT
@@ -399,7 +388,7 @@ class _Exporter:
             # a resumed export must not mix layers written for the engine with storage-only ones
             "engine": None if self.profile is None else self.profile.engine,
         }
-        stem, index_name = (ascend.SHARD_STEM, ascend.INDEX_NAME) if self.ascend else ("model", "model.safetensors.index.json")
+        stem, index_name = self.fmt.shard_stem, self.fmt.index_name
         writer = ShardedWriter(cfg.out_dir, list(by_group), fingerprint, stem, index_name, overwrite=cfg.overwrite,
                                protect=[cfg.model_path])
         for staging in absorb:
@@ -439,7 +428,7 @@ class _Exporter:
                         mtp_params = self._has_params(n + j)
                         self._export_block(block, f"{group}.", gkeys, n + j, True, mtp_params, stream)
                         self._release(block)
-                        if self.ascend and f"{group}.head.weight" not in gkeys:
+                        if self.fmt.adds_mtp_head() and f"{group}.head.weight" not in gkeys:
                             self._add_mtp_head(group, stream)
                         extra["mtp"] = {group: "quantized (run parameters)" if mtp_params else "quantized (RTN)"}
                     mtp_state.update(extra["mtp"])
@@ -483,24 +472,10 @@ class _Exporter:
         released_qc = src.pop("quantization_config", None)
         for key, value in self.model.released_config_keys(self.config).items():   # a source that predates them
             src.setdefault(key, value)
-        moe_quantized = "moe" in cfg.targets
-        weight_only: list[str] = []
-        if self.ascend:
-            desc = ascend.description(types, cfg.scheme, spec_targets(cfg.targets))
-            atomic_write_json(desc, cfg.out_dir / ascend.DESCRIPTION_NAME)
-            src["expert_dtype"] = None   # every FP4 / FP8 tensor was decoded or quantized
-        else:
-            n = int(self.config.n_layers)
-            float_layers = [i for i in range(n) if i not in qlayers]
-            float_layers += [n + int(g.split(".")[1]) for g, how in mtp_state.items() if how == "copied"]
-            qc = ct.quantization_config(cfg.scheme, cfg.targets, float_layers)
-            qc["ignore"] += [rf"re:.*mtp\.{g.split('.')[1]}\..*" for g, how in mtp_state.items() if how == "copied"]
-            qc["ignore"] += ct.leaf_ignore_patterns(float_leaves)
-            if self.profile is not None and self.profile.options.mx_weight_only:
-                weight_only = ct.drop_mx_inputs(qc)
-            src["quantization_config"] = qc
-            if moe_quantized or cfg.dequantize_rest:
-                src["expert_dtype"] = None
+        # the format's description: side files and config.json entries (export_format.py)
+        mx_weight_only = self.profile is not None and self.profile.options.mx_weight_only
+        weight_only = self.fmt.write_description(cfg.out_dir, src, cfg, types, qlayers, mtp_state, float_leaves,
+                                                 int(self.config.n_layers), mx_weight_only=mx_weight_only)
         src[EXPORT_KEY] = {
             "version": EXPORT_VERSION, "format": cfg.format, "scheme": cfg.scheme.name,
             "scheme_fingerprint": cfg.scheme.fingerprint(), "targets": cfg.targets,
@@ -510,7 +485,7 @@ class _Exporter:
             "engine": None if self.profile is None else self.profile.engine,
             "float_leaves": list(float_leaves),
             # FP8 / FP4 tensors left as released keep the release's own storage description
-            "released_quantization_config": None if (self.ascend or cfg.dequantize_rest) else released_qc,
+            "released_quantization_config": self.fmt.released_quantization_config(released_qc, cfg.dequantize_rest),
         }
         if self.profile is not None:
             src[EXPORT_KEY].update(_serving_metadata(self, weight_only))

@@ -57,6 +57,7 @@ import torch
 from ..runtime import device as devmod
 from ..base import BaseModel, EvalConfig, PtqConfig
 from ..errors import AmctError, ConfigError
+from .layer_cost import LayerCost  # noqa: F401  (its old home: importers keep working)
 from .perplexity import NllAccumulator
 from ..quant.schemes import QuantScheme
 from .ptq_spec import PtqSpec
@@ -192,20 +193,6 @@ def check_propagate(propagate: str | None) -> None:
 # ----------------------------------------------------------------------------- cost model
 # The layer costs come from the model's adapter (``BaseModel.layer_cost``; DeepSeek-V4's cost
 # model is ``models/deepseek_v4/cost.py``); this module only splits layers by them.
-@dataclass(frozen=True)
-class LayerCost:
-    """Seconds (under ``CostRates``) of one layer: its float pass (load + forward over the
-    calibration tokens) and its solving (capture forward + units)."""
-
-    float_s: float
-    solve_s: float
-
-    @property
-    def ptq_s(self) -> float:
-        """A quantized layer: loaded and run once (capture), then its units solved."""
-        return self.float_s + self.solve_s
-
-
 def partition_layers(layers: range, costs: Sequence[LayerCost], n_ranks: int, *, prefix: bool = True,
                      use: str = "ptq") -> list[range]:
     """Split ``layers`` into ``n_ranks`` contiguous ranges (in order; a range may be empty when

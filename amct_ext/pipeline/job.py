@@ -51,6 +51,7 @@ class ModelPlanSpec(Protocol):
     def check_scheme(self, config: Any, scheme, targets: Sequence[str], layers: Sequence[int]) -> dict[int, int]: ...
     def unit_stems(self, config: Any, scheme, targets: Sequence[str], layers: Sequence[int]) -> dict[int, list[str]]: ...
     def unexportable_smoothing(self, config: Any, targets: Sequence[str]) -> dict[str, str]: ...
+    def adapter(self, run: Any) -> Any: ...
 
 
 @dataclass
@@ -94,6 +95,10 @@ class JobRequest:
     dequantize_rest: bool = False
     allow_partial: bool = False
     allow_fewer_layers: bool = False
+    model: str | None = None              # the --model name (the report's "model")
+    eval_first_window: int = 0
+    boundary: str = "recompute"
+    quiet: bool = False
 
 
 # ----------------------------------------------------------------------------- the plan's parts
@@ -103,6 +108,8 @@ class ModelPart:
     path: Path
     config: Any = field(repr=False)
     n_layers: int
+    spec: Any = field(default=None, repr=False)   # the model's plan spec (ModelPlanSpec): also makes the adapter
+    label: str | None = None                      # the --model name the job was asked for
 
 
 @dataclass
@@ -131,6 +138,17 @@ class RecipePart:
     holdout: float
     guard: bool
     source: str                       # "--algo", a file, or "default|best for <scheme>"
+    epochs: int | None = None         # --epochs / --lr: the legacy solver's (and meta.json's solver part)
+    lr: float | None = None
+
+    def algorithms(self) -> Any:
+        """The recipe the run executes: ``recipe``, or (None) the pre-recipe solver, an
+        algorithm of the recipe now (learned_clip with --epochs / --lr)."""
+        if self.recipe is not None:
+            return self.recipe
+        from ..algorithms.recipe import parse_algo
+
+        return parse_algo(f"learned_clip:epochs={self.epochs}:lr={self.lr!r}", "--legacy-solver")
 
 
 @dataclass
@@ -150,6 +168,7 @@ class EvaluationPart:
     batch_size: int
     modes: list[str]
     sharded: bool
+    first_window: int = 0
 
 
 @dataclass
@@ -160,6 +179,8 @@ class RuntimePart:
     capture_memory_gb: float | None
     hessian_memory_gb: float | None
     sharded_ptq: bool
+    boundary: str = "recompute"       # under torchrun: how a rank gets its first layer's inputs
+    quiet: bool = False               # no progress display
 
 
 @dataclass
@@ -175,6 +196,7 @@ class ExportPart:
     out_dir: Path
     allow_partial: bool
     dequantize_rest: bool = False
+    scheme: str = ""                  # the --scheme value (a name or a file) the export reloads
 
 
 @dataclass
@@ -205,6 +227,54 @@ class PtqJob:
                  + (" (resumed)" if self.output.resume else "")
                  + f"  [checked in {self.seconds:.1f} s]"]
         return "\n".join(lines)
+
+    # ---- the workflow's configs, derived from the plan here and nowhere else
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.runtime.dtype]
+
+    def ptq_config(self) -> Any:
+        """``base.PtqConfig``: calibration windows and the legacy solver's settings."""
+        from ..base import PtqConfig
+
+        c, r = self.calibration, self.recipe
+        cfg = PtqConfig(epochs=r.epochs, lr=r.lr, n_samples=c.samples, seq_len=c.seq_len, batch_size=c.batch_size,
+                        seed=c.seed, calib_path=c.path, eval_paths=(str(self.evaluation.path),))
+        cfg.check()
+        return cfg
+
+    def ptq_spec(self, calibration: Any) -> Any:
+        """``ptq_spec.PtqSpec``: what the run computes (the recipe as this plan resolved it)."""
+        from .ptq_spec import PtqSpec
+
+        r = self.recipe
+        return PtqSpec(self.scheme.scheme, self.scheme.targets, calibration, recipe=r.algorithms(),
+                       propagate=r.propagate, holdout=r.holdout, guard=r.guard).resolved()
+
+    def eval_config(self) -> Any:
+        """``base.EvalConfig``: the perplexity windows."""
+        from ..base import EvalConfig
+
+        e = self.evaluation
+        cfg = EvalConfig(seq_len=self.calibration.seq_len, max_windows=e.windows, first_window=e.first_window,
+                         batch_size=e.batch_size, data_path=e.path, sharded=e.sharded)
+        cfg.check()
+        return cfg
+
+    def ptq_runtime(self) -> Any:
+        """``workflow.PtqRuntime``: how the PTQ loop executes (memory budgets, sharding)."""
+        from .workflow import PtqRuntime
+
+        rt = self.runtime
+        runtime = PtqRuntime(capture_memory_bytes=None if rt.capture_memory_gb is None
+                             else int(rt.capture_memory_gb * 2 ** 30),
+                             sharded=rt.sharded_ptq,
+                             hessian_memory_bytes=None if rt.hessian_memory_gb is None
+                             else int(rt.hessian_memory_gb * 2 ** 30))
+        runtime.check()
+        return runtime
 
 
 # ----------------------------------------------------------------------------- recipe file = job spec
@@ -280,7 +350,7 @@ class _Inputs:
 def check_request(req: JobRequest) -> _Inputs:
     """Every check that needs neither the model nor the data: flags, output folder, scheme,
     recipe (and the job spec of a recipe file), targets. Cheap: run it before anything else."""
-    from ..algorithms.recipe import NAMED_RECIPES, RecipeError, named_recipe, parse_algo, recipe_from_data
+    from ..algorithms.recipe import choose_recipe
     from ..quant.schemes import load_scheme, parse_targets
 
     out = Path(req.output_dir)
@@ -316,27 +386,12 @@ def check_request(req: JobRequest) -> _Inputs:
 
     # ---- scheme and recipe (the recipe file may hold the job spec)
     scheme = load_scheme(req.scheme)
-    if req.legacy_solver and (req.algo or req.recipe):
-        raise ConfigError("--legacy-solver runs the learned-clip solver alone: drop --algo / --recipe")
-    if req.algo and req.recipe:
-        raise RecipeError("pass either --algo or --recipe, not both")
-    job_spec: dict[str, Any] = {}
-    # --recipe default|best names one of the scheme's own recipes (a file so named: ./best)
-    name = req.recipe if req.recipe in NAMED_RECIPES else ("default" if not (req.algo or req.recipe) else None)
-    d_algo, d_prop = named_recipe(scheme, name or "default")
-    recipe, source = None, "legacy"
-    if name is None and req.recipe:
-        recipe, job_spec = load_job_spec(req.recipe)
-        source = str(req.recipe)
-    elif req.algo:
-        recipe, source = parse_algo(req.algo), "--algo"
-    elif not req.legacy_solver:
-        recipe = parse_algo(d_algo, f"{name} recipe") if isinstance(d_algo, str) else \
-            recipe_from_data(list(d_algo), f"{name} recipe")
-        source = f"{name} for {scheme.name}'s content"
+    # the recipe, resolved in one place (algorithms.recipe.choose_recipe); a JSON file may hold the job spec
+    choice = choose_recipe(scheme, req.algo, req.recipe, legacy=req.legacy_solver, read_file=load_job_spec)
+    recipe, source, job_spec = choice.recipe, choice.source, choice.job_spec
     where = source
     propagate = _merge("--propagate", req.propagate, "propagate", job_spec, where,
-                       d_prop if recipe is not None and name is not None else "float")
+                       choice.propagate if recipe is not None and choice.propagate is not None else "float")
     if propagate not in PROPAGATE:
         raise ConfigError(f"propagate={propagate!r} ({where}): must be one of {', '.join(PROPAGATE)}")
     holdout = _merge("--holdout", req.holdout, "holdout", job_spec, where, 0.25)
@@ -355,7 +410,8 @@ def check_request(req: JobRequest) -> _Inputs:
     if recipe is not None:   # a search grid of 10^12 candidates: refused before any work
         check_recipe_sizes(recipe.algorithms, where)
 
-    return _Inputs(scheme, list(targets), RecipePart(recipe, propagate, float(holdout), guard, source),
+    return _Inputs(scheme, list(targets), RecipePart(recipe, propagate, float(holdout), guard, source,
+                                                     epochs=req.epochs, lr=req.lr),
                    samples, batch, eval_batch, modes, cap, hes)
 
 
@@ -381,15 +437,17 @@ def _check_output_room(req: JobRequest, spec: ModelPlanSpec, config: Any, inp: _
                            probe=False)   # check_request probed it, before the model was opened
 
 
-def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> PtqJob:
+def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None, checked: _Inputs | None = None) -> PtqJob:
     """The checked plan (see the module docstring). ``check_resume(out_dir, scheme, targets,
     recipe_part, dtype) -> bool``: the caller's fingerprint check of OUTPUT/ptq_params (True: a
-    resume), run before the model is opened; it must read no tensor data."""
+    resume), run before the model is opened; it must read no tensor data. ``checked``: what
+    :func:`check_request` returned for this request when the caller ran it first (it is then
+    not run again: the request is checked once)."""
     import time
 
     t0 = time.perf_counter()
     out = Path(req.output_dir)
-    inp = check_request(req)
+    inp = checked if checked is not None else check_request(req)
     scheme, targets, recipe, seq_len = inp.scheme, inp.targets, inp.recipe.recipe, req.seq_len
     # the resume fingerprint's settled fields first: a mismatched folder costs no checkpoint scan
     resume = bool(check_resume(out, scheme, targets, inp.recipe, req.dtype)) \
@@ -440,7 +498,7 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
         except AmctError as e:
             raise type(e)(f"--export {req.export}: {e}") from None
         export = ExportPart(format=req.export, out_dir=ecfg.out_dir, allow_partial=req.allow_partial,
-                            dequantize_rest=req.dequantize_rest)
+                            dequantize_rest=req.dequantize_rest, scheme=req.scheme)
 
     # ---- the index (every layer's keys, every shard) and the scheme against every targeted shape
     ck = spec.check_checkpoint(Path(req.model_path), config)
@@ -450,14 +508,15 @@ def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None) -> Ptq
     _check_output_room(req, spec, config, inp, layers, export, sum(units.values()))
 
     job = PtqJob(
-        model=ModelPart(spec.name, Path(req.model_path), config, n_layers),
+        model=ModelPart(spec.name, Path(req.model_path), config, n_layers, spec=spec, label=req.model),
         checkpoint=CheckpointPart(keys=ck.get("keys", 0), shards=ck.get("shards", 0)),
         scheme=SchemePart(scheme, list(targets), units),
         recipe=inp.recipe,
         calibration=CalibrationPart(calib_path, inp.samples, seq_len, inp.batch, req.seed),
         evaluation=EvaluationPart(bool(req.eval_ppl), eval_path, req.eval_windows, inp.eval_batch, inp.modes,
-                                  req.sharded_eval),
-        runtime=RuntimePart(req.device, req.dtype, req.threads, inp.cap, inp.hes, req.sharded_ptq),
+                                  req.sharded_eval, first_window=req.eval_first_window),
+        runtime=RuntimePart(req.device, req.dtype, req.threads, inp.cap, inp.hes, req.sharded_ptq,
+                            boundary=req.boundary, quiet=req.quiet),
         output=OutputPart(out, layers, resume=False),
         export=export, ptq=not req.no_ptq)
     job.output.resume = resume

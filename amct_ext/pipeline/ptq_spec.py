@@ -45,14 +45,14 @@ class PtqSpec:
     def resolved(self) -> "PtqSpec":
         """A checked copy with the targets parsed and the default recipe / propagation filled
         in; raises ConfigError (RecipeError) naming the field."""
-        from ..algorithms.recipe import Recipe, default_recipe, parse_algo
+        from ..algorithms.recipe import Recipe, parse_algo, resolve_named_recipe
 
         self.calibration.check()
         targets = tuple(self.scheme.check_targets(parse_targets(self.targets)))
-        d_algo, d_propagate = default_recipe(self.scheme)   # by content, not by name
+        default, d_propagate = resolve_named_recipe(self.scheme, "default")   # by content, not by name
         recipe = self.recipe
         if recipe is None:
-            recipe = parse_algo(d_algo, "default recipe")
+            recipe = default
         elif isinstance(recipe, str):
             recipe = parse_algo(recipe)
         elif not isinstance(recipe, Recipe):
@@ -78,15 +78,10 @@ def resolve_spec(scheme: QuantScheme, targets: Sequence[str] | str, calibration:
                  holdout: float = 0.25, guard: bool = True) -> PtqSpec:
     """The spec of a command line: ``--algo`` or ``--recipe FILE|default|best`` (not both;
     neither = the scheme's default recipe), ``--propagate``, ``--holdout``, ``--no-guard``; checked."""
-    from ..algorithms.recipe import NAMED_RECIPES, RecipeError, named_recipe, parse_algo, resolve_recipe
+    from ..algorithms.recipe import choose_recipe
 
-    if recipe_file in NAMED_RECIPES:   # --recipe default|best: one of the scheme's own recipes
-        if algo:
-            raise RecipeError("pass either --algo or --recipe, not both")
-        named, named_propagate = named_recipe(scheme, recipe_file)
-        recipe = parse_algo(named, f"{recipe_file} recipe")
-        propagate = named_propagate if propagate is None else propagate
-    else:
-        recipe = resolve_recipe(algo, recipe_file) if (algo or recipe_file) else None
+    choice = choose_recipe(scheme, algo, recipe_file)   # the one resolution (algorithms/recipe.py)
+    recipe = choice.recipe if (algo or recipe_file) else None
+    propagate = choice.propagate if propagate is None else propagate
     return PtqSpec(scheme, parse_targets(targets) if isinstance(targets, str) else targets, calibration,
                    recipe=recipe, propagate=propagate, holdout=holdout, guard=guard).resolved()

@@ -55,16 +55,19 @@ from ..runtime import device as devmod
 from ..base import BaseModel, EvalConfig, PtqConfig, batches
 from .calibration import load_calibration_windows
 from ..data import EVAL_DEFAULT
-from .capture import CALL_METER, CallSink, CaptureStore, SpilledCalls, call_nbytes, capture_unit_io
+from .block_stage import BlockStage, run_block_stage  # noqa: F401  (run_block_stage: its old home)
+from .capture import CallSink, capture_unit_io  # noqa: F401  (capture_unit_io: its old home)
+from .capture_modes import LayerRerun, LayerWork, SolveSettings, _collect_hessians, call_bytes, capture_mode  # noqa: F401
 from ..errors import AmctError, ConfigError, DataError
 from ..io.io_utils import atomic_save, atomic_write_json, load_error_line, safe_torch_load
 from .perplexity import NllAccumulator, load_eval_text, tokenize_windows
 from .phases import NO_PHASES
-from ..quant.quantizers import ActivationQuantizer
 from ..quant.schemes import QuantScheme
 from .ptq_spec import PtqSpec
 from .ptq_units import UnitResult
 from .resume_guard import ResumeGuard
+from .static_ranges import finish_static, observe_static, scheme_has_static  # noqa: F401
+from .stream import Stream, embed_stream, module_bytes, mtp_layers, mtp_stream  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -117,38 +120,6 @@ def load_calib_windows(adapter: BaseModel, cfg: PtqConfig) -> torch.Tensor:
                                     eval_paths=cfg.eval_paths)
 
 
-def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def call_bytes(calls) -> int:
-    """Bytes of a unit's captured calls; a spilled sequence counts its bytes on disk."""
-    if isinstance(calls, SpilledCalls):
-        return sum(call_nbytes(c) for c in calls.head) + calls.spilled_nbytes
-    return sum(call_nbytes(c) for c in calls)
-
-
-def _module_bytes(module: nn.Module) -> int:
-    return _tensor_bytes(list(module.parameters()) + [b for b in module.buffers() if b is not None])
-
-
-@dataclass
-class Stream:
-    """Hidden states of a set of samples between layers, with their per-sample state."""
-
-    hidden: list[torch.Tensor]
-    state: list[dict[str, Any]]
-
-    @property
-    def nbytes(self) -> int:
-        return _tensor_bytes(self.hidden)
-
-
-def embed_stream(adapter: BaseModel, windows: torch.Tensor, batch_size: int) -> Stream:
-    hidden = adapter.do_embedding_forward(batches(windows, batch_size))
-    return Stream(hidden, list(adapter.sample_state or [{}] * len(hidden)))
-
-
 @dataclass
 class MemoryStats:
     """Peak memory of a blockwise loop: the device statistic and our own accounting."""
@@ -165,53 +136,6 @@ class MemoryStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# ----------------------------------------------------------------------------- static calibration
-def _static_quantizers(module: nn.Module) -> list[ActivationQuantizer]:
-    return [m for m in module.modules() if isinstance(m, ActivationQuantizer) and m.is_static]
-
-
-def scheme_has_static(scheme: QuantScheme, targets: Sequence[str]) -> bool:
-    """Whether any activation / cache spec used by ``targets`` is static (needs calibration)."""
-    for t in targets:
-        spec = scheme.cache if t == "attn-cache" else scheme.target(t).input
-        if spec is not None and not spec.dynamic:
-            return True
-    return False
-
-
-def observe_static(adapter: BaseModel, block: nn.Module, calib: Stream | None, layer_idx: int) -> int:
-    """Record the ranges of static activation quantizers over the layer's calibration inputs
-    (RTN weights), then switch them to 'quant' (unobserved ones to 'off'). Returns the number
-    left unobserved. No-op (0) for dynamic-only schemes."""
-    static = _static_quantizers(block)
-    if not static:
-        return 0
-    if calib is None:
-        raise ConfigError("the scheme has static activation specs (dynamic: false): they need calibration data")
-    for q in static:
-        q.reset_stats()
-        q.mode = "observe"
-    adapter.set_quant_enabled(block, True)
-    adapter.do_block_forward(block, calib.hidden, calib.state)
-    return finish_static(block, layer_idx)
-
-
-def finish_static(block: nn.Module, layer_idx: int) -> int:
-    """Static quantizers with a range -> 'quant', without one -> 'off'; returns how many are off."""
-    unobserved = 0
-    for q in _static_quantizers(block):
-        if q.observed:
-            q.mode = "quant"
-        else:
-            q.mode = "off"
-            unobserved += 1
-    if unobserved:
-        log.warning("layer %d: %d static activation quantizer(s) saw no calibration data "
-                    "(e.g. experts no calibration token was routed to); they stay in float",
-                    layer_idx, unobserved)
-    return unobserved
 
 
 # ----------------------------------------------------------------------------- parameter folder
@@ -432,7 +356,7 @@ def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfi
             block, calib, n_unobserved = eval_block(adapter, i, mode, mode != "float" and i in layers, cfg,
                                                     scheme=scheme, targets=targets, calib=calib, pdir=pdir)
             unobserved += n_unobserved
-            mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
+            mem.max_layer_bytes = max(mem.max_layer_bytes, module_bytes(block))
             stream = Stream(adapter.do_block_forward(block, stream.hidden, stream.state, progress=f"layer {i}",
                                                      graphed=cfg.graphs and not cfg.sharded), stream.state)
             adapter.release_block(block)
@@ -445,7 +369,7 @@ def evaluate_blockwise(adapter: BaseModel, windows: torch.Tensor, cfg: EvalConfi
             block, calib, n_unobserved = eval_block(adapter, i, mode, mode != "float" and i in layers, cfg,
                                                     scheme=scheme, targets=targets, calib=calib, pdir=pdir)
             unobserved += n_unobserved
-            mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
+            mem.max_layer_bytes = max(mem.max_layer_bytes, module_bytes(block))
             blocks.append(block)
         if needs_calib and stage.send is not None:
             stage.send(calib)
@@ -587,369 +511,175 @@ class LayerSlice:
     start: tuple[int, Stream] | None = None
 
 
+@dataclass
+class _PtqRun:
+    """What ``run_blockwise_ptq`` settles before its first layer (every check, the parameter
+    folder, the embedded calibration stream) and carries from layer to layer."""
+
+    adapter: BaseModel
+    spec: PtqSpec
+    runtime: PtqRuntime
+    output_dir: Path
+    pdir: Path
+    layers: range
+    float_like: range | None
+    layer_ids: list[int]
+    mtp_ids: list[int]
+    needs: Any
+    stage: BlockStage
+    settings: SolveSettings
+    phases: Any
+    calib: Stream
+    memory: MemoryStats
+    result: PtqResult
+    t0: float
+    resume: ResumeGuard
+
+    @classmethod
+    def start(cls, adapter: BaseModel, spec: PtqSpec, output_dir: str | Path, layers: range | None,
+              calib_windows: torch.Tensor | None, runtime: PtqRuntime | None, part: "LayerSlice | None",
+              mtp: bool) -> "_PtqRun":
+        spec = spec.resolved()
+        cfg, recipe = spec.calibration, spec.recipe
+        runtime = runtime or PtqRuntime()
+        runtime.check()
+        part = part or LayerSlice()
+        start = part.start
+        ph = runtime.phases if runtime.phases is not None else NO_PHASES
+        # a block-level algorithm (the recipe's last entry) runs after the unit algorithms, on the
+        # whole layer against its output; the units get the rest of the recipe
+        block_algo = recipe.block_algorithm
+        unit_recipe = recipe.unit_recipe() if block_algo is not None else recipe
+        stage = BlockStage(block_algo, spec.propagate, cfg.seed)
+        stage.check(recipe, runtime.sharded, start is not None)
+        layers = layers if layers is not None else layer_range(adapter)
+        if calib_windows is None:
+            calib_windows = load_calib_windows(adapter, cfg)
+        pdir = prepare_params_dir(adapter, output_dir, spec, calib_windows=calib_windows)
+        dev = adapter.device
+        devmod.reset_peak_memory(dev)
+        t0 = time.perf_counter()
+        if start is not None and not 0 <= start[0] <= layers.start:
+            raise ConfigError(f"run_blockwise_ptq: the given stream enters layer {start[0]}, after the first "
+                              f"layer to quantize ({layers.start})")
+        if start is not None:
+            first, calib = start
+        else:
+            first = 0
+            with ph.phase("embed"):
+                calib = embed_stream(adapter, calib_windows, cfg.batch_size)
+        stage.start(calib)
+        mtp_ids = mtp_layers(adapter, layers) if mtp else []
+        # finished units are taken only when whole and computed from these weights (resume_guard)
+        resume = ResumeGuard(adapter, output_dir, [*range(layers.stop), *mtp_ids])
+        settings = SolveSettings(unit_recipe, cfg.seed, adapter.run.dtype, spec.holdout, spec.guard, spec.propagate,
+                                 write_as_solved=block_algo is None)
+        return cls(adapter, spec, runtime, Path(output_dir), pdir, layers, part.float_like,
+                   [*range(first, layers.stop), *mtp_ids], mtp_ids, unit_recipe.needs(), stage, settings, ph, calib,
+                   MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes),
+                   PtqResult(params_dir=str(pdir)), t0, resume)
+
+    def build(self, i: int) -> nn.Module:
+        """Layer ``i`` built where it runs (decoded there, never staged in host memory: the float
+        capture needs the whole layer on the device anyway, and a host-staged V4-Flash layer cost
+        ~3x its 13 GB in host RSS; benchmarks/RESULTS.md §7b)."""
+        with self.phases.phase("build", layer=i):
+            if self.runtime.sharded and i not in self.mtp_ids:
+                block = self.adapter.block(i, sharded=True)
+            else:
+                block = self.adapter.block(i, device=self.adapter.device)
+        self.memory.max_layer_bytes = max(self.memory.max_layer_bytes, module_bytes(block))
+        return block
+
+    def layer_work(self, i: int, block: nn.Module, calib: Stream) -> tuple[LayerWork, Any]:
+        """The quantized layer's units, those left to solve, and its capture mode."""
+        with self.phases.phase("build", layer=i):
+            self.adapter.quantize_block(block, self.spec.scheme, self.spec.targets)
+        units = list(self.adapter.iter_ptq_units(block, i, self.spec.targets))
+        todo = self.resume.todo(i, units)
+        if self.stage.algo is not None and todo:
+            # the block stage tunes every unit of the layer together: a layer an interrupted run
+            # left half written is solved again as a whole (its units are written after the block)
+            todo = {u.name for u in units}
+        work = LayerWork(i, block, units, todo, calib, self.adapter.device,
+                         save=lambda unit, r: _save_unit(self.pdir, unit, r), on_saved=self.runtime.on_unit_done)
+        scratch = (None if self.runtime.capture_memory_bytes is None
+                   else self.output_dir / SCRATCH_DIR / f"layer_{i}")
+        return work, capture_mode(self.adapter, self.runtime, work, self.needs, scratch)
+
+    def propagate_quantized(self, work: LayerWork) -> None:
+        """propagate=quant: the next layer's inputs are the solved layer's outputs. The units an
+        earlier run finished are loaded only now, after this run's solve -- loaded before it,
+        their in-place weights would feed a re-run of the layer (sequential GPTQ) a non-float
+        input (casebook i24-sq4)."""
+        for unit in work.units:
+            if unit.name not in work.todo:
+                load_unit_params(unit, self.pdir)
+        self.adapter.end_capture(work.block)   # propagated as it will be evaluated (fused paths on)
+        with self.phases.phase("propagate", layer=work.idx):
+            work.next_hidden = self.adapter.do_block_forward(work.block, work.calib.hidden, work.calib.state)
+
+    def finish(self) -> PtqResult:
+        self.resume.close()
+        dev = self.adapter.device
+        devmod.synchronize(dev)
+        self.memory.peak_memory_bytes = max(devmod.peak_memory_bytes(dev),
+                                            getattr(self.phases, "max_device_peak", lambda: 0)())
+        self.result.memory = self.memory
+        self.result.seconds = time.perf_counter() - self.t0
+        return self.result
+
+
 def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path, *,
                       layers: range | None = None, calib_windows: torch.Tensor | None = None,
                       runtime: PtqRuntime | None = None, part: LayerSlice | None = None,
                       mtp: bool = True) -> PtqResult:
-    """Quantize every unit of ``layers`` with ``spec``'s recipe and save its parameters under
-    OUTPUT/ptq_params.
+    """Quantize every unit of ``layers`` with ``spec``'s recipe (``PtqSpec``: scheme, targets,
+    calibration, recipe, propagation, holdout, guard) and save its parameters under
+    OUTPUT/ptq_params. ``runtime`` (``PtqRuntime``): memory budgets, sharded layers, phase timer,
+    progress hook; ``part`` (``LayerSlice``): a layer range of a larger (torchrun) run; ``mtp``:
+    a run ending at the model's last layer quantizes the adapter's MTP layer next, on inputs
+    built from the last layer's outputs.
 
-    Per layer i (built on the compute device, or spread over the devices with
-    ``runtime.sharded``): build it, ``quantize_block``, run it once with quantizers OFF over
-    the calibration inputs X_i while capturing what the recipe declares it needs
-    (``Recipe.needs()``: every unit's calls, or per-leaf statistics in as many passes as the
-    device budget allows; this is the float layer, bit for bit: the targets are float
-    outputs); observe static activation ranges; then run the recipe on the layer's units
-    (``algorithms.runner.run_recipe_on_units``: the kinds an algorithm groups solved jointly,
-    the RTN guard, the held-out share), each unit where it is.
-
-    ``spec`` (``PtqSpec``): scheme, targets, calibration, recipe (None: the scheme's default,
-    as on the command line), propagation ('float': X_{i+1} is the float layer's output, see
-    the module doc; 'quant': the quantized layer's output after solving), holdout and guard.
-    ``runtime`` (``PtqRuntime``): memory budgets, sharded layers, phase timer, progress hook.
-    ``part`` (``LayerSlice``): this call is a layer range of a larger (torchrun) run.
-
-    ``mtp``: when the range ends at the model's last layer and the adapter has an MTP layer
-    (``adapter.mtp_layer_ids()``), that layer is quantized next like a decoder layer, on inputs
-    the adapter builds from the last layer's outputs (``adapter.mtp_block_inputs``).
-    """
-    spec = spec.resolved()
-    cfg, scheme, targets, recipe = spec.calibration, spec.scheme, spec.targets, spec.recipe
-    propagate, holdout, guard = spec.propagate, spec.holdout, spec.guard
-    runtime = runtime or PtqRuntime()
-    runtime.check()
-    part = part or LayerSlice()
-    float_like, start = part.float_like, part.start
-    ph = runtime.phases if runtime.phases is not None else NO_PHASES
-    on_unit_done = runtime.on_unit_done
-    sharded = runtime.sharded
-    # a block-level algorithm (the recipe's last entry) runs after the unit algorithms, on the
-    # whole layer against its output; the units get the rest of the recipe
-    block_algo = recipe.block_algorithm
-    unit_recipe = recipe.unit_recipe() if block_algo is not None else recipe
-    needs = unit_recipe.needs()
-    # its targets may be the float MODEL's outputs: a float stream carried beside the quantized one
-    float_stream = block_algo is not None and block_algo.float_model_targets(propagate)
-    if block_algo is not None and sharded:
-        raise ConfigError(f"recipe {recipe}: the block-level {block_algo.name!r} needs the whole layer on "
-                          "one device; it cannot run on a sharded layer (drop --shard, or the algorithm)")
-    if float_stream and start is not None:
-        raise ConfigError(f"recipe {recipe} with propagate=quant: {block_algo.name!r} (target=float_model) "
-                          "needs the float model's stream, which a torchrun rank's hand-off does not carry; "
-                          f"use {block_algo.name}:target=float_layer, or propagate=float")
-    layers = layers if layers is not None else layer_range(adapter)
-    if calib_windows is None:
-        calib_windows = load_calib_windows(adapter, cfg)
-    pdir = prepare_params_dir(adapter, output_dir, spec, calib_windows=calib_windows)
-    mtp_ids = _mtp_layers(adapter, layers) if mtp else []
-    # finished units are taken only when whole and computed from these weights (resume_guard)
-    resume = ResumeGuard(adapter, output_dir, [*range(layers.stop), *mtp_ids])
-    dev = adapter.device
-    devmod.reset_peak_memory(dev)
-    t0 = time.perf_counter()
-    result = PtqResult(params_dir=str(pdir))
-
-    if start is not None and not 0 <= start[0] <= layers.start:
-        raise ConfigError(f"run_blockwise_ptq: the given stream enters layer {start[0]}, after the first "
-                          f"layer to quantize ({layers.start})")
-    if start is not None:
-        first, calib = start
-    else:
-        first = 0
-        with ph.phase("embed"):
-            calib = embed_stream(adapter, calib_windows, cfg.batch_size)
-    mem = MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes)
-    fcalib = calib if float_stream else None   # the float model's stream (same as calib until layer 1)
-    last = layers.stop
-    # The layer is built where it runs (decoded there, never staged in host memory): the float
-    # capture needs the whole layer on the device anyway, and a host-staged V4-Flash layer cost
-    # ~3x its 13 GB in host RSS (build, .to(device), .to('cpu') after; benchmarks/RESULTS.md §7b).
-    for i in _tqdm([*range(first, last), *mtp_ids], desc="ptq layers", disable=not adapter.run.progress):
-        if i in mtp_ids:   # the MTP layer: h_i of the last layer with embed(t_{i+1}) (issue 23.6)
-            if fcalib is not None:
-                fcalib = (calib if fcalib is calib
-                          else Stream(*adapter.mtp_block_inputs(i, fcalib.hidden, fcalib.state)))
-            calib = Stream(*adapter.mtp_block_inputs(i, calib.hidden, calib.state))
-        with ph.phase("build", layer=i):
-            block = adapter.block(i, sharded=True) if sharded and i not in mtp_ids else adapter.block(i, device=dev)
-        mem.max_layer_bytes = max(mem.max_layer_bytes, _module_bytes(block))
-        if i not in layers and i not in mtp_ids:  # a float predecessor: only its output is needed
+    Per layer: build it, ``quantize_block``; its capture mode (``capture_modes``: stored calls
+    or statistics, as the recipe's ``needs()`` declare) runs the float layer once, capturing, and
+    the unit recipe solves; the block stage (``block_stage``) tunes the layer as a whole when the
+    recipe ends with a block-level algorithm; the units are written; the next layer's inputs are
+    the float layer's output (propagate float) or the solved layer's (quant)."""
+    run = _PtqRun.start(adapter, spec, output_dir, layers, calib_windows, runtime, part, mtp)
+    ph, calib, stage = run.phases, run.calib, run.stage
+    for i in _tqdm(run.layer_ids, desc="ptq layers", disable=not adapter.run.progress):
+        if i in run.mtp_ids:   # the MTP layer: h_i of the last layer with embed(t_{i+1}) (issue 23.6)
+            stage.enter_mtp(adapter, i, calib)
+            calib = mtp_stream(adapter, i, calib)
+        block = run.build(i)
+        if i not in run.layers and i not in run.mtp_ids:  # a float predecessor: only its output is needed
             with ph.phase("float_forward", layer=i):
-                calib = float_layer_output(adapter, block, calib, float_like is not None and i in float_like,
-                                           scheme, targets)
-            fcalib = calib if fcalib is not None else None   # float predecessors: one stream
+                calib = float_layer_output(adapter, block, calib, run.float_like is not None and i in run.float_like,
+                                           run.spec.scheme, run.spec.targets)
+            stage.after_predecessor(calib)
             adapter.release_block(block)
             continue
-        with ph.phase("build", layer=i):
-            adapter.quantize_block(block, scheme, targets)
-        units = list(adapter.iter_ptq_units(block, i, targets))
-        todo = resume.todo(i, units)
-        if block_algo is not None and todo:
-            # the block stage tunes every unit of the layer together: a layer an interrupted run
-            # left half written is solved again as a whole (its units are written after the block)
-            todo = {u.name for u in units}
-        # a recipe that replays no calls (rtn, hclip, gptq) gets per-leaf Hessians
-        # accumulated during the float forward instead of stored calls (algorithms/hessians.py);
-        # the layer then keeps its fast paths (the MoE's grouped GEMMs report their rows)
-        stats_mode = not needs.calls and not sharded and runtime.statistics
-        hessians = collector = None
-        if not stats_mode:
-            adapter.prepare_capture(block)        # every unit called as a module: hooks see it
-        store = CaptureStore(runtime.capture_memory_bytes,
-                             None if runtime.capture_memory_bytes is None
-                             else Path(output_dir) / SCRATCH_DIR / f"layer_{i}",
-                             chunk_bytes=runtime.capture_buffer_bytes)
-        CALL_METER.reset_peak()
-        calls_before = CALL_METER.live      # call data alive before this layer (none in a run)
-        sinks = {}
-        for u in (units if not stats_mode else ()):
-            if u.name in todo:
-                made = runtime.make_sink(u) if runtime.make_sink is not None else None
-                sinks[u.name] = made if made is not None else store.sink(u.file_stem)
+        work, mode = run.layer_work(i, block, calib)
         try:
-            passes: list[list] = []
-            with ph.phase("capture", layer=i):
-                adapter.set_quant_enabled(block, False)   # float math, bit for bit
-                if todo and stats_mode:
-                    from ..algorithms.hessians import plan_hessian_passes
-
-                    # more than one pass only when the layer's Hessians exceed the budget
-                    todo_units = [u for u in units if u.name in todo]
-                    passes = plan_hessian_passes(todo_units, runtime.hessian_budget(dev))
-                    if len(passes) > 1 and not needs.statistics:
-                        # RTN: the Hessians would only measure its loss; not worth extra passes
-                        passes = [todo_units]
-                        hessians = {u.name: {} for u in todo_units}
-                        next_hidden = adapter.do_block_forward(block, calib.hidden, calib.state)
-                    else:
-                        collector, hessians, next_hidden = _collect_hessians(adapter, block, calib, passes[0])
-                    calls = {}
-                    result.unobserved_static += observe_static(adapter, block, calib, i)
-                elif todo:
-                    calls, next_hidden = capture_unit_io(
-                        [u for u in units if u.name in todo],
-                        lambda: adapter.do_block_forward(block, calib.hidden, calib.state), sinks=sinks)
-                    result.unobserved_static += observe_static(adapter, block, calib, i)
-                else:  # the whole layer was done by an earlier run: only its float output is needed
-                    calls, next_hidden = {}, adapter.do_block_forward(block, calib.hidden, calib.state)
-            # the float model's output of this layer (the float stream's next inputs): computed
-            # here, while the layer is still float (GPTQ writes its fake-quant weights into the
-            # float ones); layer 0, whose two streams are one, has it from the capture
-            float_next = None
-            if fcalib is not None:
-                if fcalib is calib:
-                    float_next = next_hidden
-                else:
-                    with ph.phase("capture", layer=i):
-                        float_next = adapter.do_block_forward(block, fcalib.hidden, fcalib.state)
-            block_targets = None
-            if block_algo is not None and todo:
-                block_targets = float_next if float_stream else next_hidden
-            if collector is not None:
-                ph.note(hessian_bytes=_tensor_bytes({id(ls.H): ls.H for st in hessians.values()
-                                                     for ls in st.values() if ls.H is not None}.values()),
-                        host_count_reads=collector.host_reads, hessian_passes=len(passes))
-            mem.capture_memory_peak_bytes = max(mem.capture_memory_peak_bytes,
-                                                store.peak_in_memory if store.memory_bytes is not None
-                                                else sum(s.nbytes for s in sinks.values()))
-            mem.capture_spilled_bytes += store.spilled_bytes
-            ph.note(capture_bytes=sum(call_bytes(c) for c in calls.values() if isinstance(c, Sequence)),
-                    spilled_bytes=store.spilled_bytes, in_memory_peak_bytes=store.peak_in_memory)
-            adapter.set_quant_enabled(block, True)
-            if propagate == "quant":
-                finish_static(block, i)   # counted once, by the observe pass above
-            from ..algorithms.runner import run_recipe_on_units
-
-            todo_units = [u for u in units if u.name in todo]
-            solved: dict[str, UnitResult] = {}
-            done: dict[str, UnitResult] = {}
-            if stats_mode and todo_units:
-                # pass by pass: each pass's Hessians are solved and freed before the next
-                # pass collects its own (passes[0]'s were collected by the capture above)
-                for k, pass_units in enumerate(passes):
-                    if k > 0:
-                        with ph.phase("capture", layer=i):
-                            adapter.set_quant_enabled(block, False)
-                            # the output is pass 0's again: not kept (a host copy of the layer's)
-                            collector, hessians, _ = _collect_hessians(adapter, block, calib, pass_units,
-                                                                       keep_output=False)
-                            adapter.set_quant_enabled(block, True)
-                    with ph.phase("solve:recipe", layer=i, device=str(dev)):
-                        rerun = LayerRerun(adapter, block, calib)
-                        rs = run_recipe_on_units(pass_units, {}, unit_recipe, device=dev, seed=cfg.seed,
-                                                 dtype=adapter.run.dtype, holdout=holdout, guard=guard,
-                                                 hessians=hessians, recollect=rerun)
-                    if rerun.forwards:   # a note goes to the phase just finished: solve:recipe
-                        ph.note(recollect_forwards=rerun.forwards, recollect_seconds=round(rerun.seconds, 3),
-                                recollect_runs=rerun.runs)
-                    done.update({u.name: r for u, r in zip(pass_units, rs)})
-                    # written pass by pass: an interrupted layer resumes at its next pass (with a
-                    # block stage: after it, below)
-                    for unit in (pass_units if block_algo is None else ()):
-                        with ph.phase("write", layer=i):
-                            _save_unit(pdir, unit, done[unit.name])
-                        solved[unit.name] = done[unit.name]
-                        if on_unit_done is not None:
-                            on_unit_done(done[unit.name])
-                    hessians = None
-                    if collector is not None:
-                        collector.free()
-                        collector = None
-                    devmod.empty_cache(dev)
-            # one recipe run per device holding units (a sharded layer): the grouped
-            # algorithms stack a group's experts, which must share a device
-            by_dev: dict[torch.device, list] = {}
-            for u in (todo_units if not stats_mode else ()):
-                by_dev.setdefault(adapter.unit_device(block, u) if sharded else dev, []).append(u)
-            for udev, group in by_dev.items():
-                with ph.phase("solve:recipe", layer=i, device=str(udev)):
-                    rs = run_recipe_on_units(group, calls, unit_recipe, device=udev, seed=cfg.seed,
-                                             dtype=adapter.run.dtype, holdout=holdout, guard=guard,
-                                             hessians=hessians)
-                done.update({u.name: r for u, r in zip(group, rs)})
-            calls = {}      # the unit captures are not read again: freed before the block stage
-            if block_algo is not None and todo_units:
-                with ph.phase("solve:block", layer=i, device=str(dev)):
-                    run_block_stage(adapter, block, block_algo, units, calib, block_targets, done,
-                                    seed=cfg.seed, layer_idx=i)
-                block_targets = None
-            if todo_units:
-                for unit, r in [(u, done[u.name]) for u in todo_units if u.name not in solved]:
-                    with ph.phase("write", layer=i):
-                        _save_unit(pdir, unit, r)
-                    solved[unit.name] = r
-                    if on_unit_done is not None:
-                        on_unit_done(r)
-            calls = {}
-            result.units += [solved[u.name] if u.name in solved else _resumed_result(pdir, u) for u in units]
+            run.result.unobserved_static += mode.capture(ph)
+            stage.capture_targets(adapter, work, ph)
+            mode.account(ph, run.memory)
+            mode.solve(ph, run.settings)
+            stage.run(adapter, work, ph)
+            work.write_rest(ph)
+            run.result.units += [work.saved[u.name] if u.name in work.saved else _resumed_result(run.pdir, u)
+                                 for u in work.units]
         finally:
-            for s in sinks.values():
-                s.discard()
-            store.cleanup()
-            hessians = None                   # frees the layer's Hessians (GBs on the device)
-            if collector is not None:
-                collector.free()
-                collector = None
-        layer_calls_peak = CALL_METER.peak - calls_before
-        mem.call_memory_peak_bytes = max(mem.call_memory_peak_bytes, layer_calls_peak)
-        ph.note(call_memory_peak_bytes=layer_calls_peak)
-        if fcalib is not None:
-            fcalib = Stream(float_next, fcalib.state)
-        if propagate == "quant":
-            # the next layer's inputs go through the units an earlier run finished too: loaded
-            # only now, after this run's solve -- loaded before it, their in-place weights would
-            # feed a re-run of the layer (sequential GPTQ) a non-float input (casebook i24-sq4)
-            for unit in units:
-                if unit.name not in todo:
-                    load_unit_params(unit, pdir)
-            adapter.end_capture(block)   # propagated as it will be evaluated (fused paths on)
-            with ph.phase("propagate", layer=i):
-                next_hidden = adapter.do_block_forward(block, calib.hidden, calib.state)
-        calib = Stream(next_hidden, calib.state)
+            mode.close()
+        mode.account_calls(ph, run.memory)
+        stage.advance()
+        if run.spec.propagate == "quant":
+            run.propagate_quantized(work)
+        calib = Stream(work.next_hidden, calib.state)
         with ph.phase("release", layer=i):
             adapter.release_block(block)
-    resume.close()
-    devmod.synchronize(dev)
-    mem.peak_memory_bytes = max(devmod.peak_memory_bytes(dev), getattr(ph, "max_device_peak", lambda: 0)())
-    result.memory = mem
-    result.seconds = time.perf_counter() - t0
-    return result
-
-
-def run_block_stage(adapter: BaseModel, block: nn.Module, algo, units: Sequence, calib: Stream,
-                    targets: Sequence[torch.Tensor], results: dict[str, UnitResult], *, seed: int,
-                    layer_idx: int) -> None:
-    """The recipe's block-level algorithm on one layer (after its unit algorithms): every unit's
-    leaves tuned together against the layer's output ``targets`` on the run's inputs ``calib``.
-    Its statistics go into each unit's result; the unit's own loss after the unit algorithms no
-    longer describes the unit, so ``loss_after`` becomes None (the layer's MSE is in the stats)."""
-    from ..algorithms.base import BlockData
-    from .replay import unit_seed
-
-    dev = adapter.block_device(block)
-    # every unit called as its own module (no fused path holding detached weights)
-    adapter.prepare_capture(block)
-    adapter.set_quant_enabled(block, True)
-    t0 = time.perf_counter()
-    data = BlockData(units=list(units), inputs=calib.hidden, states=calib.state or [{}] * len(calib.hidden),
-                     targets=targets, forward=lambda x, st: adapter.block_forward_sample(block, x, st),
-                     device=dev, seed=unit_seed(seed, f"layers.{layer_idx}"), layer_idx=layer_idx,
-                     concat=adapter.concat_samples, block=block)
-    stats = algo.apply_block(data)
-    devmod.synchronize(dev)
-    dt = time.perf_counter() - t0
-    for u in units:
-        r = results[u.name]
-        r.stats = dict(r.stats or {})
-        r.stats[algo.name] = {**stats.get(u.name, {}), "layer_seconds": round(dt, 3)}
-        if "skipped" not in stats.get(u.name, {}):
-            r.loss_after = None
-        r.seconds += dt / max(len(units), 1)
-
-
-def _mtp_layers(adapter: BaseModel, layers: range) -> list[int]:
-    """The MTP layer quantized after the run's layers: the adapter's first one (its input is
-    the last main layer's output), when the run ends at the model's last layer."""
-    if layers.stop != adapter.num_layers:
-        return []
-    return adapter.mtp_layer_ids()[:1]
-
-
-def _collect_hessians(adapter: BaseModel, block: nn.Module, calib: Stream, units: Sequence,
-                      keep_output: bool = True, only: dict[str, set[str]] | None = None,
-                      stop_after_units: bool = False):
-    """One forward of ``block`` over ``calib`` with a HessianCollector on ``units`` (``only``:
-    those leaves): (collector, {unit name: its statistics}, the layer's output, or [] without
-    ``keep_output``). ``stop_after_units``: each sample's forward ends once every unit's module
-    has returned (nothing after them feeds their leaves). The collector lets go of its stacks:
-    the statistics own them."""
-    from ..algorithms.hessians import HessianCollector
-
-    collector = HessianCollector(units, only=only)
-    collector.attach(block)
-    stop_after = [u.module for u in units] if stop_after_units else ()
-    try:
-        out = adapter.do_block_forward(block, calib.hidden, calib.state, keep_outputs=keep_output,
-                                       stop_after=stop_after)
-    finally:
-        collector.detach()
-    collector.release()
-    return collector, {u.name: collector.stats(u.name) for u in units}, out
-
-
-class LayerRerun:
-    """``SolveContext.recollect`` of the statistics path: the layer's calibration forward once
-    more, with quantization on in the given units only (every other unit and the rest of the
-    layer float, as in the capture), collecting the given leaves' statistics. Each sample's
-    forward ends once the given units' modules have returned: a re-run for the attention's
-    later stages does not run the MoE after it (the routed experts on the MoE's grouped path
-    are never called as modules, so their re-run goes to the layer's end). Counts its forwards
-    and their time for the report (``runs``: [unit kinds, leaves collected, seconds] each)."""
-
-    def __init__(self, adapter: BaseModel, block: nn.Module, calib: Stream):
-        self.adapter, self.block, self.calib = adapter, block, calib
-        self.forwards = 0
-        self.seconds = 0.0
-        self.runs: list[list] = []
-
-    def __call__(self, units: Sequence, leaves: dict[str, set[str]]) -> dict[str, dict]:
-        t0 = time.perf_counter()
-        self.adapter.set_quant_enabled(self.block, False)
-        try:
-            for u in units:
-                self.adapter.set_quant_enabled(u.module, True)
-            _, stats, _ = _collect_hessians(self.adapter, self.block, self.calib, units, keep_output=False,
-                                            only=leaves, stop_after_units=True)
-        finally:
-            # the recipe runs with the whole layer's quantization on (run_blockwise_ptq): back to it
-            self.adapter.set_quant_enabled(self.block, True)
-        devmod.synchronize(self.adapter.block_device(self.block))   # the time is the forward's
-        dt = time.perf_counter() - t0
-        self.forwards += 1
-        self.seconds += dt
-        self.runs.append(["+".join(sorted({u.kind for u in units})), sum(len(v) for v in leaves.values()),
-                          round(dt, 3)])
-        return stats
+    return run.finish()
 
 
 def float_layer_output(adapter: BaseModel, block: nn.Module, calib: Stream, like_quantized: bool,

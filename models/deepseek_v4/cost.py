@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
-from amct_ext.pipeline.distributed import LayerCost
+from amct_ext.pipeline.layer_cost import LayerCost
 from amct_ext.quant.schemes import parse_targets
 
 from .loading import empty_block

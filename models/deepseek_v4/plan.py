@@ -214,6 +214,14 @@ class DeepseekV4PlanSpec:
             out[i] = [new + s[len(old):] for s in stems]
         return out
 
+    # ------------------------------------------------------------------ the run
+    def adapter(self, run):
+        """The adapter the job runs (``amct_ext.pipeline.job_runner.run_job`` opens it with the
+        plan's ``RunConfig``)."""
+        from .adapter import DeepseekV4Adapter
+
+        return DeepseekV4Adapter(run)
+
     # ------------------------------------------------------------------ smoothing
     def unexportable_smoothing(self, config, targets: Sequence[str]) -> dict[str, str]:
         """{pair name: what it leaves behind} for smoothing pairs no export format writes."""
