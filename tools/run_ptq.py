@@ -20,6 +20,10 @@ Models
   tiny-trained
              the tiny V4 trained on the Wikitext-2 validation split that ships in assets/tiny-v4
              (4 layers, dim 128, 8 experts; perplexity means something here).
+  tiny-trained-release
+             that tiny trained further on the release's grids and stored like the release
+             (assets/tiny-v4-release: FP8 e4m3 128x128 attention / shared expert, FP4 e2m1
+             routed experts, ue8m0 scales; tools/train_release_tiny.py). What users start from.
   v4-flash / v4-pro
              the released checkpoints: pass --model-path DIR, or --download (modelscope).
 
@@ -109,6 +113,8 @@ DEFAULTS = {
                        batch_size=1, eval_batch_size=8),
     "tiny-trained": dict(calib_samples=16, seq_len=256, eval_windows=64, eval_ppl=True, dtype="fp32", threads=1,
                          batch_size=1, eval_batch_size=8),
+    "tiny-trained-release": dict(calib_samples=16, seq_len=256, eval_windows=64, eval_ppl=True, dtype="fp32",
+                                 threads=1, batch_size=1, eval_batch_size=8),
     "v4": dict(calib_samples=128, seq_len=2048, eval_windows=None, eval_ppl=False, dtype="bf16", threads=None,
                batch_size=1, eval_batch_size=1, capture_memory_gb=8.0),
 }
@@ -452,6 +458,8 @@ def run(args, phases=None) -> int:
             "ptq_wall_s": ptq_wall,
             "ppl": ppl,
             "summary": [g.to_dict() for g in groups],
+            # units whose stored codes the run kept bit for bit (already on the target grid)
+            "units_keeping_source_codes": sum(g.kept_source for g in groups),
             "units": [{"name": u.name, "kind": u.kind, "layer": u.layer, "loss_before": u.loss_before,
                        "loss_after": u.loss_after, "seconds": u.seconds, "n_calls": u.n_calls,
                        "resumed": u.resumed, "stats": u.stats} for u in units],
