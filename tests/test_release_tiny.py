@@ -128,3 +128,35 @@ def test_ptq_smoke_by_model_name(tmp_path):
     assert all(math.isfinite(ppl[m]) for m in ("float", "rtn", "quant"))
     assert ppl["quant"] > ppl["float"] * 0.99 and ppl["rtn"] > ppl["float"]
     assert report["units_keeping_source_codes"] == 0       # int4 groups of 128 hold no FP4 / FP8 grid
+
+
+def test_training_forward_is_the_release_float(tmp_path):
+    """tools/train_release_tiny.py trains through the very values the release stores: every
+    parametrized weight equals, bit for bit, the float that the written fp8 release loads as;
+    and the gradient reaches the latent weight unchanged (straight-through)."""
+    from tests.conftest import load_script
+    from models.deepseek_v4.release_format import write_release_checkpoint
+    from models.deepseek_v4.tiny import random_tiny_model
+
+    tool = load_script("tools/train_release_tiny.py")
+    model = random_tiny_model(seed=3)
+    config = model.config
+    counts = tool.attach_release_grids(model)
+    assert counts["fp4"] > 0 and counts["fp8"] > 0 and counts["bf16"] > 0
+    forward_values = {}
+    for name, p in model.named_parameters():
+        if ".parametrizations." in name:
+            owner, leaf = name.split(".parametrizations.")
+            forward_values[f"{owner}.{leaf.split('.')[0]}"] = getattr(model.get_submodule(owner), leaf.split(".")[0])
+    assert len(forward_values) == counts["fp4"] + counts["fp8"] + counts["bf16"]
+    w = next(v for k, v in forward_values.items() if tool.release_storage_kind(k) == "fp4")
+    latent = dict(model.named_parameters())
+    key = next(k for k in forward_values if tool.release_storage_kind(k) == "fp4")
+    w.sum().backward()
+    g = latent[key.rsplit(".", 1)[0] + ".parametrizations.weight.original"].grad
+    assert g is not None and torch.equal(g, torch.ones_like(g))
+    tool.detach_release_grids(model)
+    write_release_checkpoint({k: t.detach() for k, t in model.state_dict().items()}, config, tmp_path, fmt="fp8")
+    loaded = load_checkpoint_model(tmp_path, dtype=torch.float32).state_dict()
+    for k, v in forward_values.items():
+        assert torch.equal(v.detach().float(), loaded[k].float()), k

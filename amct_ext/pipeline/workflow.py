@@ -862,8 +862,11 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
                 done.update({u.name: r for u, r in zip(group, rs)})
             calls = {}      # the unit captures are not read again: freed before the block stage
             if block_algo is not None and todo_units:
+                from ..algorithms.source_grid import is_kept
+
                 with ph.phase("solve:block", layer=i, device=str(dev)):
-                    run_block_stage(adapter, block, block_algo, units, calib, block_targets, done,
+                    run_block_stage(adapter, block, block_algo, [u for u in units if not is_kept(done[u.name])],
+                                    calib, block_targets, done,
                                     seed=cfg.seed, layer_idx=i)
                 block_targets = None
             if todo_units:

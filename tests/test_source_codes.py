@@ -1,0 +1,120 @@
+"""Recipes that know their source (issue 35.3): a unit whose weights the target format already
+holds exactly (the release's FP4 experts under mxfp4) is kept as stored, codes and all, whatever
+the recipe; the run's summary and report say so (amct_ext/algorithms/source_grid.py)."""
+import json
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from amct_ext.algorithms.source_grid import is_kept, kept_result, split_kept, weights_on_target_grid
+from amct_ext.io.storage_formats import decode_fp4, encode_fp4
+from amct_ext.pipeline.ptq_units import make_ptq_unit
+from amct_ext.pipeline.summary import format_summary, summarize_units
+from amct_ext.quant.quant_linear import QuantLinear
+from amct_ext.quant.schemes import load_scheme
+from tests.conftest import REPO
+
+ASSET = REPO / "assets" / "tiny-v4-release"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _leaf(weight: torch.Tensor, scheme: str = "mxfp4") -> QuantLinear:
+    s = load_scheme(scheme)
+    return QuantLinear(nn.Parameter(weight, requires_grad=False), None, s.target("moe").weight, None)
+
+
+def test_on_grid_is_decided_by_values():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g) * 0.02
+    on = decode_fp4(*encode_fp4(w), dtype=torch.float32)      # a released FP4 weight, decoded
+    assert weights_on_target_grid(_leaf(on.clone()))
+    assert not weights_on_target_grid(_leaf(w.clone()))           # a bf16-style weight: off the grid
+    assert not weights_on_target_grid(_leaf(on.clone(), "w4a16-g128"))   # int4 g128 does not hold FP4 x 2^k
+    off_one = on.clone()
+    off_one[3, 5] += 1e-4
+    assert not weights_on_target_grid(_leaf(off_one))             # one element off is enough
+    tuned = _leaf(on.clone(), "fp8")
+    tuned.weight_quantizer.init_clip(tuned.weight, 0.9)
+    assert not weights_on_target_grid(tuned)                      # a quantizer not at its RTN state
+    assert not weights_on_target_grid(nn.Linear(4, 4))            # nothing quantized
+
+
+def test_split_keeps_order_and_the_summary_counts_kept_units():
+    g = torch.Generator().manual_seed(1)
+    on = decode_fp4(*encode_fp4(torch.randn(32, 64, generator=g)), dtype=torch.float32)
+    units = [make_ptq_unit("expert", f"layers.0.ffn.experts.{e}", 0, _leaf(on.clone() if e % 2 else
+                                                                          torch.randn(32, 64, generator=g)))
+             for e in range(4)]
+    kept, solve = split_kept(units)
+    assert [u.name for u in kept] == ["layers.0.ffn.experts.1", "layers.0.ffn.experts.3"]
+    assert [u.name for u in solve] == ["layers.0.ffn.experts.0", "layers.0.ffn.experts.2"]
+    results = [kept_result(u) for u in kept]
+    assert all(is_kept(r) and is_kept(r.to_dict()) for r in results)
+    groups = summarize_units(results)
+    assert groups[0].kept_source == 2
+    assert "source codes: 2 of 2 units (expert) keep the checkpoint's stored codes bit for bit" in format_summary(groups)
+
+
+def _tensors(folder):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    out = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(folder / shard), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def test_mxfp4_run_from_the_release_keeps_the_released_expert_codes(tmp_path, capsys):
+    """PTQ of the release tiny to mxfp4 with a recipe that moves expert weights (AWQ's w3 -> w2
+    smoothing rescales them, then GPTQ re-rounds): the quantized model the run leaves (its saved
+    parameters loaded, as evaluation and export load them) holds every routed expert's released
+    e2m1 codes and e8m0 scales, element for element."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import run_ptq
+
+    from amct_ext.algorithms.hessians import quant_leaves
+    from amct_ext.base import RunConfig
+    from amct_ext.io.storage_formats import unpack_fp4_codes
+    from amct_ext.pipeline.workflow import load_unit_params
+    from models.deepseek_v4.adapter import DeepseekV4Adapter
+
+    run = tmp_path / "run"
+    old = torch.get_num_threads()
+    try:
+        assert run_ptq.main(["--model", "tiny-trained-release", "--scheme", "mxfp4", "--algo", "awq:pairs=w3,gptq",
+                             "--calib-samples", "2", "--seq-len", "128", "--eval-windows", "1",
+                             "--ppl-modes", "", "--output-dir", str(run)]) == 0
+    finally:
+        torch.set_num_threads(old)
+    printed = capsys.readouterr().out
+    report = json.loads((run / "report.json").read_text())
+    experts = [u for u in report["units"] if u["kind"] == "expert"]
+    assert len(experts) == 32 and all(u["stats"]["kept_source_codes"] for u in experts)
+    assert report["units_keeping_source_codes"] == 32
+    others = [u for u in report["units"] if u["kind"] != "expert"]
+    assert others and not any((u["stats"] or {}).get("kept_source_codes") for u in others)
+    assert "source codes: 32 of 40 units (expert)" in printed
+
+    rel = _tensors(ASSET)
+    adapter = DeepseekV4Adapter(RunConfig(model_path=ASSET, device="cpu", dtype=torch.float32, progress=False))
+    scheme, n = load_scheme("mxfp4"), 0
+    for i in range(adapter.num_layers):
+        block = adapter.block(i, device="cpu")
+        adapter.quantize_block(block, scheme, ["attn-linear", "moe"])
+        for unit in adapter.iter_ptq_units(block, i, ["attn-linear", "moe"]):
+            load_unit_params(unit, run / "ptq_params")
+            if unit.kind != "expert":
+                continue
+            for name, leaf in quant_leaves(unit.module):
+                key = f"{unit.name}.{name.rsplit('.', 1)[-1]}"
+                got = leaf.export()
+                assert torch.equal(got["qweight"].to(torch.uint8), unpack_fp4_codes(rel[key + ".weight"])), key
+                assert torch.equal(got["scale_e8m0"].to(torch.uint8).view(torch.uint8),
+                                   rel[key + ".scale"].view(torch.uint8)), key
+                n += 1
+        adapter.release_block(block)
+    assert n == 96
