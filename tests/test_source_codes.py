@@ -39,7 +39,7 @@ def test_on_grid_is_decided_by_values():
     assert not weights_on_target_grid(_leaf(off_one))             # one element off is enough
     tuned = _leaf(on.clone(), "fp8")
     tuned.weight_quantizer.init_clip(tuned.weight, 0.9)
-    assert not weights_on_target_grid(tuned)                      # a quantizer not at its RTN state
+    assert not weights_on_target_grid(tuned)                      # a clip that moves the grid off the values
     assert not weights_on_target_grid(nn.Linear(4, 4))            # nothing quantized
 
 
@@ -52,6 +52,12 @@ def test_split_keeps_order_and_the_summary_counts_kept_units():
     kept, solve = split_kept(units)
     assert [u.name for u in kept] == ["layers.0.ffn.experts.1", "layers.0.ffn.experts.3"]
     assert [u.name for u in solve] == ["layers.0.ffn.experts.0", "layers.0.ffn.experts.2"]
+    from amct_ext.algorithms.recipe import parse_algo
+    from amct_ext.algorithms.runner import run_recipe_on_units
+
+    ran = run_recipe_on_units(units, {}, parse_algo("rtn"), device=torch.device("cpu"), seed=0)
+    assert [r.name for r in ran] == [u.name for u in units]          # one result per unit, in order
+    assert [is_kept(r) for r in ran] == [False, True, False, True]
     results = [kept_result(u) for u in kept]
     assert all(is_kept(r) and is_kept(r.to_dict()) for r in results)
     groups = summarize_units(results)

@@ -34,10 +34,7 @@ def weights_on_target_grid(module: torch.nn.Module) -> bool:
     if not leaves:
         return False
     for _, leaf in leaves:
-        wq = leaf.weight_quantizer
-        if wq.clip is not None or wq.has_fixed_qparams:
-            return False          # not the RTN state: a resumed or pre-tuned quantizer
-        w = leaf.weight.detach()
+        w = leaf.weight.detach()   # the quantizer's current state (RTN at a run's start)
         if not torch.equal(fake_quant_weight(leaf).to(w.dtype), w):
             return False
     return True
