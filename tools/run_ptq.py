@@ -20,6 +20,10 @@ Models
   tiny-trained
              the tiny V4 trained on the Wikitext-2 validation split that ships in assets/tiny-v4
              (4 layers, dim 128, 8 experts; perplexity means something here).
+  tiny-trained-release
+             that tiny trained further on the release's grids and stored like the release
+             (assets/tiny-v4-release: FP8 e4m3 128x128 attention / shared expert, FP4 e2m1
+             routed experts, ue8m0 scales; tools/train_release_tiny.py). What users start from.
   v4-flash / v4-pro
              the released checkpoints: pass --model-path DIR, or --download (modelscope).
 
@@ -108,6 +112,8 @@ DEFAULTS = {
                        batch_size=1, eval_batch_size=8),
     "tiny-trained": dict(calib_samples=16, seq_len=256, eval_windows=64, eval_ppl=True, dtype="fp32", threads=1,
                          batch_size=1, eval_batch_size=8),
+    "tiny-trained-release": dict(calib_samples=16, seq_len=256, eval_windows=64, eval_ppl=True, dtype="fp32",
+                                 threads=1, batch_size=1, eval_batch_size=8),
     "v4": dict(calib_samples=128, seq_len=2048, eval_windows=None, eval_ppl=False, dtype="bf16", threads=None,
                batch_size=1, eval_batch_size=1, capture_memory_gb=8.0),
 }

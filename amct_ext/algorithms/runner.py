@@ -215,7 +215,22 @@ def run_recipe_on_units(units: Sequence[PtqUnit], calls: dict[str, list[UnitCall
     calls, for a recipe that needs no calls (``recipe.needs().calls`` False); see
     ``_run_on_hessians`` for what the losses and the guard are then. ``recollect``: with
     ``hessians``, the workflow's re-run of the layer for fresh statistics
-    (``SolveContext.recollect``; sequential GPTQ)."""
+    (``SolveContext.recollect``; sequential GPTQ).
+
+    Units whose weights the target format already holds exactly (``source_grid``: a release's
+    FP4 experts under mxfp4) are set aside first: no algorithm runs on them and their result
+    says ``kept_source_codes``."""
+    from .source_grid import kept_result, split_kept
+
+    kept, solve = split_kept(units)
+    if kept:
+        log.info("%d of %d unit(s) already on the target grid: kept as stored (no algorithm)", len(kept), len(units))
+        solved = {}
+        if solve:
+            rs = run_recipe_on_units(solve, calls, recipe, device=device, seed=seed, dtype=dtype, holdout=holdout,
+                                     guard=guard, on_algorithm=on_algorithm, hessians=hessians, recollect=recollect)
+            solved = {u.name: r for u, r in zip(solve, rs)}
+        return [solved[u.name] if u.name in solved else kept_result(u) for u in units]
     if hessians is not None:
         if recipe.needs().calls:
             raise ValueError(f"recipe {recipe} replays calls: it cannot run on capture statistics")

@@ -78,7 +78,11 @@ class BlockStage:
     def run(self, adapter: BaseModel, work, ph) -> None:
         if self.algo is not None and work.todo_units:
             with ph.phase("solve:block", layer=work.idx, device=str(work.device)):
-                run_block_stage(adapter, work.block, self.algo, work.units, work.calib, self.targets, work.done,
+                from ..algorithms.source_grid import is_kept
+
+                # units that kept the release's codes (already on the target grid) are not tuned
+                units = [u for u in work.units if not is_kept(work.done[u.name])]
+                run_block_stage(adapter, work.block, self.algo, units, work.calib, self.targets, work.done,
                                 seed=self.seed, layer_idx=work.idx)
         self.targets = None
 

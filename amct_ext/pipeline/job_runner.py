@@ -215,6 +215,8 @@ class _JobRun:
             "ptq_wall_s": self.ptq_wall,
             "ppl": self.ppl,
             "summary": [g.to_dict() for g in self.groups],
+            # units whose stored codes the run kept bit for bit (already on the target grid)
+            "units_keeping_source_codes": sum(g.kept_source for g in self.groups),
             "units": [{"name": u.name, "kind": u.kind, "layer": u.layer, "loss_before": u.loss_before,
                        "loss_after": u.loss_after, "seconds": u.seconds, "n_calls": u.n_calls,
                        "resumed": u.resumed, "stats": u.stats} for u in self.units],

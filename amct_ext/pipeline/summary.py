@@ -27,6 +27,7 @@ class GroupSummary:
     seconds: float = 0.0
     worst: str | None = None
     worst_ratio: float | None = None
+    kept_source: int = 0              # units whose stored codes the run kept (algorithms/source_grid.py)
 
     @property
     def vs_rtn(self) -> float | None:
@@ -65,6 +66,8 @@ def summarize_units(units: Iterable[Any]) -> list[GroupSummary]:
         g.resumed += bool(_get(u, "resumed", False))
         g.seconds += float(_get(u, "seconds", 0.0) or 0.0)
         g.kept_rtn += _kept_rtn(u)
+        stats = _get(u, "stats") or {}
+        g.kept_source += bool(isinstance(stats, dict) and stats.get("kept_source_codes"))
         before, after = _get(u, "loss_before"), _get(u, "loss_after")
         if _finite(before) and _finite(after):
             g.measured += 1
@@ -95,6 +98,11 @@ def format_summary(groups: Sequence[GroupSummary], ppl: dict[str, float | None] 
     kept = sum(g.loss_kept for g in groups)
     rows.append(f"total: {total} units in {len(groups)} groups, {sum(g.kept_rtn for g in groups)} kept at RTN, "
                 f"loss vs RTN {_pct(kept / rtn - 1 if rtn > 0 else None)}")
+    n_source = sum(g.kept_source for g in groups)
+    if n_source:
+        kinds = sorted({g.kind for g in groups if g.kept_source})
+        rows.append(f"source codes: {n_source} of {total} units ({', '.join(kinds)}) keep the checkpoint's stored "
+                    f"codes bit for bit (their weights are already on the target grid; no algorithm ran on them)")
     if ppl:
         rows.append(format_ppl(ppl))
     return "\n".join(rows)

@@ -385,17 +385,25 @@ def cast_e4m3(y: torch.Tensor) -> torch.Tensor:
     return torch.clamp(y, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def _fp8_block_scale(xv, lay, clip_v):
+def _pow2_ceil(scale: torch.Tensor) -> torch.Tensor:
+    """Positive scales rounded UP to a power of two, exactly (frexp: s = m * 2^e, m in [0.5, 1)),
+    so ``|x| / scale <= 448`` still holds: the ue8m0 scales of DeepSeek's FP8 blocks."""
+    m, e = torch.frexp(scale)
+    return torch.ldexp(torch.ones_like(scale), torch.where(m == 0.5, e - 1, e))
+
+
+def _fp8_block_scale(xv, lay, clip_v, scale_format: str = "float"):
     amax = xv.abs().amax(dim=lay.reduce_dims, keepdim=True)
     if clip_v is not None:
         amax = amax * clip_v
-    return _nonzero_scale(_div_const(amax, FP8_E4M3_MAX))
+    scale = _nonzero_scale(_div_const(amax, FP8_E4M3_MAX))
+    return _pow2_ceil(scale) if scale_format == "ue8m0" else scale
 
 
 def _fq_fp8(x, spec, clip):
     lay = _layout(x.shape, spec, "input")
     xv = lay.view(x.float())
-    scale = _fp8_block_scale(xv, lay, lay.clip_view(clip, "input"))
+    scale = _fp8_block_scale(xv, lay, lay.clip_view(clip, "input"), spec.scale_format)
     y = torch.clamp(xv / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
     out = _ste(y, cast_e4m3(y).float()) * scale
     return lay.restore(out).to(x.dtype)
@@ -424,7 +432,7 @@ def quantize_fp8(x: torch.Tensor, spec: TensorSpec, clip=None):
     _check_input(x)
     lay = _layout(x.shape, spec, "input")
     xv = lay.view(x.float())
-    scale = _fp8_block_scale(xv, lay, lay.clip_view(clip, "input"))
+    scale = _fp8_block_scale(xv, lay, lay.clip_view(clip, "input"), spec.scale_format)
     e = cast_e4m3(xv / scale)
     # Restore via float32: padding / reshaping float8 tensors is not supported everywhere.
     elements = lay.restore(e.float()).to(torch.float8_e4m3fn)
@@ -649,7 +657,7 @@ def qparams(x: torch.Tensor, spec: TensorSpec, clip=None) -> tuple[torch.Tensor,
     if spec.format == "int":
         scale, zp = _int_block_qparams(xv, lay, spec.bits, spec.symmetric, cv)
     elif spec.format == "fp8":
-        scale, zp = _fp8_block_scale(xv, lay, cv), None
+        scale, zp = _fp8_block_scale(xv, lay, cv, spec.scale_format), None
     else:
         scale, zp = torch.exp2(_mx_shared_exp(xv, spec.format, cv).float()), None
     return lay.to_public(scale).detach(), None if zp is None else lay.to_public(zp).detach()
@@ -746,7 +754,8 @@ def qparams_from_range(spec: TensorSpec, xmin: torch.Tensor, xmax: torch.Tensor)
     if spec.format == "int":
         return int_qparams_from_range(xmin, xmax, spec.bits, spec.symmetric)
     if spec.format == "fp8":
-        return _nonzero_scale(_div_const(torch.maximum(xmin.abs(), xmax.abs()), FP8_E4M3_MAX)), None
+        scale = _nonzero_scale(_div_const(torch.maximum(xmin.abs(), xmax.abs()), FP8_E4M3_MAX))
+        return (_pow2_ceil(scale) if spec.scale_format == "ue8m0" else scale), None
     raise QuantConfigError(f"format {spec.format!r} has no static scales (MX scales are always per block of the current tensor)")
 
 

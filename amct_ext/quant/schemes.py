@@ -54,7 +54,9 @@ VALID_TARGETS = ("attn-linear", "attn-linear-all", "attn-cache", "moe")
 SPEC_KEY_OF = {"attn-linear-all": "attn-linear"}
 #: targets that exclude each other (one is a superset of the other)
 EXCLUSIVE_TARGETS = (("attn-linear", "attn-linear-all"),)
-_SPEC_KEYS = ("format", "bits", "symmetric", "granularity", "group_size", "block_size", "dynamic")
+_SPEC_KEYS = ("format", "bits", "symmetric", "granularity", "group_size", "block_size", "dynamic", "scale_format")
+#: how an fp8 scale is stored: any float, or a power of two (ue8m0, DeepSeek's released FP8 blocks)
+SCALE_FORMATS = ("float", "ue8m0")
 _SCHEME_KEYS = ("name", "description", "weight", "input", "cache", "targets")
 _TARGET_KEYS = ("weight", "input")
 
@@ -86,6 +88,10 @@ class TensorSpec:
     - ``dynamic``: activations only: scales come from the current tensor (True) or from
       statistics observed during calibration (False). ``token`` and MX imply True.
       Weights ignore it (a weight's scale always comes from the weight).
+    - ``scale_format``: fp8 only: ``float`` (``amax / 448``) or ``ue8m0`` (that value rounded UP
+      to a power of two, as DeepSeek-V4's release stores its FP8 blocks: with ``block`` 128 x 128
+      this grid holds the released FP8 weights exactly, which ``float`` does not). Left out of
+      ``to_dict`` when ``float``, so the fingerprints of existing schemes do not change.
     """
 
     format: str = "int"
@@ -95,12 +101,19 @@ class TensorSpec:
     group_size: int | None = None
     block_size: tuple[int, int] | None = None
     dynamic: bool | None = None
+    scale_format: str = "float"
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
         fmt = self.format
         if fmt not in FORMATS:
             raise QuantConfigError(f"TensorSpec.format={fmt!r} is unknown; valid: {', '.join(FORMATS)}")
+        if self.scale_format not in SCALE_FORMATS:
+            raise QuantConfigError(f"TensorSpec.scale_format={self.scale_format!r} is unknown; valid: "
+                                   f"{', '.join(SCALE_FORMATS)}")
+        if self.scale_format != "float" and fmt != "fp8":
+            raise QuantConfigError(f"TensorSpec.scale_format={self.scale_format!r} applies to format 'fp8' only "
+                                   f"(got {fmt!r}; MX scales are e8m0 already)")
         if fmt == "none":
             # Normalise so every "off" spec is equal to every other one.
             for k, v in (("bits", None), ("symmetric", True), ("granularity", None),
@@ -187,6 +200,8 @@ class TensorSpec:
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in _SPEC_KEYS}
+        if d["scale_format"] == "float":
+            del d["scale_format"]          # the default: fingerprints as before the field existed
         if d["block_size"] is not None:
             d["block_size"] = list(d["block_size"])
         return d

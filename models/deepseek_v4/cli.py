@@ -16,9 +16,13 @@ from amct_ext.data import CALIB_DEFAULT
 from amct_ext.errors import CheckpointError, ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
-MODELS = ("tiny", "tiny-serve", "tiny-trained", "v4-flash", "v4-pro")
-TINY_MODELS = ("tiny", "tiny-serve", "tiny-trained")
+MODELS = ("tiny", "tiny-serve", "tiny-trained", "tiny-trained-release", "v4-flash", "v4-pro")
+TINY_MODELS = ("tiny", "tiny-serve", "tiny-trained", "tiny-trained-release")
 TRAINED_TINY = REPO / "assets" / "tiny-v4"   # trained on the Wikitext-2 validation split (tools/train_tiny.py)
+# the same tiny trained on the release's grids and stored like the release: FP8 e4m3 128x128 blocks
+# (attention, shared expert), FP4 e2m1 per 32 (routed experts), ue8m0 scales (tools/train_release_tiny.py)
+TRAINED_RELEASE_TINY = REPO / "assets" / "tiny-v4-release"
+SHIPPED_TINIES = {"tiny-trained": TRAINED_TINY, "tiny-trained-release": TRAINED_RELEASE_TINY}
 MODELSCOPE_IDS = {"v4-flash": "deepseek-ai/DeepSeek-V4-Flash", "v4-pro": "deepseek-ai/DeepSeek-V4-Pro"}
 
 
@@ -79,7 +83,9 @@ def resolve_model_path(args, calib_path: Path | None = None) -> Path:
                 raise CheckpointError(f"--model-path {path} does not exist or is not a folder "
                                       f"(omit --model-path to use the built-in {args.model} checkpoint)")
             return path
-        return TRAINED_TINY if args.model == "tiny-trained" else tiny_checkpoint(calib_path, args.model)
+        if args.model in SHIPPED_TINIES:
+            return SHIPPED_TINIES[args.model]
+        return tiny_checkpoint(calib_path, args.model)
     if getattr(args, "download", False):
         return download_checkpoint(args.model, Path(args.model_path) if args.model_path else None)
     if not args.model_path:
