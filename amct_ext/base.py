@@ -441,6 +441,15 @@ class BaseModel(abc.ABC):
             return block(x.to(dev), **kw)
 
     # ------------------------------------------------------------------ optional hooks (declared)
+    #: the model's config object, when the adapter has read one (reports name its fields)
+    config: Any = None
+    #: the description of an exported (already quantized) checkpoint at ``model_path``, or None:
+    #: such a checkpoint is evaluated as it is, never quantized again
+    exported: Any = None
+    #: the checkpoint reader (``io.checkpoint.CheckpointReader``) of an adapter that reads a
+    #: safetensors checkpoint; the resume guard hashes the weights its index names
+    reader: Any = None
+
     @property
     def max_seq_len(self) -> int | None:
         """The longest window the model's positions allow (None: no limit known)."""

@@ -143,7 +143,7 @@ V4_ONLY = re.compile(r"\b(wq_a|wq_b|wkv|wo_a|wo_b|attn_sink|compressor|shared_ex
 # hooks (BaseModel.mtp_layer_ids / layer_name) behind the declared contract; what is left sits
 # in modules other helpers were reworking at the time (export, run folder, targets, the loop).
 V4_KNOWN = {
-    "amct_ext/export/exporter.py": {"tid2eid", "compress_ratios", "mtp"},   # serve-export; export profiles
+    "amct_ext/export/exporter.py": {"compress_ratios", "mtp"},            # serve-export; export profiles
     "amct_ext/export/export_format.py": {"tid2eid", "mtp"},               # serve-export (moved from exporter.py)
     "amct_ext/export/compressed_tensors.py": {"shared_experts", "mtp"},   # serve-export (the ignore list)
     "amct_ext/export/ascend.py": {"w2"},                                  # export profiles (w2's TP row sums)
@@ -152,7 +152,9 @@ V4_KNOWN = {
     "amct_ext/io/checkpoint.py": {"mtp"},                                 # the reader's default skip prefix
     "amct_ext/io/checkpoint_writer.py": {"mtp"},                          # shard groups of the release layout
     "amct_ext/pipeline/workflow.py": {"mtp"},                             # run_blockwise_ptq(mtp=...): the loop split
-    "amct_ext/algorithms/smoothing.py": {"up_limit", "swiglu_limit", "attn_norm", "q_norm", "wo_a"},   # batched AWQ reads the experts' limit
+    "amct_ext/pipeline/job_runner.py": {"mtp"},                           # the report's and the export's MTP entries (from tools/run_ptq.py)
+    "amct_ext/io/weights_digest.py": {"mtp"},                             # the digest's stem: keys outside layers.* / mtp.*
+    "amct_ext/algorithms/smoothing.py": {"up_limit", "swiglu_limit"},     # batched AWQ reads the experts' limit
 }
 
 

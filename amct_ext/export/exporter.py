@@ -502,7 +502,7 @@ def _serving_metadata(exporter: "_Exporter", weight_only: list[str]) -> dict[str
     the tensor-parallel sizes the engine can shard it over."""
     profile, cfg = exporter.profile, exporter.cfg
     return {"serving": {
-        "build": None if exporter.ascend else profile.options.build,
+        "build": None if exporter.fmt.name == "ascend" else profile.options.build,
         "served_weight_only": weight_only,
         "tensor_parallel_checked": profile.options.tensor_parallel,
         "tensor_parallel_sizes": exporter.model.served_tp_sizes(cfg, profile),

@@ -21,13 +21,9 @@ from .run_folder import RunFolder, warn
 
 
 def layer_key_prefix(adapter: Any, layer: int) -> str:
-    """The checkpoint key prefix of a layer id: the adapter's answer, or the release convention
-    (``layers.{i}.``; MTP layers after the main ones as ``mtp.{i - n}.``)."""
-    hook = getattr(adapter, "layer_key_prefix", None)
-    if hook is not None:
-        return hook(layer)
-    n = adapter.num_layers
-    return f"layers.{layer}." if layer < n else f"mtp.{layer - n}."
+    """The checkpoint key prefix of a layer id: the adapter's declared ``layer_name`` (the model
+    names its extra layers, e.g. V4's MTP layer ``mtp.{j}``) and a dot."""
+    return f"{adapter.layer_name(layer)}."
 
 
 class ResumeGuard:
@@ -36,7 +32,7 @@ class ResumeGuard:
 
     def __init__(self, adapter: Any, output_dir: str | Path, layers: Sequence[int]):
         self.folder = RunFolder(output_dir)
-        reader = getattr(adapter, "reader", None)
+        reader = adapter.reader
         self.digest: WeightsDigest | None = None
         if reader is not None and getattr(reader, "weight_map", None):
             main = [i for i in range(0, max([i for i in layers if i < adapter.num_layers], default=-1) + 1)]

@@ -43,10 +43,9 @@ def embed_stream(adapter: BaseModel, windows: torch.Tensor, batch_size: int) -> 
 def mtp_layers(adapter: BaseModel, layers: range) -> list[int]:
     """The MTP layer quantized after the run's layers: the adapter's first one (its input is
     the last main layer's output), when the run ends at the model's last layer."""
-    hook = getattr(adapter, "mtp_layer_ids", None)
-    if hook is None or layers.stop != adapter.num_layers:
+    if layers.stop != adapter.num_layers:
         return []
-    return hook()[:1]
+    return adapter.mtp_layer_ids()[:1]
 
 
 def mtp_stream(adapter: BaseModel, layer_idx: int, stream: Stream) -> Stream:
