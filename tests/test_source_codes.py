@@ -176,3 +176,25 @@ def test_ue8m0_scales_are_powers_of_two_and_keep_the_fingerprints():
         TensorSpec("int", 4, granularity="channel", scale_format="ue8m0")
     with pytest.raises(QuantConfigError, match="scale_format='pow3' is unknown"):
         TensorSpec("fp8", granularity="channel", scale_format="pow3")
+
+
+def test_float_scaled_fp8_blocks_do_not_hold_the_release():
+    """casebook i35-2: with scale = amax / 448 (no power-of-two rounding) a 128x128 fp8 block
+    grid keeps few of the release's FP8 values; with ue8m0 it keeps them all."""
+    from amct_ext.io.storage_formats import decode_fp8_block
+    from amct_ext.quant.formats import fake_quant
+    from amct_ext.quant.schemes import TensorSpec
+    from models.deepseek_v4.release_format import FP8_LINEAR
+
+    rel = _tensors(ASSET)
+    plain = TensorSpec("fp8", granularity="block", block_size=(128, 128))
+    pow2 = TensorSpec("fp8", granularity="block", block_size=(128, 128), scale_format="ue8m0")
+    kept = total = exact = exact_pow2 = n = 0
+    for k, t in rel.items():
+        if FP8_LINEAR.match(k):
+            w = decode_fp8_block(t, rel[k[:-6] + "scale"], dtype=torch.float32)
+            q = fake_quant(w, plain)
+            kept, total, n = kept + int((q == w).sum()), total + w.numel(), n + 1
+            exact += int(torch.equal(q, w))
+            exact_pow2 += int(torch.equal(fake_quant(w, pow2), w))
+    assert (kept, total, exact, exact_pow2, n) == (128628, 786432, 1, 34, 34)
