@@ -186,7 +186,7 @@ def render(entries: dict[str, dict]) -> str:
     parts = [f"{n} **{e['value']:.2f}** ({rel(e['value'], f)}, `{e['recipe']}`)"
              for n, e in entries.items() if n != "float" and e["ci"]]
     return (f"{BEGIN}\nOn `assets/tiny-v4` (the first {REPORTED_WINDOWS} x 256 windows of the shipped test split; "
-            f"defaults chosen on the disjoint dev windows {DEV_FIRST_WINDOW}-{DEV_FIRST_WINDOW + REPORTED_WINDOWS - 1}) "
+            f"defaults chosen on the whole split or the disjoint dev windows {DEV_FIRST_WINDOW}-{DEV_FIRST_WINDOW + REPORTED_WINDOWS - 1}, never these) "
             f"the float PPL is **{f:.3f}** and the default recipes give " + ", ".join(parts) +
             " (`benchmarks/quality/headlines.json`, each rerun by `tests/test_quality_headlines.py` within "
             f"{_sci(TOLERANCE)} relative on the CPU class that recorded it, {_sci(CROSS_CPU_TOLERANCE)} on another; "

@@ -35,11 +35,11 @@ def _speed_rows() -> list[list[str]]:
 
 def _recorded(folder: str, tag: str) -> dict:
     """capture + solve, layer and device peak of run ``tag`` in ``benchmarks/gpu/<folder>``."""
-    if folder.startswith("h200_2026-12-04_blockround/"):
+    if "_blockround/" in folder:
         speed = load_script("benchmarks/scripts/block_rounding_speed.py")
-        r = speed.load(tag, folder.split("/", 1)[1])
+        r = speed.load(tag, *folder.split("/", 1))
         return {"capture_solve": r["capture_solve_s"], "layer": r["layer_s"], "device": r["device_gib"],
-                "n": 1, "algo": r["algo"]}
+                "n": 1, "algo": r["algo"], "scheme": r["scheme"]}
     (row,) = [r for r in json.loads((BENCH / "gpu" / folder / "issue24.json").read_text())["rows"] if r["tag"] == tag]
     if row["source"] == "llm-compressor":      # its oneshot is its capture and solve at once
         return {"capture_solve": row["oneshot_s"]["median"], "layer": row["layer_s"]["median"],
@@ -60,12 +60,12 @@ def _ran_algo(label: str) -> str | None:
 
 def test_every_speed_row_is_its_run_record():
     rows = _speed_rows()
-    assert len(rows) == 13
+    assert len(rows) == 15
     for recipe, what, cs, layer, dev, date, run in rows:
         m = re.fullmatch(r"`([^`]+)` (\S+)", run)
         assert m, run
         folder, tag = m.groups()
-        assert folder.startswith(f"h200_{date}"), (run, date)        # the date is the run folder's
+        assert re.match(rf"h[12]00_{date}", folder), (run, date)        # the date is the run folder's
         rec = _recorded(folder, tag)
         assert (cs, layer, dev) == (f"{rec['capture_solve']:.1f}", f"{rec['layer']:.1f}", f"{rec['device']:.1f}"), run
         assert ("median of 3" in recipe) == (rec["n"] == 3), run
@@ -80,18 +80,21 @@ def test_every_speed_row_is_its_run_record():
 
 
 def test_the_w4a16_g128_default_has_one_answer():
-    """§2 gives one figure for w4a16-g128's default: the row of today's recipe, and the prose
-    names the other two figures of the log as other code (60.4) and another recipe (39.5)."""
+    """§2 gives one figure for w4a16-g128's default: the row of today's recipe (block-wise rounding
+    since issue 34), and the prose names the replaced recipe's figure (46.6) and the log's other two
+    as other code (60.4) and another recipe (39.5)."""
     from amct_ext.algorithms.recipe import named_recipe
 
     algo, prop = named_recipe("w4a16-g128", "default")
     (row,) = [r for r in _speed_rows() if r[1] == "w4a16-g128 default"]
-    assert row[0] == f"`{algo}@{prop}`" and row[2] == "46.6"
+    assert row[0] == f"`{algo}@{prop}`" and row[2] == "75.3"
+    (replaced,) = [r for r in _speed_rows() if r[1] == "w4a16-g128 until 2026-12-06"]
+    assert replaced[2] == "46.6"
     old = _recorded("h200_2026-12-02/res", "def-w4a16-g128")
     w4a8 = _recorded("h200_2026-12-02/res", "def-w4a8")
     assert f"{old['capture_solve']:.1f}" == "60.4" and f"{w4a8['capture_solve']:.1f}" == "39.5"
     sec = _between(_results(), "## 2. Speed per layer", "## 3. ")
-    assert "**w4a16-g128's default has one answer: 46.6 s**" in sec
+    assert "**w4a16-g128's default has one answer: 75.3 s**" in sec
     assert sec.count("46.6") == 2 and sec.count("60.4") == 1 and sec.count("39.5") == 1
 
 

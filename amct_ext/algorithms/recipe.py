@@ -302,28 +302,32 @@ __all__ = ["Recipe", "RecipeError", "register", "known_algorithms", "algorithm_c
 
 
 # ----------------------------------------------------------------------------- defaults
-#: The default recipe and propagation of every built-in scheme. Two rules (issue 24):
+#: The default recipe and propagation of every built-in scheme. Two rules (issues 24 and 34):
 #: 1. it runs a real V4-Flash layer (128 x 2048 calibration tokens, one H200) within 60 s and the
-#:    host-memory bound, so it replays no stored call: `rtn`, `hclip`, `gptq` (sequential: one
-#:    re-run of the layer per later stage) and `gptq:sequential=false` work on the statistics the
-#:    capture accumulates (Needs(calls=False), RESULTS §0), measured as themselves;
-#: 2. among those, the best on the DEV split (windows 64-127 of the test file, never the reported
-#:    0-63; tiny-trained, 16 x 256 calibration, vLLM target set), the cheaper one within 0.1 %.
-#: The call-replaying recipes that were the defaults until then are each scheme's BEST_RECIPES
-#: (``--recipe best``); they are better on the reported windows by 0.1-2.1 % (RESULTS §3.1) and
-#: take minutes a layer at real size. Dev PPLs, 2026-12-01 / 02 (RESULTS §3.1 and its addenda):
+#:    host-memory bound, or within 90 s when it has a block stage (block-wise rounding: the grouped
+#:    experts and fused rounding kernels of issue 34, RESULTS' block-rounding section);
+#: 2. among those, the best on the whole test split (1487 windows, the mean over calibration seeds
+#:    0-2; the 64-window splits disagree by more than recipes differ, RESULTS §3.3), else on the DEV
+#:    split (windows 64-127, never the reported 0-63; tiny-trained, 16 x 256 calibration).
+#: The weight-only integer schemes run block-wise rounding at 100 steps with float16 offsets
+#: (BLOCKROUND_DEFAULT): ahead of Intel's auto-round 0.16.1 and of the statistics-path defaults they
+#: replace on the whole split (benchmarks/results/block-rounding.md, quality/blockround_default.json).
+#: Dev PPLs of the others, 2026-12-01 / 02 (log §3.1 and its addenda) beside their entries.
+#:
+#: BLOCKROUND_DEFAULT: block-wise SignRound over each whole decoder layer (BlockRounding), started from
+#: hclip's clips: 100 steps of batch 8 (lr 1/100, decayed), offsets in float16 (half the device memory;
+#: the kernels step in float32), the end state kept unless the start was better. 75 s capture + solve
+#: a V4-Flash layer on one H100 (97 s in a machine's first run), 48.9 GiB device peak.
+BLOCKROUND_DEFAULT = "hclip,blockround:keep_best=false:offset_dtype=float16:iters=100"
 DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
     "w8a8": ("rtn", "float"),                 # dev: RTN 244.295 (clip 244.277 within 0.1 %, replays calls)
-    # dev 244.567 < hclip:sweeps=2,gptq@float 244.751 < clip,gptq (best) 245.189 < hclip,gptq:sequential=false
-    # @quant 245.324 (the default until 2026-12-02e). 46.6 s a V4-Flash layer on the H200 (RESULTS §0.13;
-    # 60.4 s in §0.10, before the pinned capture and the Triton sweep)
-    "w4a16-g128": ("hclip:sweeps=2,gptq:sequential=false", "float"),
-    # dev 252.721 < hclip,gptq:sequential=false@quant 254.499 (the default until 2026-12-02) <
-    # hclip:sweeps=2 255.322; best autoround 250.248. 29.6 s a V4-Flash layer on the H200 (RESULTS §0.12)
-    "w3a16-g128": ("hclip,gptq", "quant"),
-    "w4a16": ("hclip,gptq:sequential=false", "float"),       # dev 244.708 < clip 246.525 (best, replays calls) < hclip 246.835
+    # until issue 34 w4a16-g128 ran hclip:sweeps=2,gptq:sequential=false@float (dev 244.567; 46.6 s a
+    # V4-Flash layer on the H200) and w3a16-g128 hclip,gptq@quant (dev 252.721; 29.6 s)
+    "w4a16-g128": (BLOCKROUND_DEFAULT, "quant"),
+    "w3a16-g128": (BLOCKROUND_DEFAULT, "quant"),
+    "w4a16": (BLOCKROUND_DEFAULT, "quant"),        # until issue 34: hclip,gptq:sequential=false@float (dev 244.708)
     "w4a8": ("hclip,gptq:sequential=false", "quant"),        # dev 245.972 < hclip:sweeps=2 @quant 246.575; best clip,gptq 246.834
-    "w2a16-g64": ("hclip:sweeps=2", "float"),                # dev 309.981 < hclip 311.831 < hclip,gptq 320.960; best clip 300.683
+    "w2a16-g64": (BLOCKROUND_DEFAULT, "quant"),    # until issue 34: hclip:sweeps=2@float (dev 309.981; windows 0-63 338.45)
     "fp8": ("gptq:sequential=false", "float"),               # dev 244.626 < hclip,gptq 245.150; best clip 244.473
     "mxfp8": ("gptq:sequential=false", "float"),             # dev (hclip is a no-op on MX) 244.080 = best clip,gptq@quant 244.077
     "mxfp4": ("rtn", "float"),                # dev: RTN 253.504 < gptq 253.885 < gptq@quant = clip,gptq@quant 254.673
@@ -345,14 +349,15 @@ BLOCKROUND_BEST = "hclip,blockround:keep_best=false"
 BEST_RECIPES: dict[str, tuple[str, str]] = {
     # block-wise SignRound over each whole decoder layer against the float model's output (auto-round's
     # own method, enable_quanted_input), started from hclip's clip; keep_best=false: no copy of the
-    # offsets for a best step (a real-size layer's memory). About 12 min a V4-Flash layer (RESULTS §0.14).
+    # offsets for a best step (a real-size layer's memory). 135.6 s capture + solve a V4-Flash layer on
+    # one H200 with float32 offsets, 65.3 GiB (RESULTS §2, run A32).
     # whole test split (1487 windows) against auto-round 0.16 on the same CPU / the recipe it replaces
     # (RESULTS §3.4); on the dev split within 0.1 % of the old best
     "w4a16-g128": (BLOCKROUND_BEST, "quant"),   # 303.895 vs 304.952 / clip,gptq@float 305.350
     "w3a16-g128": (BLOCKROUND_BEST, "quant"),   # 306.813 vs 309.318 / autoround@float 309.860
     "w4a16": (BLOCKROUND_BEST, "quant"),        # 304.592 vs 304.852 / clip,gptq@quant 305.661
     "w4a8": ("clip,gptq", "float"),           # test 274.443 (default 274.732)
-    "w2a16-g64": ("clip", "float"),           # test 331.480 (default 338.446)
+    "w2a16-g64": (BLOCKROUND_BEST, "quant"),    # the default's method at 200 steps (clip@float until issue 34)
     "fp8": ("clip", "float"),                 # dev 244.473 (default 244.626)
     "mxfp8": ("clip,gptq", "quant"),          # dev 244.077 (default 244.080)
 }

@@ -23,30 +23,35 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-RUNS = REPO / "benchmarks" / "gpu" / "h200_2026-12-04_blockround"
+GPU = REPO / "benchmarks" / "gpu"
 GIB = 2 ** 30
 BEGIN, END = "<!-- block-rounding-speed:begin -->", "<!-- block-rounding-speed:end -->"
-#: (tag, call folder, what it is)
+H200, H100 = "h200_2026-12-04_blockround", "h100_2026-12-06_blockround"
+#: (tag, card folder under benchmarks/gpu, call folder, what it is)
 RUN_ORDER = [
-    ("hbr200", "call1", "before: per-step SignSGD hook, float32 offsets"),
-    ("A32", "call2", "fused step, float32 offsets"),
-    ("B16", "call2", "fused step, float16 offsets"),
-    ("F150", "call3", "the default: float16 offsets, 150 steps"),
-    ("C16", "call2", "no hclip, 40 steps"),
-    ("P20", "call3", "V4-Pro layer, 20 steps"),
+    ("hbr200", H200, "call1", "H200; before: per-step SignSGD hook, float32 offsets"),
+    ("A32", H200, "call2", "H200; fused step, float32 offsets (`--recipe best`)"),
+    ("B16", H200, "call2", "H200; fused step, float16 offsets"),
+    ("F150", H200, "call3", "H200; float16 offsets, 150 steps"),
+    ("C16", H200, "call2", "H200; no hclip, 40 steps"),
+    ("P20", H200, "call3", "H200; V4-Pro layer, 20 steps"),
+    ("D100", H100, "call4", "H100; the default (float16 offsets, 100 steps), first run of the machine"),
+    ("D100b", H100, "call4", "H100; the default, second run (warm page cache and kernels)"),
+    ("D100w3", H100, "call4", "H100; the default at w3a16-g128, third run"),
 ]
 _STEPS = re.compile(r"blockround layer \d+: (\d+) steps, ([0-9.]+) s a step")
 _ALGO = re.compile(r"--algo (\S+)")
 _OOM = re.compile(r"OutOfMemoryError")
 
 
-def load(tag: str, call: str) -> dict:
-    folder = RUNS / call
+def load(tag: str, card: str, call: str) -> dict:
+    folder = GPU / card / call
     log = (folder / f"{tag}.log").read_text()
     rec = json.loads((folder / f"{tag}.json").read_text())
     steps = _STEPS.findall(log)
     out = {"tag": tag, "call": call, "algo": _ALGO.search(log).group(1),
            "model": "v4-pro" if "--model v4-pro" in log else "v4-flash",
+           "scheme": re.search(r"--scheme (\S+)", log).group(1),
            "steps": int(steps[-1][0]) if steps else 0, "step_s": float(steps[-1][1]) if steps else None,
            "oom": bool(_OOM.search(log))}
     if "ptq" not in rec:
@@ -64,7 +69,7 @@ def load(tag: str, call: str) -> dict:
 
 
 def rows() -> list[dict]:
-    return [load(tag, call) for tag, call, _ in RUN_ORDER]
+    return [load(tag, card, call) for tag, card, call, _ in RUN_ORDER]
 
 
 def fmt(x, spec=".1f", none="-") -> str:
@@ -72,19 +77,19 @@ def fmt(x, spec=".1f", none="-") -> str:
 
 
 def render(rs: list[dict]) -> str:
-    what = {tag: w for tag, _, w in RUN_ORDER}
-    head = ("| run | what | `--algo` (w4a16-g128, `--propagate quant`) | steps | s / step | step floor FLOPs / bytes | "
+    what = {tag: w for tag, _, _, w in RUN_ORDER}
+    head = ("| run | what | `--algo` (`--propagate quant`) | steps | s / step | step floor FLOPs / bytes | "
             "capture s | hclip s | block stage s | capture + solve s | write + propagate s | layer s | device peak GiB | "
             "host anon GiB |\n|" + " --- |" * 14)
     lines = [head]
     for r in rs:
         if "layer_s" not in r:
-            lines.append(f"| {r['tag']} ({r['call']}) | {what[r['tag']]} | `{r['algo']}` | {r['steps']} | - | - | "
+            lines.append(f"| {r['tag']} ({r['call']}) | {what[r['tag']]} | `{r['algo']}` ({r['scheme']}) | {r['steps']} | - | - | "
                          f"- | - | - | - | - | - | {'out of memory (139.8 GiB)' if r['oom'] else '-'} | - |")
             continue
         floors = (f"{r['flops_floor_s']:.3f} / {r['bytes_floor_s']:.3f}" if "flops_floor_s" in r else "-")
         lines.append(
-            f"| {r['tag']} ({r['call']}) | {what[r['tag']]} | `{r['algo']}` | {r['steps']} | {fmt(r['step_s'], '.3f')} | "
+            f"| {r['tag']} ({r['call']}) | {what[r['tag']]} | `{r['algo']}` ({r['scheme']}) | {r['steps']} | {fmt(r['step_s'], '.3f')} | "
             f"{floors} | {r['capture_s']:.1f} | {r['hclip_s']:.1f} | {r['block_s']:.1f} | {r['capture_solve_s']:.1f} | "
             f"{r['write_s'] + r['propagate_s']:.1f} | {r['layer_s']:.1f} | {r['device_gib']:.1f} | {r['host_anon_gib']:.1f} |")
     return "\n".join(lines)

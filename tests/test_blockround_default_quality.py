@@ -1,0 +1,67 @@
+"""Block-wise rounding as the weight-only default (issue 34, items 2-3): the record
+benchmarks/quality/blockround_default.json is today's default and `--recipe best`, it holds every
+seed of both sides on one protocol, the claims the results file makes follow from it, and the file
+carries the rendered table (benchmarks/scripts/blockround_default_quality.py)."""
+import json
+
+import pytest
+
+from amct_ext.algorithms.recipe import named_recipe, parse_algo
+from tests.conftest import REPO, load_script
+
+BENCH = REPO / "benchmarks"
+DOC = BENCH / "results" / "block-rounding.md"
+
+
+@pytest.fixture(scope="module")
+def q():
+    return load_script("benchmarks/scripts/blockround_default_quality.py")
+
+
+@pytest.fixture(scope="module")
+def rec(q):
+    return json.loads(q.RECORD.read_text())
+
+
+def _same(algo_a: str, algo_b: str) -> bool:
+    return parse_algo(algo_a).settings() == parse_algo(algo_b).settings()
+
+
+def test_record_measures_todays_default_and_best(q, rec):
+    for s in q.SCHEMES:
+        d_algo, d_prop = named_recipe(s, "default")
+        assert _same(d_algo, rec["recipes"]["ours100"]["algo"]) and d_prop == rec["recipes"]["ours100"]["propagate"], s
+        b_algo, b_prop = named_recipe(s, "best")
+        assert _same(b_algo, rec["recipes"]["best200"]["algo"]) and b_prop == rec["recipes"]["best200"]["propagate"], s
+    for r, spec in rec["recipes"].items():       # every folder ran the recipe the record names
+        want = json.loads(json.dumps(parse_algo(spec["algo"]).settings()))
+        for s in q.SCHEMES:
+            for seed, views in rec["cells"][s][r].items():
+                for v in views.values():
+                    assert v["recipe"] == want and v["seed"] == int(seed) and v["propagate"] == spec["propagate"]
+
+
+def test_every_seed_on_one_protocol(q, rec):
+    """Both sides at seeds 0-2, auto-round on one set of windows and one version, all 126 Linears."""
+    for s in q.SCHEMES:
+        c = rec["cells"][s]
+        assert sorted(c["ar"]) == ["0", "1", "2"], s
+        assert sorted(c["ours100"]) == ["0", "1", "2"] and all("all" in v for v in c["ours100"].values()), s
+        assert len({a["eval_windows_sha256"] for a in c["ar"].values()}) == 1
+        assert {a["versions"]["auto-round"] for a in c["ar"].values()} == {"0.16.1"}
+        assert all(a["quantized_modules"] == 126 for a in c["ar"].values())
+    shas = {a["eval_windows_sha256"] for s in q.SCHEMES for a in rec["cells"][s]["ar"].values()}
+    assert len(shas) == 1
+
+
+def test_claims(q, rec):
+    """The defaults at least as good as auto-round on the mean of the whole split; no default worse
+    than turn-3 main on windows 0-63 (seed 0, the reported headline's draw)."""
+    for s in q.SCHEMES:
+        c = rec["cells"][s]
+        assert q.mean(c["ours100"], "all") <= q.mean(c["ar"]), s
+        assert c["ours100"]["0"]["reported"]["ppl"] <= q.TURN3_LIMITS[s], s
+
+
+def test_results_file_carries_the_rendered_table(q, rec):
+    assert q.render(rec) in DOC.read_text(encoding="utf-8")
