@@ -81,7 +81,10 @@ class Headline:
 HEADLINES = (
     Headline("float", "w8a8", "float", True, "float"),
     Headline("w8a8", "w8a8", "quant", True, "float"),
-    Headline("w4a16-g128", "w4a16-g128", "quant", True),
+    # not rerun in CI since its default is block-wise rounding (issue 34): 100 sign steps have no
+    # record yet on the CPU classes CI may run on (casebook i34-7); quality_headlines.py --check
+    # reruns it, tests/test_blockround_default_quality.py pins its whole-split record
+    Headline("w4a16-g128", "w4a16-g128", "quant", False),
     Headline("w4a8", "w4a8", "quant", False),
     Headline("mxfp4", "mxfp4", "quant", False),
     Headline("w3a16-g128", "w3a16-g128", "quant", False),

@@ -112,16 +112,16 @@ def test_export_of_a_recipe_run_reads_back_its_ptq_ppl(tmp_path, texts, windows,
 
 
 def test_export_of_the_w4a16_g128_default_reads_back_its_ptq_ppl(tmp_path, texts, windows):
-    """w4a16-g128's default recipe (hclip's clips, then GPTQ's replaced weights on a fixed grid):
-    the compressed-tensors checkpoint computes the PTQ model. It is too close to float on this
-    layer for the PPL guard above (0.08 %), so what the export had to carry is checked in the
-    saved parameters instead: replaced weights with their fixed grid in every quantized leaf."""
+    """w4a16-g128's default recipe (hclip's clips, then block-wise rounding's learned offsets, saved
+    as codes on a fixed grid): the compressed-tensors checkpoint computes the PTQ model. What the
+    export had to carry is also checked in the saved parameters: replaced weights with their fixed
+    grid in every quantized leaf."""
     from amct_ext.algorithms.recipe import default_recipe, parse_algo, recipe_from_data
     from amct_ext.io.io_utils import safe_torch_load
     from amct_ext.pipeline.workflow import PARAMS_DIR
     from amct_ext.quant.schemes import load_scheme
 
-    recipe = [{"algo": "hclip", "sweeps": 2}, {"algo": "gptq", "sequential": False}]
+    recipe = [{"algo": "hclip"}, {"algo": "blockround", "keep_best": False, "offset_dtype": "float16", "iters": 100}]
     algo, _ = default_recipe(load_scheme("w4a16-g128"))
     assert recipe_from_data(recipe, "t").settings() == parse_algo(algo).settings()   # it is today's default
     run, ptq, _ = _run(tmp_path, texts, windows, "w4a16-g128", recipe)
