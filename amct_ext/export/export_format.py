@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from ..errors import ConfigError
@@ -21,7 +23,7 @@ from ..quant.schemes import spec_targets
 from . import ascend, compressed_tensors as ct
 
 
-class ExportFormat:
+class ExportFormat(ABC):
     """One export layout. ``name``: the --format / --export value; ``shard_stem`` and
     ``index_name``: the weight files; ``decodes_released``: FP8 / FP4 tensors left as released
     are written decoded to bf16 (else as stored, unless --dequantize-rest)."""
@@ -31,15 +33,15 @@ class ExportFormat:
     index_name = ""
     decodes_released = False
 
+    @abstractmethod
     def check_scheme(self, scheme: Any, targets: Sequence[str]) -> None:
         """Refuse (one line) a scheme / targets the format cannot describe."""
-        raise NotImplementedError
 
+    @abstractmethod
     def encode_weight(self, base: str, spec: Any, act: Any, exported: dict[str, torch.Tensor],
                       shape: tuple[int, ...]) -> tuple[dict[str, torch.Tensor], str | None]:
         """A quantized leaf's tensors (``exported``: ``WeightQuantizer.export``) and its type
         for the description (None: the float type)."""
-        raise NotImplementedError
 
     def released_tensor(self, key: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """A tensor copied as released, in the format's own storage (None in, None out: the
@@ -55,6 +57,7 @@ class ExportFormat:
         the target's lm_head with the draft)."""
         return False
 
+    @abstractmethod
     def write_description(self, out_dir: Path, src: dict[str, Any], cfg: Any, types: dict[str, str],
                           quantized_layers: Sequence[int], mtp_state: dict[str, str],
                           float_leaves: Sequence[str], n_layers: int, mx_weight_only: bool = False) -> list[str]:
@@ -62,7 +65,6 @@ class ExportFormat:
         entries of the exported config.json (``src``, edited in place). ``mx_weight_only``: the
         MX schemes' activation quantization dropped from the description (what vLLM's CUDA build
         serves; --mx-weight-only). Returns the targets made weight-only."""
-        raise NotImplementedError
 
     def released_quantization_config(self, released: Any, dequantize_rest: bool) -> Any:
         """What config.json keeps of the release's own storage description."""

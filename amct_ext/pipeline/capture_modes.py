@@ -17,6 +17,8 @@ alive at once over the layer, ``capture.CALL_METER``).
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,7 +94,7 @@ class LayerWork:
             self.write(unit, ph)
 
 
-class CaptureMode:
+class CaptureMode(ABC):
     """The interface (see the module docstring) and what both modes share: the capture store
     (its accounting is reported by both) and the call meter of the layer."""
 
@@ -118,8 +120,9 @@ class CaptureMode:
             self._capture()
             return observe_static(self.adapter, w.block, w.calib, w.idx)
 
+    @abstractmethod
     def _capture(self) -> None:
-        raise NotImplementedError
+        """Run the float layer once, feeding what the recipe needs to this mode's sinks."""
 
     def account(self, ph, memory) -> None:
         memory.capture_memory_peak_bytes = max(memory.capture_memory_peak_bytes,
@@ -137,8 +140,9 @@ class CaptureMode:
         if self.work.todo_units:
             self._solve(ph, settings)
 
+    @abstractmethod
     def _solve(self, ph, settings: SolveSettings) -> None:
-        raise NotImplementedError
+        """The unit recipe on the layer's todo units, from this mode's captures."""
 
     def close(self) -> None:
         for s in self.sinks.values():
