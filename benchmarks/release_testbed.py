@@ -127,7 +127,9 @@ def main(argv=None) -> int:
         for name in args.run.split(","):
             if name in data and not args.force:
                 continue
-            data[name] = run_cell(name)
+            cell = run_cell(name)
+            data = load()              # cells other queues finished meanwhile are kept
+            data[name] = cell
             save(data)
             print(f"{name}: {data[name]['ppl']:.4f} ({data[name]['wall_s']:.0f} s)", flush=True)
     if args.check:

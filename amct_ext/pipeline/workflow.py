@@ -529,7 +529,9 @@ class _PtqRun:
     stage: BlockStage
     settings: SolveSettings
     phases: Any
-    calib: Stream
+    # the embedded stream until the loop takes it (``take_stream``): held here for the whole
+    # run it would keep a V4-Flash calibration set (8 GiB of host memory) alive (casebook i34-8)
+    calib: Stream | None
     memory: MemoryStats
     result: PtqResult
     t0: float
@@ -578,6 +580,14 @@ class _PtqRun:
                    [*range(first, layers.stop), *mtp_ids], mtp_ids, unit_recipe.needs(), stage, settings, ph, calib,
                    MemoryStats(device=str(dev), peak_memory_bytes=0, hidden_bytes=calib.nbytes),
                    PtqResult(params_dir=str(pdir)), t0, resume)
+
+    def take_stream(self) -> Stream:
+        """The embedded calibration stream, handed to the loop once: the run keeps no reference,
+        so each layer's inputs are freed as soon as the next layer's exist."""
+        calib, self.calib = self.calib, None
+        if calib is None:
+            raise RuntimeError("_PtqRun.take_stream: the stream was already taken")
+        return calib
 
     def build(self, i: int) -> nn.Module:
         """Layer ``i`` built where it runs (decoded there, never staged in host memory: the float
@@ -647,7 +657,8 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
     recipe ends with a block-level algorithm; the units are written; the next layer's inputs are
     the float layer's output (propagate float) or the solved layer's (quant)."""
     run = _PtqRun.start(adapter, spec, output_dir, layers, calib_windows, runtime, part, mtp)
-    ph, calib, stage = run.phases, run.calib, run.stage
+    ph, stage = run.phases, run.stage
+    calib = run.take_stream()
     for i in _tqdm(run.layer_ids, desc="ptq layers", disable=not adapter.run.progress):
         if i in run.mtp_ids:   # the MTP layer: h_i of the last layer with embed(t_{i+1}) (issue 23.6)
             stage.enter_mtp(adapter, i, calib)
@@ -677,6 +688,7 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
         if run.spec.propagate == "quant":
             run.propagate_quantized(work)
         calib = Stream(work.next_hidden, calib.state)
+        del work, mode        # this layer's inputs (work.calib) go now, not after the next build
         with ph.phase("release", layer=i):
             adapter.release_block(block)
     return run.finish()
