@@ -121,6 +121,8 @@ def default_summary(rs: list[dict]) -> dict:
         return {"median": statistics.median(v), "min": v[0], "max": v[-1], "n": len(v)}
 
     return {"warm_capture_solve_s": stat(DEFAULT_WARM_RUNS, "capture_solve_s"),
+            "warm_layer_s": stat(DEFAULT_WARM_RUNS, "layer_s"),
+            "warm_device_gib": stat(DEFAULT_WARM_RUNS, "device_gib"),
             "first_capture_solve_s": stat(DEFAULT_FIRST_RUNS, "capture_solve_s"),
             "step_s": stat(DEFAULT_WARM_RUNS + DEFAULT_FIRST_RUNS, "step_s")}
 
