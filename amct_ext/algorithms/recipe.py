@@ -318,7 +318,7 @@ __all__ = ["Recipe", "RecipeError", "register", "known_algorithms", "algorithm_c
 #: BLOCKROUND_DEFAULT: block-wise SignRound over each whole decoder layer (BlockRounding), started from
 #: hclip's clips: 100 steps of batch 8 (lr 1/100, decayed), offsets in float16 (half the device memory;
 #: the kernels step in float32), the end state kept unless the start was better. 73 s capture + solve
-#: a V4-Flash layer on one H100 (median of 4 warm runs; 92 s in a machine's first run), 48.9 GiB device
+#: a V4-Flash layer on one H100 (median of 5 warm runs; 88 s in a machine's first run), 48.9 GiB device
 #: peak; 83 s at w4a8 (its activation fake-quant in every step).
 BLOCKROUND_DEFAULT = "hclip,blockround:keep_best=false:offset_dtype=float16:iters=100"
 DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
@@ -331,7 +331,7 @@ DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
     # until 2026-12-06 hclip,gptq:sequential=false@quant (dev 245.972; 24.6 s a V4-Flash layer). Block-wise
     # rounding: whole split mean of seeds 0-2 304.87 against 306.56 (quality/w4a8_default.json), and
     # on the release testbed (issue 35) 303.32 against 306.06 whole split, 245.33 against 247.84 on its dev
-    # split; 83.0 s capture + solve a V4-Flash layer (H100, warm; benchmarks/results/block-rounding.md)
+    # split; 82.8 s capture + solve a V4-Flash layer (H100, median of 2 warm runs; benchmarks/results/block-rounding.md)
     "w4a8": (BLOCKROUND_DEFAULT, "quant"),
     "w2a16-g64": (BLOCKROUND_DEFAULT, "quant"),    # until issue 34: hclip:sweeps=2@float (dev 309.981; windows 0-63 338.45)
     "fp8": ("gptq:sequential=false", "float"),               # dev 244.626 < hclip,gptq 245.150; best clip 244.473
