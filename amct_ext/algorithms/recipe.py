@@ -331,7 +331,8 @@ DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
     # until 2026-12-06 hclip,gptq:sequential=false@quant (dev 245.972; 24.6 s a V4-Flash layer). Block-wise
     # rounding: whole split mean of seeds 0-2 304.87 against 306.56 (quality/w4a8_default.json), and
     # on the release testbed (issue 35) 303.99 against 305.88 whole split (mean of seeds), 245.33 against
-    # 247.84 on its dev split; 82.8 s capture + solve a V4-Flash layer (H100, median of 2 warm runs; benchmarks/results/block-rounding.md)
+    # 247.84 on its dev split; 82.8 s capture + solve a V4-Flash layer (H100, median of 2 warm runs;
+    # benchmarks/results/block-rounding.md)
     "w4a8": (BLOCKROUND_DEFAULT, "quant"),
     "w2a16-g64": (BLOCKROUND_DEFAULT, "quant"),    # until issue 34: hclip:sweeps=2@float (dev 309.981; windows 0-63 338.45)
     "fp8": ("gptq:sequential=false", "float"),               # dev 244.626 < hclip,gptq 245.150; best clip 244.473
