@@ -24,10 +24,20 @@ def rec(q):
     return json.loads(q.RECORD.read_text())
 
 
-def test_the_record_measures_todays_default(rec):
-    algo, prop = named_recipe("w4a8", "default")
-    new = rec["recipes"][NEW]
-    assert parse_algo(new["algo"]).settings() == parse_algo(algo).settings() and new["propagate"] == prop
+BEST = "block-wise rounding, 200 steps (`--recipe best` since 2026-12-06)"
+OLD_BEST = "clip,gptq (`--recipe best` until 2026-12-06)"
+
+
+def test_the_record_measures_todays_default_and_best(rec):
+    for name, label in (("default", NEW), ("best", BEST)):
+        algo, prop = named_recipe("w4a8", name)
+        got = rec["recipes"][label]
+        assert parse_algo(got["algo"]).settings() == parse_algo(algo).settings() and got["propagate"] == prop, name
+
+
+def test_best_is_ahead_of_the_recipes_it_replaced(rec):
+    bf16 = rec["cells"]["tiny-trained"]      # seed 0, whole split
+    assert bf16[BEST]["0"]["ppl"] < min(bf16[OLD_BEST]["0"]["ppl"], bf16[NEW]["0"]["ppl"])
 
 
 def test_the_choice_follows_from_the_record(q, rec):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""w4a8's default, block-wise rounding against the statistics-path recipe it replaced: the whole
+"""w4a8's default and `--recipe best`, block-wise rounding against the recipes they replaced: the whole
 Wikitext-2 test split (1487 windows of 256 tokens) at calibration seeds 0, 1, 2 and the dev windows
 64-127 (seed 0), on the bf16 trained tiny (`tiny-trained`) and on the release-format one
 (`tiny-trained-release`, issue 35), one CPU class, one thread.
@@ -12,7 +12,8 @@ RUNS_DIR holds one folder per run: ``<prefix>-w4a8-s<seed>`` (``tools/run_ptq.py
 w4a8 --algo A --propagate quant --eval-windows 1487 --ppl-modes '' --threads 1 --seed SEED``) and
 ``...-s0-d64``, a copy of seed 0's folder resumed with ``--eval-windows 64 --eval-first-window 64``
 (the resume solves nothing: one quantized model, two views). Prefixes: ``br`` / ``def`` (bf16 tiny,
-block-wise rounding / the old default), ``relbr`` / ``reldef`` (the release tiny).
+block-wise rounding / the old default), ``best200`` / ``oldbest`` (today's and the old ``--recipe best``),
+``relbr`` / ``reldef`` / ... (the release tiny).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ RECORD = REPO / "benchmarks" / "quality" / "w4a8_default.json"
 RECIPES = {
     "block-wise rounding (default since 2026-12-06)": ("br", "relbr", "hclip,blockround:keep_best=false:offset_dtype=float16:iters=100", "quant"),
     "statistics path (default until 2026-12-06)": ("def", "reldef", "hclip,gptq:sequential=false", "quant"),
+    "block-wise rounding, 200 steps (`--recipe best` since 2026-12-06)": ("best200", "relbest200", "hclip,blockround:keep_best=false", "quant"),
+    "clip,gptq (`--recipe best` until 2026-12-06)": ("oldbest", "reloldbest", "clip,gptq", "float"),
 }
 MODELS = {"tiny-trained": 0, "tiny-trained-release": 1}   # model -> index of its prefix above
 SEEDS = (0, 1, 2)
@@ -82,6 +85,8 @@ def render(rec: dict) -> str:
              "| --- | --- | --- | ---: | ---: |"]
     for model, by_label in rec["cells"].items():
         for label, got in by_label.items():
+            if not got:            # not run on this model
+                continue
             per = " / ".join("-" if str(s) not in got else f"{got[str(s)]['ppl']:.4f}" for s in SEEDS)
             m = whole_mean(got)
             dev = got.get("dev", {}).get("ppl")
