@@ -68,3 +68,11 @@ def test_claims(q, rec):
 
 def test_results_file_carries_the_rendered_table(q, rec):
     assert q.render(rec) in DOC.read_text(encoding="utf-8")
+    assert q.render_before_after(rec) in DOC.read_text(encoding="utf-8")
+
+
+def test_no_changed_default_got_worse(q, rec):
+    """§3: the replaced defaults (main ba169f2, seed 0, whole split, same CPU) against today's."""
+    assert sorted(rec["before"]) == sorted(q.SCHEMES)
+    for s, b in rec["before"].items():
+        assert rec["cells"][s]["ours100"]["0"]["all"]["ppl"] < b["ppl"], s
