@@ -363,8 +363,8 @@ BEST_RECIPES: dict[str, tuple[str, str]] = {
     "w4a16-g128": (BLOCKROUND_BEST, "quant"),   # 303.895 vs 304.952 / clip,gptq@float 305.350
     "w3a16-g128": (BLOCKROUND_BEST, "quant"),   # 306.813 vs 309.318 / autoround@float 309.860
     "w4a16": (BLOCKROUND_BEST, "quant"),        # 304.592 vs 304.852 / clip,gptq@quant 305.661
-    # whole split, seed 0: 304.931 against clip,gptq@float's 306.549 (the best until 2026-12-06) and the
-    # default's 305.513 (quality/w4a8_default.json)
+    # whole split, mean of seeds 0-2: 304.70 against clip,gptq@float's 306.36 (the best until 2026-12-06)
+    # and the default's 304.87 (quality/w4a8_default.json; from the release it trails the default)
     "w4a8": (BLOCKROUND_BEST, "quant"),
     "w2a16-g64": (BLOCKROUND_BEST, "quant"),    # the default's method at 200 steps (clip@float until issue 34)
     "fp8": ("clip", "float"),                 # dev 244.473 (default 244.626)
