@@ -149,8 +149,6 @@ V4_KNOWN = {
     "amct_ext/export/ascend.py": {"w2"},                                  # export profiles (w2's TP row sums)
     "amct_ext/export/readback.py": {"attn-linear-all"},                   # targets: one declared target set
     "amct_ext/quant/schemes.py": {"attn-linear-all"},                     # targets: one declared target set
-    "amct_ext/io/checkpoint.py": {"mtp"},                                 # the reader's default skip prefix
-    "amct_ext/io/checkpoint_writer.py": {"mtp"},                          # shard groups of the release layout
     "amct_ext/pipeline/workflow.py": {"mtp"},                             # run_blockwise_ptq(mtp=...): the loop split
     "amct_ext/pipeline/job_runner.py": {"mtp"},                           # the report's and the export's MTP entries (from tools/run_ptq.py)
     "amct_ext/io/weights_digest.py": {"mtp"},                             # the digest's stem: keys outside layers.* / mtp.*
