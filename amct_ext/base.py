@@ -17,11 +17,12 @@ The model contract: everything the framework asks of a model, declared here and 
 
 - ``BaseModel``      the adapter of a running job: the abstract hooks above, the optional ones with
                      a default (``max_seq_len``, ``model_id``, ``mtp_layer_ids`` /
-                     ``mtp_block_inputs`` / ``mtp_logits``, ``layer_cost``, ``unit_device``,
-                     ``block_sample_batch`` ...);
+                     ``mtp_block_inputs`` / ``mtp_logits``, ``extra_layers``, ``layer_cost``,
+                     ``unit_device``, ``block_sample_batch`` ...);
 - ``ModelBinding``   what the export, the job plan and the torchrun split need without an adapter
-                     (one per config.json ``model_type``), and the vocabulary a recipe may name
-                     before any model is built: ``smoothing_pairs``;
+                     (one per config.json ``model_type``; ``extra_layers`` / ``build_extra_layer``:
+                     the extra (draft) layers the export groups and quantizes), and the vocabulary
+                     a recipe may name before any model is built: ``smoothing_pairs``;
 - ``PtqUnit``        (pipeline/ptq_units.py) a solvable piece of a layer; its module may offer
                      ``SmoothableUnit`` (smoothing pairs) and ``GatedProjections`` (a gated MLP's
                      gate / up / down projections by role: routed experts are stacked by role,
@@ -172,6 +173,10 @@ class ModelBinding(abc.ABC):
     #: the smoothing pairs its units offer (``SmoothableUnit.smoothing_subgraphs``), by name: what
     #: ``--algo awq:pairs=A+B`` may name, checked when the recipe is parsed
     smoothing_pairs: tuple[str, ...] = ()
+    #: the name of the model's extra layers after the decoder layers (draft / multi-token-prediction
+    #: layers, layer ids n_layers + j): their checkpoint keys are ``{name}.{j}.*`` and the export's
+    #: metadata and reports describe them under this name; '' = the model has none
+    extra_layers: str = ""
 
     @abc.abstractmethod
     def check_config(self, model_path: str | os.PathLike) -> None:
@@ -187,15 +192,6 @@ class ModelBinding(abc.ABC):
         """Decoder layer ``layer_idx`` with its weights read by ``reader`` (a CheckpointReader)."""
 
     @abc.abstractmethod
-    def empty_layer(self, config: Any, layer_id: int, dtype: torch.dtype | None = None) -> nn.Module:
-        """A layer skeleton on the meta device (``layer_id`` past the decoder layers: an extra
-        block such as an MTP layer)."""
-
-    @abc.abstractmethod
-    def materialize_derived_buffers(self, block: nn.Module, device: torch.device) -> None:
-        """Fill the buffers a layer computes rather than loads (rope tables) after loading."""
-
-    @abc.abstractmethod
     def quantize_block(self, block: nn.Module, scheme: Any, targets: Sequence[str]) -> nn.Module:
         """Wrap the layer for ``scheme`` / ``targets`` (as the adapter's ``quantize_block``)."""
 
@@ -207,6 +203,14 @@ class ModelBinding(abc.ABC):
     def quantized_weights(self, block: nn.Module) -> dict[str, nn.Module]:
         """checkpoint weight name (relative to the block) -> the quantized leaf that holds it,
         for every leaf whose weight is quantized (what the export encodes)."""
+
+    def build_extra_layer(self, reader: Any, config: Any, j: int, dtype: torch.dtype,
+                          device: torch.device) -> nn.Module | None:
+        """Extra layer ``j`` (``{extra_layers}.{j}.*``) built as a decoder block (layer id
+        n_layers + j) with its weights, for the export to quantize; None when the checkpoint does
+        not hold it as a whole block (the export then copies its tensors as they are). Default:
+        None (no extra layer is ever quantized)."""
+        return None
 
     def plan_spec(self) -> Any:
         """The model's answers to the job plan (``amct_ext.pipeline.job.ModelPlanSpec``: config,
@@ -449,6 +453,9 @@ class BaseModel(abc.ABC):
     #: the checkpoint reader (``io.checkpoint.CheckpointReader``) of an adapter that reads a
     #: safetensors checkpoint; the resume guard hashes the weights its index names
     reader: Any = None
+    #: the name of the model's extra layers (``ModelBinding.extra_layers``: checkpoint keys
+    #: ``{name}.{j}.*``, the report's entry); '' = none
+    extra_layers: str = ""
 
     @property
     def max_seq_len(self) -> int | None:

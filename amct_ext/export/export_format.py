@@ -9,6 +9,7 @@ The tensor encodings themselves stay plain functions in ``compressed_tensors.py`
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -92,7 +93,8 @@ class CompressedTensors(ExportFormat):
         float_layers = [i for i in range(n_layers) if i not in quantized_layers]
         float_layers += [n_layers + int(g.split(".")[1]) for g, how in mtp_state.items() if how == "copied"]
         qc = ct.quantization_config(cfg.scheme, cfg.targets, float_layers)
-        qc["ignore"] += [rf"re:.*mtp\.{g.split('.')[1]}\..*" for g, how in mtp_state.items() if how == "copied"]
+        # an extra (draft) layer copied as released: every module under its group (``mtp.0``)
+        qc["ignore"] += [rf"re:.*{re.escape(g)}\..*" for g, how in mtp_state.items() if how == "copied"]
         qc["ignore"] += ct.leaf_ignore_patterns(float_leaves)
         weight_only = ct.drop_mx_inputs(qc) if mx_weight_only else []
         src["quantization_config"] = qc

@@ -17,6 +17,8 @@ class V4Binding(ModelBinding):
     model_type = "deepseek_v4"
     #: the pairs of QuantV4Attention / QuantV4Expert.smoothing_subgraphs (quant_module.py)
     smoothing_pairs = ("attn_norm", "q_norm", "wo_a", "w3")
+    #: the MTP layers ``mtp.{j}.*`` (mtp.py)
+    extra_layers = "mtp"
 
     def check_config(self, model_path) -> None:
         from .adapter import check_config_fields
@@ -35,15 +37,10 @@ class V4Binding(ModelBinding):
         block, _ = load_block(reader, config, layer_idx, dtype, device, pack_experts=False)
         return block
 
-    def empty_layer(self, config, layer_id: int, dtype: torch.dtype | None = None) -> nn.Module:
-        from .loading import empty_block
+    def build_extra_layer(self, reader, config, j: int, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
+        from .mtp import load_complete_mtp_block
 
-        return empty_block(config, layer_id) if dtype is None else empty_block(config, layer_id, dtype)
-
-    def materialize_derived_buffers(self, block: nn.Module, device: torch.device) -> None:
-        from .loading import materialize_derived_buffers
-
-        materialize_derived_buffers(block, device)
+        return load_complete_mtp_block(reader, config, j, dtype, device)
 
     def quantize_block(self, block: nn.Module, scheme, targets: Sequence[str]) -> nn.Module:
         from . import quant_module
