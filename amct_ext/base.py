@@ -22,7 +22,8 @@ The model contract: everything the framework asks of a model, declared here and 
 - ``ModelBinding``   what the export, the job plan and the torchrun split need without an adapter
                      (one per config.json ``model_type``; ``extra_layers`` / ``build_extra_layer``:
                      the extra (draft) layers the export groups and quantizes), and the vocabulary
-                     a recipe may name before any model is built: ``smoothing_pairs``;
+                     a recipe may name before any model is built: ``smoothing_pairs``,
+                     ``wider_targets``;
 - ``PtqUnit``        (pipeline/ptq_units.py) a solvable piece of a layer; its module may offer
                      ``SmoothableUnit`` (smoothing pairs) and ``GatedProjections`` (a gated MLP's
                      gate / up / down projections by role: routed experts are stacked by role,
@@ -177,6 +178,21 @@ class ModelBinding(abc.ABC):
     #: layers, layer ids n_layers + j): their checkpoint keys are ``{name}.{j}.*`` and the export's
     #: metadata and reports describe them under this name; '' = the model has none
     extra_layers: str = ""
+    #: role -> name of its gated MLPs' projections (``GatedProjections.PROJECTIONS`` of its units:
+    #: ``gate`` / ``up`` / ``down``), for the export, which works on leaf names: the down
+    #: projection's input dim is what tensor parallelism splits; {} = no gated MLP
+    gated_projections: dict[str, str] = {}
+    #: per linear target (``attn-linear``, ``moe``), the module names / ``re:`` patterns that select
+    #: its modules in a serving loader's names (the compressed-tensors config group's ``targets``;
+    #: they must match the checkpoint's flat names and the loaders' renamed ones alike)
+    module_patterns: dict[str, tuple[str, ...]] = {}
+    #: modules the export never quantizes (heads, router, a draft layer's projections), as
+    #: compressed-tensors ``ignore`` entries
+    unquantized_modules: tuple[str, ...] = ("lm_head",)
+    #: target names that select a wider module set than a linear target, with its specs: name ->
+    #: ``attn-linear`` / ``moe`` (``quant.schemes.register_wider_target``, on registration: a
+    #: recipe may name them before any model is built)
+    wider_targets: dict[str, str] = {}
 
     @abc.abstractmethod
     def check_config(self, model_path: str | os.PathLike) -> None:
@@ -248,6 +264,10 @@ def register_model_binding(binding: ModelBinding) -> ModelBinding:
     """Make ``binding`` the one for config.json files of its ``model_type``."""
     if not binding.model_type:
         raise TypeError(f"{type(binding).__name__}.model_type is empty")
+    from .quant.schemes import register_wider_target
+
+    for name, spec_key in binding.wider_targets.items():
+        register_wider_target(name, spec_key)
     _BINDINGS[binding.model_type] = binding
     return binding
 
@@ -271,11 +291,21 @@ class SmoothableUnit(Protocol):
 class GatedProjections(Protocol):
     """A gated MLP unit (``down(act(gate(x)) * up(x))``): ``PROJECTIONS`` maps the roles ``gate``,
     ``up``, ``down`` to its attribute (= checkpoint) names, ``projection(role)`` returns the
-    linear. Batched paths stack experts by role (``quant.quant_linear.QuantGatedMLP``)."""
+    linear. Batched paths stack experts by role (``quant.quant_linear.QuantGatedMLP``). Its
+    activation clamp (V4: ``swiglu_limit``, the per-channel ``up_limit``) is ``clamp_limit`` /
+    ``channel_clamp()`` / ``set_channel_clamp()``: smoothing the up rows into the down projection
+    scales it per channel."""
 
     PROJECTIONS: dict[str, str]
+    #: its own activation clamp, ``|up| <= clamp_limit`` (0: none)
+    clamp_limit: float
 
     def projection(self, role: str) -> nn.Module: ...
+
+    def channel_clamp(self) -> torch.Tensor | None:
+        """The per-channel clamp smoothing left after scaling the up rows (None: ``clamp_limit``)."""
+
+    def set_channel_clamp(self, limit: torch.Tensor | None) -> None: ...
 
 
 def model_binding(model_path: str | os.PathLike) -> ModelBinding:

@@ -144,12 +144,6 @@ V4_ONLY = re.compile(r"\b(wq_a|wq_b|wkv|wo_a|wo_b|attn_sink|compressor|shared_ex
 # in modules other helpers were reworking at the time (export, run folder, targets, the loop).
 V4_KNOWN = {
     "amct_ext/export/exporter.py": {"mtp"},                               # ExportReport.mtp: benchmarks/bench_export.py reads it
-    "amct_ext/export/export_format.py": {"tid2eid"},                      # serve-export (moved from exporter.py)
-    "amct_ext/export/compressed_tensors.py": {"shared_experts", "mtp"},   # serve-export (the ignore list)
-    "amct_ext/export/ascend.py": {"w2"},                                  # export profiles (w2's TP row sums)
-    "amct_ext/export/readback.py": {"attn-linear-all"},                   # targets: one declared target set
-    "amct_ext/quant/schemes.py": {"attn-linear-all"},                     # targets: one declared target set
-    "amct_ext/algorithms/smoothing.py": {"up_limit", "swiglu_limit"},     # batched AWQ reads the experts' limit
 }
 
 

@@ -57,7 +57,7 @@ def test_the_optional_hooks_have_defaults_a_model_without_them_gets():
     bare = Bare(RunConfig("some/ckpt", device="cpu", progress=False))
     assert bare.max_seq_len is None and bare.mtp_layer_ids() == [] and bare.layer_name(2) == "layers.2"
     assert bare.model_id() == {"name": "some/ckpt"}
-    assert bare.extra_layers == "" and ModelBinding.extra_layers == ""
+    assert bare.extra_layers == "" and ModelBinding.extra_layers == "" and ModelBinding.gated_projections == {}
     assert ModelBinding.build_extra_layer(None, None, None, 0, torch.float32, torch.device("cpu")) is None
 
 
@@ -82,6 +82,7 @@ def test_v4_fulfils_the_unit_hooks_and_declares_its_pairs(tiny_adapter):
                 roles = u.module.PROJECTIONS
                 assert set(roles) == {"gate", "up", "down"}
                 assert all(u.module.projection(r) is getattr(u.module, roles[r]) for r in roles)
+                assert roles == V4_BINDING.gated_projections     # the export's leaf names agree
         tiny_adapter.release_block(block)
     assert experts > 0
     # the names a recipe may give are exactly those the units offer

@@ -200,6 +200,8 @@ class _Exporter:
         self.float_leaves: set[str] = set()
         #: the key of the extra (draft) layers' states in the resume state and the metadata
         self.extra_key = self.model.extra_layers or "extra_layers"
+        #: the name of a gated MLP's down projection (ModelBinding.gated_projections)
+        self.down_name = self.model.gated_projections.get("down")
 
     # -------------------------------------------------------------- raw copies
     def _location(self, key: str) -> tuple[Path, str, list[int], int, int]:
@@ -283,7 +285,8 @@ class _Exporter:
                     continue
             with torch.no_grad():
                 d = leaf.weight_quantizer.export(w)
-                tensors, typ = self.fmt.encode_weight(base, spec, act, d, tuple(w.shape))
+                tensors, typ = self.fmt.encode_weight(base, spec, act, d, tuple(w.shape),
+                                                      base.rpartition(".")[2] == self.down_name)
             for k, v in tensors.items():
                 stream.add(k, v)
                 self.types[k] = typ or ascend.FLOAT
