@@ -21,13 +21,14 @@ The model contract: everything the framework asks of a model, declared here and 
                      ``unit_device``, ``block_sample_batch`` ...);
 - ``ModelBinding``   what the export, the job plan and the torchrun split need without an adapter
                      (one per config.json ``model_type``; ``extra_layers`` / ``build_extra_layer``:
-                     the extra (draft) layers the export groups and quantizes), and the vocabulary
-                     a recipe may name before any model is built: ``smoothing_pairs``,
-                     ``wider_targets``;
+                     the extra (draft) layers the export groups and quantizes; the export's leaf
+                     names: ``gated_projections``, ``module_patterns``, ``unquantized_modules``),
+                     and the vocabulary a recipe may name before any model is built:
+                     ``smoothing_pairs``, ``wider_targets``;
 - ``PtqUnit``        (pipeline/ptq_units.py) a solvable piece of a layer; its module may offer
                      ``SmoothableUnit`` (smoothing pairs) and ``GatedProjections`` (a gated MLP's
-                     gate / up / down projections by role: routed experts are stacked by role,
-                     never by the model's names);
+                     gate / up / down projections by role, and its activation clamp: routed
+                     experts are stacked by role, never by the model's names);
 - ``LayerPlacement`` (runtime/dispatch.py) how a sharded layer is spread over devices.
 
 Per-sample state channel
