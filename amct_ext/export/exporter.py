@@ -114,9 +114,9 @@ class ExportReport:
     groups_written: list[str] = field(default_factory=list)
     groups_resumed: list[str] = field(default_factory=list)
     quantized_layers: list[int] = field(default_factory=list)
-    #: the extra (draft) layers' states, "mtp.0: copied" (benchmarks/bench_export.py and
+    #: the extra (draft) layers' states, e.g. V4's "mtp.0: copied" (benchmarks/bench_export.py and
     #: the job report read the field by this name)
-    mtp: str = "absent"
+    extra_layers: str = "absent"
     bytes_read: int = 0
     bytes_written: int = 0
     seconds: float = 0.0
@@ -124,7 +124,7 @@ class ExportReport:
 
 
 #: the ExportReport fields a job report (report.json "export") keeps
-SUMMARY_FIELDS = ("out_dir", "format", "mtp", "seconds", "bytes_written")
+SUMMARY_FIELDS = ("out_dir", "format", "extra_layers", "seconds", "bytes_written")
 
 # ----------------------------------------------------------------------------- --from
 def _sha256(path: Path) -> str | None:
@@ -453,7 +453,7 @@ class _Exporter:
             float_leaves.update(extra.get("float_leaves", ()))
         self._write_side_files(qlayers, mtp_state, types, sorted(float_leaves))
         writer.finish()
-        report.mtp = ", ".join(f"{k}: {v}" for k, v in sorted(mtp_state.items())) or "absent"
+        report.extra_layers = ", ".join(f"{k}: {v}" for k, v in sorted(mtp_state.items())) or "absent"
         # every source byte is read at least once (layers through load_block, the rest raw);
         # shards of resumed groups were not read this time, which the count ignores
         shards = set(self.reader.weight_map.values())
