@@ -91,10 +91,6 @@ def test_results_13_quotes_the_served_run():
     served = [r for r in run["rows"] if "error" not in r]
     assert {r["cell"] for r in served} >= {"float", "w8a8__attn-linear", "w4a16-g128__attn-linear", "w4a8__attn-linear"}
     assert all(r["pass"] and abs(r["gap_pct"]) <= run["meta"]["tolerance_pct"] for r in served)
-    # RESULTS §6 quotes the rerun's gaps
-    gaps = {r["cell"].split("__")[0]: f"{r['gap_pct']:+.3f} %" for r in served}
-    quoted = f"float {gaps['float']}, w8a8 {gaps['w8a8']},\n  w4a16-g128 {gaps['w4a16-g128']}, all pass"
-    assert quoted in (REPO / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
 
 
 def test_install_never_asks_an_index_that_was_not_named(tmp_path, monkeypatch):
