@@ -68,6 +68,10 @@ def summarize(testbed: dict, raws: dict[str, dict]) -> dict:
             entry["cells"][scheme] = {"command": _command(raw["command"], scheme), "ppl": cell["ppl"], "vs_release_float_pct": _pct(cell["ppl"], release),
                                       "vs_peer_float_pct": _pct(cell["ppl"], f["ppl"]),
                                       "quantize_s": cell["quantize_s"]}
+            ours = testbed.get(f"{scheme}-default")   # the project's default on the same release, if run
+            if ours is not None:
+                entry["cells"][scheme]["ours_default"] = {"ppl": ours["ppl"],
+                                                          "vs_release_float_pct": _pct(ours["ppl"], release)}
         out["peers"][peer] = entry
     return out
 
@@ -80,6 +84,8 @@ def quotes(summary: dict) -> list[str]:
         for cell in entry["cells"].values():
             if "ppl" in cell:
                 want += [f"{cell['ppl']:.3f}", f"{cell['vs_release_float_pct']:+.2f} %"]
+                if "ours_default" in cell:
+                    want += [f"{cell['ours_default']['ppl']:.3f}", f"{cell['ours_default']['vs_release_float_pct']:+.2f} %"]
     return want
 
 
@@ -114,15 +120,19 @@ def render_md(summary: dict) -> str:
                   f"- Float check: transformers' DeepseekV4 on DEQ gives **{e['float']['ppl']:.3f}**, "
                   f"{e['float']['vs_release_float_pct']:+.5f} % from the release float "
                   f"(relative {e['float']['vs_release_float_pct'] / 100:.1e}).", "",
-                  "| scheme | PPL | vs release float | vs the peer's own float | quantize s |",
-                  "| --- | ---: | ---: | ---: | ---: |"]
+                  "| scheme | PPL | vs release float | vs the peer's own float | quantize s | ours (default), vs release float |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for scheme, c in e["cells"].items():
             if "ppl" not in c:
-                lines.append(f"| {scheme} | failed: {c['error'][:120]} | | | |")
+                lines.append(f"| {scheme} | failed: {c['error'][:120]} | | | | |")
                 continue
+            o = c.get("ours_default")
+            ours = f"{o['ppl']:.3f}, {o['vs_release_float_pct']:+.2f} %" if o else "not run"
             lines.append(f"| {scheme} | {c['ppl']:.3f} | {c['vs_release_float_pct']:+.2f} % | "
-                         f"{c['vs_peer_float_pct']:+.2f} % | {c['quantize_s']:.0f} |")
-        lines.append("")
+                         f"{c['vs_peer_float_pct']:+.2f} % | {c['quantize_s']:.0f} | {ours} |")
+        lines += ["", "`ours (default)` is the project's default recipe on the release itself "
+                  "(benchmarks/release_testbed.py's `SCHEME-default` cell, the same windows), for reading the "
+                  "peer's number beside it.", ""]
     if NOT_RUN:
         lines += ["## Not run", "", "On the dequantized release, not measured yet: " + "; ".join(NOT_RUN) + ".", ""]
     return "\n".join(lines) + "\n"
