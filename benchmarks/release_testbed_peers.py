@@ -30,7 +30,7 @@ RAW = {"auto-round": RESULTS / "release-testbed-peers-autoround.json"}
 # peers issue 35.2 names that have no cell here yet (listed on the page as not run)
 # `lscpu | grep 'Model name'` of the box the peer runs used (the raw JSON records only its class)
 MACHINE_MODEL = "AMD EPYC"
-NOT_RUN = ("auto-round w3a16-g128", "llm-compressor 0.14 GPTQ", "msModelSlim V4 W8A8 / W4A8 recipes")
+NOT_RUN = ("llm-compressor 0.14 GPTQ", "msModelSlim V4 W8A8 / W4A8 recipes")
 DEQUANTIZE = "python tools/dequantize_release.py --src assets/tiny-v4-release --out DEQ"
 
 
