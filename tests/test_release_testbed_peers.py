@@ -1,0 +1,58 @@
+"""benchmarks/results/release-testbed-peers.{json,md}: the summary is what
+benchmarks/release_testbed_peers.py computes from the peers' raw JSON and the testbed's release
+float, the markdown quotes its numbers, and the peers measured the project's evaluation windows."""
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from amct_ext.pipeline.perplexity import load_eval_text, tokenize_windows
+from tests.conftest import REPO, WIKI_TEST_RAW, load_script
+
+tool = load_script("benchmarks/release_testbed_peers.py", "release_testbed_peers")
+plc = load_script("benchmarks/peer_llmcompressor.py", "peer_llmcompressor")
+
+
+@pytest.fixture(scope="module")
+def summary():
+    return json.loads(tool.SUMMARY.read_text())
+
+
+def test_summary_is_recomputed_from_the_raw_json(summary):
+    again = tool.summarize(json.loads(tool.TESTBED.read_text()), tool.load_raws())
+    # a testbed cell of ours run after the summary was written may add an `ours_default` (rerun the
+    # script to quote it); one the summary quotes must still be the testbed's
+    for peer, entry in again["peers"].items():
+        for scheme, cell in entry["cells"].items():
+            if "ours_default" not in summary["peers"].get(peer, {}).get("cells", {}).get(scheme, {}):
+                cell.pop("ours_default", None)
+    assert again == summary
+    assert summary["peers"], "no peer result recorded"
+
+
+def test_markdown_quotes_the_summary(summary):
+    assert tool.check_md(tool.MD, summary) == []
+
+
+def test_a_changed_quote_is_caught(summary, tmp_path):
+    cell = next(c for e in summary["peers"].values() for c in e["cells"].values() if "ppl" in c)
+    quoted = f"{cell['ppl']:.3f}"
+    text = tool.MD.read_text()
+    assert quoted in text
+    bad = tmp_path / "x.md"
+    bad.write_text(text.replace(quoted, f"{cell['ppl'] + 0.01:.3f}"))
+    assert tool.check_md(bad, summary) == [quoted]
+
+
+def test_peers_ran_on_the_testbeds_windows_and_float(summary):
+    """The peers' windows are the testbed's (the whole test split, same cut), and transformers'
+    float PPL of the dequantized release reproduces the project's release float."""
+    testbed = json.loads(tool.TESTBED.read_text())["float"]["eval"]
+    tok = AutoTokenizer.from_pretrained(str(REPO / "assets" / "tiny-v4-release"))
+    windows = tokenize_windows(load_eval_text(WIKI_TEST_RAW), tok, testbed["seq_len"])
+    assert windows.shape[0] == testbed["windows"] == 1487 and testbed["first_window"] == 0
+    for peer, entry in summary["peers"].items():
+        assert entry["eval_windows"] == testbed["windows"], peer
+        assert entry["eval_windows_sha256"] == plc.digest(windows), peer
+        # measured 2026-12-06: see the .md; fp32 vs fp32 forwards agreeing to ~1e-5 in the logits
+        assert abs(entry["float"]["vs_release_float_pct"]) <= 1e-3, peer
