@@ -56,3 +56,18 @@ def test_peers_ran_on_the_testbeds_windows_and_float(summary):
         assert entry["eval_windows_sha256"] == plc.digest(windows), peer
         # measured 2026-12-06: see the .md; fp32 vs fp32 forwards agreeing to ~1e-5 in the logits
         assert abs(entry["float"]["vs_release_float_pct"]) <= 1e-3, peer
+
+
+def test_results_index_quotes_the_auto_round_cells():
+    """RESULTS §3.1 quotes auto-round's three cells from the summary and that each is behind our
+    default (the testbed's cells)."""
+    import json
+
+    from tests.conftest import REPO
+
+    peers = json.loads((REPO / "benchmarks" / "results" / "release-testbed-peers.json").read_text())
+    cells = peers["peers"]["auto-round"]["cells"]
+    order = ("w4a16-g128", "w4a16", "w3a16-g128")
+    quoted = " / ".join(f"{cells[s]['ppl']:.3f}" for s in order)
+    assert f"w4a16-g128 / w4a16 / w3a16-g128 = {quoted}, behind our defaults at each" in (REPO / "benchmarks" / "RESULTS.md").read_text()
+    assert all(cells[s]["ours_default"]["ppl"] < cells[s]["ppl"] for s in order)
