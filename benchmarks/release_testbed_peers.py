@@ -26,7 +26,8 @@ TESTBED = RESULTS / "release-testbed.json"
 SUMMARY = RESULTS / "release-testbed-peers.json"
 MD = RESULTS / "release-testbed-peers.md"
 # raw JSON of each peer script run on the dequantized release: peer label -> file
-RAW = {"auto-round": RESULTS / "release-testbed-peers-autoround.json"}
+RAW = {"auto-round": RESULTS / "release-testbed-peers-autoround.json",
+       "llm-compressor": RESULTS / "release-testbed-peers-llmcompressor.json"}
 # peers issue 35.2 names that have no cell here yet (listed on the page as not run)
 # `lscpu | grep 'Model name'` of the box the peer runs used (the raw JSON records only its class)
 MACHINE_MODEL = "AMD EPYC"
@@ -38,6 +39,18 @@ def _command(raw_command: str, scheme: str | None) -> str:
     """The peer script's recorded argv with the model folder named DEQ and, per cell, its scheme."""
     cmd = re.sub(r"--model \S+", "--model DEQ", "python benchmarks/" + raw_command.replace(str(REPO) + "/", ""))
     return cmd if scheme is None else re.sub(r"--schemes \S+", f"--schemes {scheme}", cmd)
+
+
+def _cell_key_and_scheme(key: str, cell: dict) -> tuple[str, str]:
+    """The summary's name of a raw cell and its scheme: auto-round keys cells by scheme,
+    peer_llmcompressor.py by ``scheme|algo`` (and records ``scheme``), shown as ``scheme algo``."""
+    scheme = cell.get("scheme", key.split("|")[0])
+    return key.replace("|", " "), scheme
+
+
+def _quantize_s(cell: dict) -> float:
+    """Wall time of the peer's quantization: auto-round's ``quantize_s``, llm-compressor's ``oneshot_s``."""
+    return cell["quantize_s"] if "quantize_s" in cell else cell["oneshot_s"]
 
 
 def _pct(ppl: float, ref: float) -> float:
@@ -61,16 +74,17 @@ def summarize(testbed: dict, raws: dict[str, dict]) -> dict:
                  "eval_windows_sha256": raw["protocol"]["eval_windows_sha256"],
                  "float": {"ppl": f["ppl"], "vs_release_float_pct": _pct(f["ppl"], release)},
                  "cells": {}}
-        for scheme, cell in raw["cells"].items():
+        for key, cell in raw["cells"].items():
+            name, scheme = _cell_key_and_scheme(key, cell)
             if "error" in cell:
-                entry["cells"][scheme] = {"error": cell["error"]}
+                entry["cells"][name] = {"error": cell["error"]}
                 continue
-            entry["cells"][scheme] = {"command": _command(raw["command"], scheme), "ppl": cell["ppl"], "vs_release_float_pct": _pct(cell["ppl"], release),
-                                      "vs_peer_float_pct": _pct(cell["ppl"], f["ppl"]),
-                                      "quantize_s": cell["quantize_s"]}
+            entry["cells"][name] = {"command": _command(raw["command"], scheme), "ppl": cell["ppl"], "vs_release_float_pct": _pct(cell["ppl"], release),
+                                    "vs_peer_float_pct": _pct(cell["ppl"], f["ppl"]),
+                                    "quantize_s": _quantize_s(cell)}
             ours = testbed.get(f"{scheme}-default")   # the project's default on the same release, if run
             if ours is not None:
-                entry["cells"][scheme]["ours_default"] = {"ppl": ours["ppl"],
+                entry["cells"][name]["ours_default"] = {"ppl": ours["ppl"],
                                                           "vs_release_float_pct": _pct(ours["ppl"], release)}
         out["peers"][peer] = entry
     return out
@@ -111,7 +125,9 @@ def render_md(summary: dict) -> str:
              f"**{rf['ppl']:.3f}** (`{rf['command']}`, [release-testbed.json](release-testbed.json)).", ""]
     for peer, e in summary["peers"].items():
         v = e["versions"]
-        lines += [f"## {peer} {v.get(peer, '')}", "",
+        # the versions record names the package as pip does ("llmcompressor" for llm-compressor)
+        version = v.get(peer, v.get(peer.replace("-", ""), ""))
+        lines += [f"## {peer} {version}", "",
                   f"- Command (last run; each cell's is in the JSON): `{e['command']}` (DEQ = the folder above).",
                   f"- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + f"; {e['machine'].get('description', e['machine'])}, lscpu {MACHINE_MODEL}; "
                   f"{e['date']}; fp32, CPU, one thread, shared with other jobs (times are not comparable).",
