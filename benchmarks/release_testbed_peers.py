@@ -35,9 +35,15 @@ NOT_RUN = ("auto-round w3a16-g128", "llm-compressor 0.14 GPTQ", "msModelSlim V4 
 DEQUANTIZE = "python tools/dequantize_release.py --src assets/tiny-v4-release --out DEQ"
 
 
-def _command(raw_command: str, scheme: str | None) -> str:
-    """The peer script's recorded argv with the model folder named DEQ and, per cell, its scheme."""
+def _command(raw_command: str, scheme: str | None, algo: str | None = None, json_path: Path | None = None) -> str:
+    """The peer script's recorded argv with the model folder named DEQ and, per cell, its scheme
+    (and algorithm, for a peer with several); ``--json`` names the committed raw file (a run split
+    over processes wrote parts elsewhere and merged them into it)."""
     cmd = re.sub(r"--model \S+", "--model DEQ", "python benchmarks/" + raw_command.replace(str(REPO) + "/", ""))
+    if json_path is not None:
+        cmd = re.sub(r"--json \S+", f"--json {json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path}", cmd)
+    if algo is not None:
+        cmd = re.sub(r"--algos \S+", f"--algos {algo}", cmd)
     return cmd if scheme is None else re.sub(r"--schemes \S+", f"--schemes {scheme}", cmd)
 
 
@@ -68,18 +74,19 @@ def summarize(testbed: dict, raws: dict[str, dict]) -> dict:
            "peers": {}}
     for peer, raw in raws.items():
         f = raw["float"]
-        entry = {"command": _command(raw["command"], None),
+        entry = {"command": _command(raw["command"], None, json_path=RAW.get(peer)),
                  "versions": raw["versions"], "date": raw["date"], "machine": raw["machine"],
                  "eval_windows": raw["protocol"]["eval_windows"],
                  "eval_windows_sha256": raw["protocol"]["eval_windows_sha256"],
                  "float": {"ppl": f["ppl"], "vs_release_float_pct": _pct(f["ppl"], release)},
+                 "processes": max(1, len(raw.get("commands", []))),
                  "cells": {}}
         for key, cell in raw["cells"].items():
             name, scheme = _cell_key_and_scheme(key, cell)
             if "error" in cell:
                 entry["cells"][name] = {"error": cell["error"]}
                 continue
-            entry["cells"][name] = {"command": _command(raw["command"], scheme), "ppl": cell["ppl"], "vs_release_float_pct": _pct(cell["ppl"], release),
+            entry["cells"][name] = {"command": _command(raw["command"], scheme, cell.get("algo"), RAW.get(peer)), "ppl": cell["ppl"], "vs_release_float_pct": _pct(cell["ppl"], release),
                                     "vs_peer_float_pct": _pct(cell["ppl"], f["ppl"]),
                                     "quantize_s": _quantize_s(cell)}
             ours = testbed.get(f"{scheme}-default")   # the project's default on the same release, if run
@@ -135,7 +142,10 @@ def render_md(summary: dict) -> str:
                   f"same sha256 `{e['eval_windows_sha256'][:16]}...`).",
                   f"- Float check: transformers' DeepseekV4 on DEQ gives **{e['float']['ppl']:.3f}**, "
                   f"{e['float']['vs_release_float_pct']:+.5f} % from the release float "
-                  f"(relative {e['float']['vs_release_float_pct'] / 100:.1e}).", "",
+                  f"(relative {e['float']['vs_release_float_pct'] / 100:.1e}).",
+                  *([f"- Run split over {e['processes']} processes (one per cell, `--threads 1` each), the float "
+                     "check made once and copied into the other parts, merged with the script's `--merge`."]
+                    if e.get("processes", 1) > 1 else []), "",
                   "| scheme | PPL | vs release float | vs the peer's own float | quantize s | ours (default), vs release float |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for scheme, c in e["cells"].items():

@@ -46,3 +46,16 @@ def test_page_heading_carries_the_pip_named_version():
                {"llmcompressor": "0.14.0.1"})
     md = tool.render_md(tool.summarize(TESTBED, {"llm-compressor": raw}))
     assert "## llm-compressor 0.14.0.1" in md
+
+
+def test_a_cells_command_names_its_algorithm_and_the_committed_raw_file():
+    raw = _raw("peer_llmcompressor.py --model /x/deq --schemes w4a16-g128 --algos gptq --json /tmp/part1.json",
+               {"w4a16-g128|gptq-default": {"scheme": "w4a16-g128", "algo": "gptq-default", "ppl": 205.0,
+                                            "oneshot_s": 1.0}}, {"llmcompressor": "0.14.0.1"})
+    raw["commands"] = [raw["command"], "peer_llmcompressor.py --algos gptq-default --json /tmp/part2.json"]
+    entry = tool.summarize(TESTBED, {"llm-compressor": raw})["peers"]["llm-compressor"]
+    committed = tool.RAW["llm-compressor"].relative_to(tool.REPO)
+    assert entry["cells"]["w4a16-g128 gptq-default"]["command"] == (
+        f"python benchmarks/peer_llmcompressor.py --model DEQ --schemes w4a16-g128 --algos gptq-default --json {committed}")
+    assert entry["processes"] == 2
+    assert "Run split over 2 processes" in tool.render_md(tool.summarize(TESTBED, {"llm-compressor": raw}))
