@@ -31,7 +31,16 @@ RAW = {"auto-round": RESULTS / "release-testbed-peers-autoround.json",
 # peers issue 35.2 names that have no cell here yet (listed on the page as not run)
 # `lscpu | grep 'Model name'` of the box the peer runs used (the raw JSON records only its class)
 MACHINE_MODEL = "AMD EPYC"
-NOT_RUN = ("auto-round w3a16-g128", "llm-compressor 0.14 GPTQ", "msModelSlim V4 W8A8 / W4A8 recipes")
+NOT_RUN = ("auto-round w3a16-g128", "msModelSlim V4 W8A8 / W4A8 recipes")
+# what a peer's cell names mean, said under its table
+NOTES = {"llm-compressor": (
+    "`gptq-default` is llm-compressor's GPTQModifier at its own defaults (block 128, dampening 0.01, "
+    "actorder static: recorded per cell as `gptq_knobs` in the raw JSON); `gptq` pins actorder to None "
+    "as the issue-13 table did (the project's GPTQ has no activation ordering). Both use the project's "
+    "scheme (w4a16-g128: asymmetric int4, groups of 128, min-max; w8a8: symmetric int8 per channel, "
+    "dynamic per-token int8 activations, which for routed experts is one scale per tensor: "
+    "casebook/peer-llm-compressor.md P5) on the project's targets; 16 x 256 calibration windows, seed 0, "
+    "all experts calibrated (llm-compressor's default).",)}
 DEQUANTIZE = "python tools/dequantize_release.py --src assets/tiny-v4-release --out DEQ"
 
 
@@ -156,7 +165,7 @@ def render_md(summary: dict) -> str:
             ours = f"{o['ppl']:.3f}, {o['vs_release_float_pct']:+.2f} %" if o else "not run"
             lines.append(f"| {scheme} | {c['ppl']:.3f} | {c['vs_release_float_pct']:+.2f} % | "
                          f"{c['vs_peer_float_pct']:+.2f} % | {c['quantize_s']:.0f} | {ours} |")
-        lines += ["", "`ours (default)` is the project's default recipe on the release itself "
+        lines += ["", *(x for n in NOTES.get(peer, ()) for x in (n, "")), "`ours (default)` is the project's default recipe on the release itself "
                   "(benchmarks/release_testbed.py's `SCHEME-default` cell, the same windows), for reading the "
                   "peer's number beside it.", ""]
     if NOT_RUN:
