@@ -17,15 +17,18 @@ The model contract: everything the framework asks of a model, declared here and 
 
 - ``BaseModel``      the adapter of a running job: the abstract hooks above, the optional ones with
                      a default (``max_seq_len``, ``model_id``, ``mtp_layer_ids`` /
-                     ``mtp_block_inputs`` / ``mtp_logits``, ``layer_cost``, ``unit_device``,
-                     ``block_sample_batch`` ...);
+                     ``mtp_block_inputs`` / ``mtp_logits``, ``extra_layers``, ``layer_cost``,
+                     ``unit_device``, ``block_sample_batch`` ...);
 - ``ModelBinding``   what the export, the job plan and the torchrun split need without an adapter
-                     (one per config.json ``model_type``), and the vocabulary a recipe may name
-                     before any model is built: ``smoothing_pairs``;
+                     (one per config.json ``model_type``; ``extra_layers`` / ``build_extra_layer``:
+                     the extra (draft) layers the export groups and quantizes; the export's leaf
+                     names: ``gated_projections``, ``module_patterns``, ``unquantized_modules``),
+                     and the vocabulary a recipe may name before any model is built:
+                     ``smoothing_pairs``, ``wider_targets``;
 - ``PtqUnit``        (pipeline/ptq_units.py) a solvable piece of a layer; its module may offer
                      ``SmoothableUnit`` (smoothing pairs) and ``GatedProjections`` (a gated MLP's
-                     gate / up / down projections by role: routed experts are stacked by role,
-                     never by the model's names);
+                     gate / up / down projections by role, and its activation clamp: routed
+                     experts are stacked by role, never by the model's names);
 - ``LayerPlacement`` (runtime/dispatch.py) how a sharded layer is spread over devices.
 
 Per-sample state channel
@@ -172,6 +175,25 @@ class ModelBinding(abc.ABC):
     #: the smoothing pairs its units offer (``SmoothableUnit.smoothing_subgraphs``), by name: what
     #: ``--algo awq:pairs=A+B`` may name, checked when the recipe is parsed
     smoothing_pairs: tuple[str, ...] = ()
+    #: the name of the model's extra layers after the decoder layers (draft / multi-token-prediction
+    #: layers, layer ids n_layers + j): their checkpoint keys are ``{name}.{j}.*`` and the export's
+    #: metadata and reports describe them under this name; '' = the model has none
+    extra_layers: str = ""
+    #: role -> name of its gated MLPs' projections (``GatedProjections.PROJECTIONS`` of its units:
+    #: ``gate`` / ``up`` / ``down``), for the export, which works on leaf names: the down
+    #: projection's input dim is what tensor parallelism splits; {} = no gated MLP
+    gated_projections: dict[str, str] = {}
+    #: per linear target (``attn-linear``, ``moe``), the module names / ``re:`` patterns that select
+    #: its modules in a serving loader's names (the compressed-tensors config group's ``targets``;
+    #: they must match the checkpoint's flat names and the loaders' renamed ones alike)
+    module_patterns: dict[str, tuple[str, ...]] = {}
+    #: modules the export never quantizes (heads, router, a draft layer's projections), as
+    #: compressed-tensors ``ignore`` entries
+    unquantized_modules: tuple[str, ...] = ("lm_head",)
+    #: target names that select a wider module set than a linear target, with its specs: name ->
+    #: ``attn-linear`` / ``moe`` (``quant.schemes.register_wider_target``, on registration: a
+    #: recipe may name them before any model is built)
+    wider_targets: dict[str, str] = {}
 
     @abc.abstractmethod
     def check_config(self, model_path: str | os.PathLike) -> None:
@@ -187,15 +209,6 @@ class ModelBinding(abc.ABC):
         """Decoder layer ``layer_idx`` with its weights read by ``reader`` (a CheckpointReader)."""
 
     @abc.abstractmethod
-    def empty_layer(self, config: Any, layer_id: int, dtype: torch.dtype | None = None) -> nn.Module:
-        """A layer skeleton on the meta device (``layer_id`` past the decoder layers: an extra
-        block such as an MTP layer)."""
-
-    @abc.abstractmethod
-    def materialize_derived_buffers(self, block: nn.Module, device: torch.device) -> None:
-        """Fill the buffers a layer computes rather than loads (rope tables) after loading."""
-
-    @abc.abstractmethod
     def quantize_block(self, block: nn.Module, scheme: Any, targets: Sequence[str]) -> nn.Module:
         """Wrap the layer for ``scheme`` / ``targets`` (as the adapter's ``quantize_block``)."""
 
@@ -207,6 +220,14 @@ class ModelBinding(abc.ABC):
     def quantized_weights(self, block: nn.Module) -> dict[str, nn.Module]:
         """checkpoint weight name (relative to the block) -> the quantized leaf that holds it,
         for every leaf whose weight is quantized (what the export encodes)."""
+
+    def build_extra_layer(self, reader: Any, config: Any, j: int, dtype: torch.dtype,
+                          device: torch.device) -> nn.Module | None:
+        """Extra layer ``j`` (``{extra_layers}.{j}.*``) built as a decoder block (layer id
+        n_layers + j) with its weights, for the export to quantize; None when the checkpoint does
+        not hold it as a whole block (the export then copies its tensors as they are). Default:
+        None (no extra layer is ever quantized)."""
+        return None
 
     def plan_spec(self) -> Any:
         """The model's answers to the job plan (``amct_ext.pipeline.job.ModelPlanSpec``: config,
@@ -244,6 +265,10 @@ def register_model_binding(binding: ModelBinding) -> ModelBinding:
     """Make ``binding`` the one for config.json files of its ``model_type``."""
     if not binding.model_type:
         raise TypeError(f"{type(binding).__name__}.model_type is empty")
+    from .quant.schemes import register_wider_target
+
+    for name, spec_key in binding.wider_targets.items():
+        register_wider_target(name, spec_key)
     _BINDINGS[binding.model_type] = binding
     return binding
 
@@ -267,11 +292,21 @@ class SmoothableUnit(Protocol):
 class GatedProjections(Protocol):
     """A gated MLP unit (``down(act(gate(x)) * up(x))``): ``PROJECTIONS`` maps the roles ``gate``,
     ``up``, ``down`` to its attribute (= checkpoint) names, ``projection(role)`` returns the
-    linear. Batched paths stack experts by role (``quant.quant_linear.QuantGatedMLP``)."""
+    linear. Batched paths stack experts by role (``quant.quant_linear.QuantGatedMLP``). Its
+    activation clamp (V4: ``swiglu_limit``, the per-channel ``up_limit``) is ``clamp_limit`` /
+    ``channel_clamp()`` / ``set_channel_clamp()``: smoothing the up rows into the down projection
+    scales it per channel."""
 
     PROJECTIONS: dict[str, str]
+    #: its own activation clamp, ``|up| <= clamp_limit`` (0: none)
+    clamp_limit: float
 
     def projection(self, role: str) -> nn.Module: ...
+
+    def channel_clamp(self) -> torch.Tensor | None:
+        """The per-channel clamp smoothing left after scaling the up rows (None: ``clamp_limit``)."""
+
+    def set_channel_clamp(self, limit: torch.Tensor | None) -> None: ...
 
 
 def model_binding(model_path: str | os.PathLike) -> ModelBinding:
@@ -449,6 +484,9 @@ class BaseModel(abc.ABC):
     #: the checkpoint reader (``io.checkpoint.CheckpointReader``) of an adapter that reads a
     #: safetensors checkpoint; the resume guard hashes the weights its index names
     reader: Any = None
+    #: the name of the model's extra layers (``ModelBinding.extra_layers``: checkpoint keys
+    #: ``{name}.{j}.*``, the report's entry); '' = none
+    extra_layers: str = ""
 
     @property
     def max_seq_len(self) -> int | None:

@@ -148,7 +148,7 @@ def run(args) -> dict:
         "model_path": str(model_path), "format": args.format, "scheme": args.scheme, "device": str(dev),
         "disk": bw, "largest_layer": layer,
         "export": {"seconds": wall, "bytes_read": rep.bytes_read, "bytes_written": rep.bytes_written,
-                   "groups": len(rep.groups_written), "mtp": rep.mtp},
+                   "groups": len(rep.groups_written), "extra_layers": rep.extra_layers},
         "io_floor_s": floor, "time_over_floor": wall / floor if floor > 0 else None,
         "host_rss": {"before_bytes": rss.base, "peak_bytes": rss.peak, "peak_delta_bytes": rss.peak - rss.base,
                      "delta_over_stored_layer": (rss.peak - rss.base) / layer["stored_bytes"],

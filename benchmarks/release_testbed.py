@@ -49,11 +49,15 @@ def cell_args(name: str) -> list[str]:
     return [*base, "--scheme", scheme, "--ppl-modes", "", *RECIPES[recipe]]
 
 
-def run_cell(name: str) -> dict:
+def run_cell(name: str, keep: Path | None = None) -> dict:
+    """Run cell ``name`` in a temporary folder, or in ``keep/<name>`` (kept: e.g. re-evaluated on
+    the dev windows afterwards by a resume with --eval-first-window 64)."""
     from amct_ext.runtime.host import cpu_class
 
     args = cell_args(name)
     with tempfile.TemporaryDirectory(prefix="release_testbed_") as tmp:
+        if keep is not None:
+            tmp = str(keep / name)
         cmd = [sys.executable, str(REPO / "tools" / "run_ptq.py"), *args, "--output-dir", tmp]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -78,6 +82,41 @@ def save(data: dict) -> None:
 
     RESULTS_JSON.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(data, RESULTS_JSON)
+
+
+DEV_JSON = REPO / "benchmarks" / "results" / "release-testbed-dev.json"
+DEV_VIEW = (64, 64)                  # (windows, first window): the dev split, windows 64-127
+
+
+def add_dev(label: str, folder: Path) -> dict:
+    """The dev-split PPL of one candidate recipe, read from a finished run folder of the release
+    tiny evaluated on windows 64-127 (a resume of a run with ``--eval-windows 64
+    --eval-first-window 64``); stored under ``<scheme>:<label>``."""
+    from amct_ext.algorithms.recipe import recipe_label
+    from amct_ext.runtime.host import cpu_class
+
+    rep_path = Path(folder) / "report.json"
+    if not rep_path.is_file():
+        raise SystemExit(f"error: --add-dev {label}={folder}: no report.json there")
+    rep = json.loads(rep_path.read_text())
+    view = (rep["eval"]["windows"], rep["eval"]["first_window"])
+    if rep["model"] != "tiny-trained-release" or view != DEV_VIEW:
+        raise SystemExit(f"error: --add-dev {label}={folder}: model {rep['model']}, windows {view}; "
+                         f"wanted tiny-trained-release on {DEV_VIEW}")
+    algo = recipe_label(rep["recipe"]["algorithms"]) + "@" + rep["recipe"]["propagate"]
+    return {"scheme": rep["scheme"], "label": label, "recipe": algo, "ppl": rep["ppl"]["quant"],
+            "seed": rep["calibration"]["seed"], "cpu": cpu_class()}
+
+
+def dev_table(dev: dict) -> str:
+    """Per scheme, the candidates on the release's dev split; the lowest is the release's choice."""
+    rows = ["| scheme | candidate | recipe | dev PPL (windows 64-127) | chosen |", "| --- | --- | --- | ---: | --- |"]
+    schemes = sorted({c["scheme"] for c in dev.values()}, key=lambda s: SCHEMES.index(s) if s in SCHEMES else 99)
+    for s in schemes:
+        cands = sorted((c for c in dev.values() if c["scheme"] == s), key=lambda c: c["ppl"])
+        for k, c in enumerate(cands):
+            rows.append(f"| {s} | {c['label']} | `{c['recipe']}` | {c['ppl']:.3f} | {'yes' if k == 0 else ''} |")
+    return "\n".join(rows)
 
 
 def table(data: dict) -> str:
@@ -105,6 +144,8 @@ def check_md(path: Path, data: dict) -> list[str]:
     problems = []
     if want not in text:
         problems.append(f"{path}: its table is not the one `--table` prints from {RESULTS_JSON.name}")
+    if DEV_JSON.is_file() and dev_table(json.loads(DEV_JSON.read_text())) not in text:
+        problems.append(f"{path}: its dev-split table is not the one `--table` prints from {DEV_JSON.name}")
     quoted = set(NUMBER.findall(text))
     known = {(f"{c['ppl']:.3f}", f"{100 * (c['ppl'] / data['float']['ppl'] - 1):+.2f}")
              for k, c in data.items() if k != "float"}
@@ -116,9 +157,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", default=None, help="comma list of cells to run (float, <scheme>-<default|rtn|best>)")
     ap.add_argument("--force", action="store_true", help="rerun cells already in the JSON")
+    ap.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                    help="run each cell in DIR/<cell> and keep the folder (default: a temporary folder)")
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--check", default=None, help="comma list of cells to rerun and compare")
     ap.add_argument("--check-md", default=None, help="markdown file whose table must be the JSON's")
+    ap.add_argument("--add-dev", default=None, metavar="LABEL=FOLDER[,LABEL=FOLDER]",
+                    help="record candidates' dev-split PPLs from run folders (release-testbed-dev.json)")
     args = ap.parse_args(argv)
     data = load()
     if args.run:
@@ -127,7 +172,7 @@ def main(argv=None) -> int:
         for name in args.run.split(","):
             if name in data and not args.force:
                 continue
-            cell = run_cell(name)
+            cell = run_cell(name, args.keep)
             data = load()              # cells other queues finished meanwhile are kept
             data[name] = cell
             save(data)
@@ -144,8 +189,21 @@ def main(argv=None) -> int:
             print(f"{name}: {got:.4f} vs recorded {rec['ppl']:.4f} ({rec['cpu']}) {'ok' if ok else 'DIFFERS'}")
         if bad:
             return 1
+    if args.add_dev:
+        from amct_ext.io.io_utils import atomic_write_json
+
+        dev = json.loads(DEV_JSON.read_text()) if DEV_JSON.is_file() else {}
+        for item in args.add_dev.split(","):
+            label, sep, folder = item.partition("=")
+            if not sep:
+                raise SystemExit(f"error: --add-dev {item!r}: expected LABEL=FOLDER")
+            c = add_dev(label, Path(folder))
+            dev[f"{c['scheme']}:{label}"] = c
+        atomic_write_json(dev, DEV_JSON)
     if args.table:
         print(table(data))
+        if DEV_JSON.is_file():
+            print("\n" + dev_table(json.loads(DEV_JSON.read_text())))
     if args.check_md:
         problems = check_md(Path(args.check_md), data)
         for p in problems:

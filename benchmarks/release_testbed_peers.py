@@ -31,7 +31,7 @@ RAW = {"auto-round": RESULTS / "release-testbed-peers-autoround.json",
 # peers issue 35.2 names that have no cell here yet (listed on the page as not run)
 # `lscpu | grep 'Model name'` of the box the peer runs used (the raw JSON records only its class)
 MACHINE_MODEL = "AMD EPYC"
-NOT_RUN = ("auto-round w3a16-g128", "msModelSlim V4 W8A8 / W4A8 recipes")
+NOT_RUN = ("msModelSlim V4 W8A8 / W4A8 recipes",)
 # what a peer's cell names mean, said under its table
 NOTES = {"llm-compressor": (
     "`gptq-default` is llm-compressor's GPTQModifier at its own defaults (block 128, dampening 0.01, "

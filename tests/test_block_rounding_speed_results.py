@@ -14,12 +14,15 @@ def test_results_quote_the_rendered_table():
     assert round(rows["B16"]["capture_s"] + rows["F150"]["hclip_s"] + rows["F150"]["block_s"], 1) == 91.4
     for r in rows.values():
         if "layer_s" in r and r["tag"] != "hbr200":
-            assert r["host_anon_gib"] < 12.3 + 16
+            # the runs before the stream-leak fix held one more 8-GiB stream (casebook i34-8)
+            leak = r["tag"] in speed.BEFORE_STREAM_FIX
+            assert (r["host_anon_gib"] > 12.3 + 16) == leak, r["tag"]
 
 
 def test_the_default_within_the_layer_budget():
-    """The default (100 steps, float16 offsets): capture + solve <= 90 s in a warm run (75.3 / 74.4 s),
-    96.5 s in the machine's first; device peak under 60 GiB; the step above its 0.35-s target."""
+    """The default (100 steps, float16 offsets): capture + solve <= 90 s in a warm run (median 72.7 s
+    of five at w4a16-g128, 74.4 s at w3a16-g128, 82.8 s of two at w4a8), 87.9 s (median of three) in a
+    machine's first (one of the three, 96.5 s, over); device peak under 60 GiB; the step above its 0.35-s target."""
     speed = load_script("benchmarks/scripts/block_rounding_speed.py")
     rows = {r["tag"]: r for r in speed.rows()}
     from amct_ext.algorithms.recipe import BLOCKROUND_DEFAULT
@@ -32,3 +35,13 @@ def test_the_default_within_the_layer_budget():
     assert round(rows["D100"]["capture_solve_s"], 1) == 96.5
     assert max(rows[t]["capture_solve_s"] for t in ("D100b", "D100w3")) <= 90 < rows["D100"]["capture_solve_s"]
     assert min(r["step_s"] for r in rows.values() if r.get("step_s")) > 0.35
+    for tag in ("E1", "E2", "E3", "E4", "E5", "E6", "W8BR", "W8BR2", "W8BR3"):
+        r = rows[tag]
+        assert r["algo"] == BLOCKROUND_DEFAULT and r["steps"] == 100 and r["device_gib"] < 60, tag
+    assert rows["W8BR2"]["scheme"] == "w4a8" and round(rows["W8BR2"]["capture_solve_s"], 1) == 83.0 <= 90
+    assert rows["NR"]["device_gib"] > 60 and rows["NR"]["step_s"] < min(rows[t]["step_s"] for t in ("E1", "E2"))
+    sm = speed.default_summary(list(rows.values()))
+    assert (sm["warm_capture_solve_s"]["n"], sm["first_capture_solve_s"]["n"], sm["step_s"]["n"]) == (5, 3, 8)
+    assert round(sm["warm_capture_solve_s"]["median"], 1) == 72.7 and round(sm["first_capture_solve_s"]["median"], 1) == 87.9
+    assert round(sm["step_s"]["median"], 3) == 0.508 and round(sm["w4a8_warm_capture_solve_s"]["median"], 1) == 82.8
+    assert sm["warm_capture_solve_s"]["max"] <= 90 and sm["first_capture_solve_s"]["median"] <= 90 < sm["first_capture_solve_s"]["max"]

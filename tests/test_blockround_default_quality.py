@@ -46,7 +46,8 @@ def test_every_seed_on_one_protocol(q, rec):
     for s in q.SCHEMES:
         c = rec["cells"][s]
         assert sorted(c["ar"]) == ["0", "1", "2"], s
-        assert sorted(c["ours100"]) == ["0", "1", "2"] and all("all" in v for v in c["ours100"].values()), s
+        for r in ("ours100", "best200"):
+            assert sorted(c[r]) == ["0", "1", "2"] and all("all" in v for v in c[r].values()), (s, r)
         assert len({a["eval_windows_sha256"] for a in c["ar"].values()}) == 1
         assert {a["versions"]["auto-round"] for a in c["ar"].values()} == {"0.16.1"}
         assert all(a["quantized_modules"] == 126 for a in c["ar"].values())
@@ -55,13 +56,23 @@ def test_every_seed_on_one_protocol(q, rec):
 
 
 def test_claims(q, rec):
-    """The defaults at least as good as auto-round on the mean of the whole split; no default worse
-    than turn-3 main on windows 0-63 (seed 0, the reported headline's draw)."""
+    """The defaults at least as good as auto-round on the mean of the whole split, `--recipe best`
+    ahead of it; no default worse than turn-3 main on windows 0-63 (seed 0, the reported headline's
+    draw)."""
     for s in q.SCHEMES:
         c = rec["cells"][s]
         assert q.mean(c["ours100"], "all") <= q.mean(c["ar"]), s
+        assert q.mean(c["best200"], "all") < q.mean(c["ar"]), s
         assert c["ours100"]["0"]["reported"]["ppl"] <= q.TURN3_LIMITS[s], s
 
 
 def test_results_file_carries_the_rendered_table(q, rec):
     assert q.render(rec) in DOC.read_text(encoding="utf-8")
+    assert q.render_before_after(rec) in DOC.read_text(encoding="utf-8")
+
+
+def test_no_changed_default_got_worse(q, rec):
+    """§3: the replaced defaults (main ba169f2, seed 0, whole split, same CPU) against today's."""
+    assert sorted(rec["before"]) == sorted(q.SCHEMES)
+    for s, b in rec["before"].items():
+        assert rec["cells"][s]["ours100"]["0"]["all"]["ppl"] < b["ppl"], s

@@ -295,11 +295,12 @@ def test_nan_scale_through_reader_names_key(tmp_path):
 def test_mtp_skipped_and_unexpected_reported(ckpt, caplog):
     root, _ = ckpt
     with CheckpointReader(root) as r:
-        res = r.load_prefix("")
+        assert r.load_prefix("").skipped == []          # the reader skips nothing unless told
+        res = r.load_prefix("", skip_prefixes=("mtp.",))
         assert res.skipped == ["mtp.0.attn_norm.weight"]
         assert "mtp.0.attn_norm.weight" not in res.tensors
         # asking for the mtp prefix itself loads it
-        assert "attn_norm.weight" in r.load_prefix("mtp.0.").tensors
+        assert "attn_norm.weight" in r.load_prefix("mtp.0.", skip_prefixes=("mtp.",)).tensors
 
         exp = _expected_layer0()
         del exp["attn.attn_sink"], exp["ffn.experts.0.w1.weight"]
@@ -332,3 +333,22 @@ def test_bf16_weight_with_scale_is_not_dequantized(tmp_path):
         assert sorted(res.tensors) == ["scale", "weight"]
         res = r.load_prefix("n.", {"weight": (2,)})
         assert res.unexpected == ["scale"]
+
+
+def test_save_sharded_keeps_each_numbered_layer_in_one_shard(tmp_path):
+    """The writer's default groups: a numbered layer (decoder ``layers.{i}``, a model's extra
+    ``mtp.{j}``) stays in one shard; other keys group by their first name part. Named by no model."""
+    import json
+
+    from amct_ext.io.checkpoint_writer import layer_group, save_sharded
+
+    assert [layer_group(k) for k in ("layers.3.attn.w.weight", "mtp.0.e_proj.weight", "draft.12.x",
+                                     "embed.weight", "hc_head_fn", "norm.x.y")] == \
+        ["layers.3", "mtp.0", "draft.12", "embed", "hc_head_fn", "norm"]
+    tensors = {f"{g}.{i}.{n}": torch.zeros(64 * (i + 1)) for g in ("layers", "mtp") for i in range(3)
+               for n in ("a", "b", "c")}
+    tensors.update({"embed.weight": torch.zeros(500), "embed.extra": torch.zeros(1)})
+    index = json.loads(save_sharded(tensors, tmp_path, n_shards=3).read_text())["weight_map"]
+    for group in {layer_group(k) for k in tensors}:
+        assert len({index[k] for k in tensors if layer_group(k) == group}) == 1, group
+    assert len(set(index.values())) == 3

@@ -105,7 +105,7 @@ def test_ascend_layout_matches_msmodelslim(tmp_path, scheme, ref_name, serve_che
 def test_ascend_mtp_layer_quantized_like_msmodelslim(tmp_path):
     src = with_complete_mtp(TINY, tmp_path / "src")
     report = _export(src, tmp_path / "out", "w8a8")
-    assert report.mtp == "mtp.0: quantized (RTN)"
+    assert report.extra_layers == "mtp.0: quantized (RTN)"
     layout, desc = _load(tmp_path / "out")
     ref_layout, ref_desc = _ref("flash-w8a8-with-mtp")
     ref_mtp = {k for k in ref_layout if k.startswith("mtp.")}

@@ -19,4 +19,4 @@ def test_bench_export_smoke(tmp_path, capsys):
     assert res["export"]["bytes_read"] > 0 and res["export"]["bytes_written"] > 0
     assert res["io_floor_s"] > 0 and res["time_over_floor"] > 0
     assert res["largest_layer"]["stored_bytes"] > 0 and res["host_rss"]["peak_bytes"] >= res["host_rss"]["before_bytes"]
-    assert res["export"]["mtp"] == "mtp.0: copied"
+    assert res["export"]["extra_layers"] == "mtp.0: copied"

@@ -63,7 +63,7 @@ def test_library_decompresses_to_our_fake_quant(float_layer, name):
 
     scheme = load_scheme(SCHEMES[name])
     targets = ["attn-linear", "moe"]
-    qc = ct.quantization_config(scheme, targets)
+    qc = ct.quantization_config(scheme, targets, (), V4_BINDING.module_patterns, V4_BINDING.unquantized_modules)
     parsed = QuantizationConfig.model_validate(qc)            # the library's own config model
     assert set(parsed.config_groups) == set(targets) and parsed.quant_method == "compressed-tensors"
     block = copy.deepcopy(float_layer)
@@ -103,7 +103,10 @@ def test_kv_cache_scheme_parses():
     from amct_ext.export import compressed_tensors as ct
     from amct_ext.quant.schemes import load_scheme
 
-    qc = ct.quantization_config(load_scheme("w8a8"), ["attn-linear", "attn-cache", "moe"])
+    from models.deepseek_v4.binding import V4_BINDING
+
+    qc = ct.quantization_config(load_scheme("w8a8"), ["attn-linear", "attn-cache", "moe"], (),
+                                V4_BINDING.module_patterns, V4_BINDING.unquantized_modules)
     parsed = QuantizationConfig.model_validate(qc)
     assert parsed.kv_cache_scheme is not None and parsed.kv_cache_scheme.num_bits == 8
     assert parsed.kv_cache_scheme.strategy == "token" and parsed.kv_cache_scheme.dynamic is True
@@ -115,7 +118,7 @@ def test_group_targets_match_the_loaders_module_names():
     vLLM's mapped names and transformers' renamed modules (casebook/export.md, E6)."""
     import re
 
-    from amct_ext.export import compressed_tensors as ct
+    from models.deepseek_v4.binding import V4_BINDING
 
     def hit(patterns, name):
         return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in patterns)
@@ -126,7 +129,24 @@ def test_group_targets_match_the_loaders_module_names():
     moe = ["layers.0.ffn.experts.7.w2", "layers.0.ffn.shared_experts.w1", "model.layers.0.ffn.experts",
            "model.layers.0.ffn.shared_experts.down_proj", "model.layers.0.mlp.experts", "model.layers.0.mlp.shared_experts.up_proj"]
     never = ["head", "lm_head", "layers.0.ffn.gate", "model.layers.0.mlp.gate", "mtp.0.e_proj", "mtp.0.h_proj"]
-    g = ct.GROUP_TARGETS
+    g = V4_BINDING.module_patterns           # the model's names (amct_ext/ knows none)
     assert all(hit(g["attn-linear"], n) and not hit(g["moe"], n) for n in attn)
     assert all(hit(g["moe"], n) and not hit(g["attn-linear"], n) for n in moe)
-    assert all(hit(ct.IGNORE, n) for n in never) and not any(hit(ct.IGNORE, n) for n in attn + moe)
+    ignore = V4_BINDING.unquantized_modules
+    assert all(hit(ignore, n) for n in never) and not any(hit(ignore, n) for n in attn + moe)
+
+
+def test_a_target_without_module_names_is_refused():
+    """A model binding that declares no module names for a target gets one line, not a config
+    group that selects nothing."""
+    import pytest
+
+    from amct_ext.errors import QuantConfigError
+    from amct_ext.export import compressed_tensors as ct
+    from amct_ext.quant.schemes import load_scheme
+
+    with pytest.raises(QuantConfigError, match="no module names for target moe"):
+        ct.quantization_config(load_scheme("w8a8"), ["attn-linear", "moe"], (), {"attn-linear": ("re:.*attn.*",)})
+    qc = ct.quantization_config(load_scheme("w8a8"), ["attn-linear"], [3], {"attn-linear": ("re:.*attn.*",)}, ("h",))
+    assert qc["config_groups"]["attn-linear"]["targets"] == ["re:.*attn.*"]
+    assert qc["ignore"] == ["h", r"re:.*layers\.3\..*"]

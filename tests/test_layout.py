@@ -138,24 +138,14 @@ V4_ONLY = re.compile(r"\b(wq_a|wq_b|wkv|wo_a|wo_b|attn_sink|compressor|shared_ex
                      r"w1|w2|w3|indexer|mtp|attn-linear-all|KNOWN_PAIRS)\b")
 # Known remainders, each in a module another branch owns (issue 25 item 4): they may only
 # shrink. A new V4 name anywhere else in amct_ext/ fails the test.
-# Issue 37 item 4 moved the expert projections (roles: base.GatedProjections), the smoothing pairs
-# (ModelBinding.smoothing_pairs), the indexer placement (LayerPlacement.attn_side) and the MTP
-# hooks (BaseModel.mtp_layer_ids / layer_name) behind the declared contract; what is left sits
-# in modules other helpers were reworking at the time (export, run folder, targets, the loop).
-V4_KNOWN = {
-    "amct_ext/export/exporter.py": {"compress_ratios", "mtp"},            # serve-export; export profiles
-    "amct_ext/export/export_format.py": {"tid2eid", "mtp"},               # serve-export (moved from exporter.py)
-    "amct_ext/export/compressed_tensors.py": {"shared_experts", "mtp"},   # serve-export (the ignore list)
-    "amct_ext/export/ascend.py": {"w2"},                                  # export profiles (w2's TP row sums)
-    "amct_ext/export/readback.py": {"attn-linear-all"},                   # targets: one declared target set
-    "amct_ext/quant/schemes.py": {"attn-linear-all"},                     # targets: one declared target set
-    "amct_ext/io/checkpoint.py": {"mtp"},                                 # the reader's default skip prefix
-    "amct_ext/io/checkpoint_writer.py": {"mtp"},                          # shard groups of the release layout
-    "amct_ext/pipeline/workflow.py": {"mtp"},                             # run_blockwise_ptq(mtp=...): the loop split
-    "amct_ext/pipeline/job_runner.py": {"mtp"},                           # the report's and the export's MTP entries (from tools/run_ptq.py)
-    "amct_ext/io/weights_digest.py": {"mtp"},                             # the digest's stem: keys outside layers.* / mtp.*
-    "amct_ext/algorithms/smoothing.py": {"up_limit", "swiglu_limit"},     # batched AWQ reads the experts' limit
-}
+# Issue 37 item 4 moved the expert projections (roles: base.GatedProjections, with the activation
+# clamp), the smoothing pairs (ModelBinding.smoothing_pairs), the indexer placement
+# (LayerPlacement.attn_side), the MTP hooks (BaseModel.mtp_layer_ids / layer_name), the extra
+# layers (extra_layers / build_extra_layer), the export's leaf names (gated_projections,
+# module_patterns, unquantized_modules), the wider target (wider_targets) and the int32 tables
+# (the ascend profile's INT32_TENSORS) and the export report's field (ExportReport.extra_layers)
+# behind the declared contract. Nothing is left: a V4 name in amct_ext/ fails the test.
+V4_KNOWN: dict[str, set[str]] = {}
 
 
 def _code_names(path: Path):

@@ -4,6 +4,8 @@ probing of undeclared hooks), every binding attribute on ModelBinding; DeepSeek-
 declared unit hooks (GatedProjections, SmoothableUnit) and declares its smoothing pairs."""
 import ast
 
+import torch
+
 from amct_ext.base import BaseModel, GatedProjections, ModelBinding, SmoothableUnit, known_smoothing_pairs
 from tests.conftest import REPO
 
@@ -55,6 +57,8 @@ def test_the_optional_hooks_have_defaults_a_model_without_them_gets():
     bare = Bare(RunConfig("some/ckpt", device="cpu", progress=False))
     assert bare.max_seq_len is None and bare.mtp_layer_ids() == [] and bare.layer_name(2) == "layers.2"
     assert bare.model_id() == {"name": "some/ckpt"}
+    assert bare.extra_layers == "" and ModelBinding.extra_layers == "" and ModelBinding.gated_projections == {}
+    assert ModelBinding.build_extra_layer(None, None, None, 0, torch.float32, torch.device("cpu")) is None
 
 
 def test_v4_fulfils_the_unit_hooks_and_declares_its_pairs(tiny_adapter):
@@ -64,6 +68,8 @@ def test_v4_fulfils_the_unit_hooks_and_declares_its_pairs(tiny_adapter):
 
     assert tiny_adapter.layer_name(1) == "layers.1"
     assert tiny_adapter.layer_name(tiny_adapter.num_layers) == "mtp.0"
+    # the extra layers' name is the prefix of layer_name's extra layers, the same for adapter and binding
+    assert tiny_adapter.extra_layers == V4_BINDING.extra_layers == "mtp"
     assert tiny_adapter.max_seq_len > 0
     names, experts = [], 0
     for i in range(tiny_adapter.num_layers):
@@ -76,6 +82,7 @@ def test_v4_fulfils_the_unit_hooks_and_declares_its_pairs(tiny_adapter):
                 roles = u.module.PROJECTIONS
                 assert set(roles) == {"gate", "up", "down"}
                 assert all(u.module.projection(r) is getattr(u.module, roles[r]) for r in roles)
+                assert roles == V4_BINDING.gated_projections     # the export's leaf names agree
         tiny_adapter.release_block(block)
     assert experts > 0
     # the names a recipe may give are exactly those the units offer

@@ -116,7 +116,7 @@ def test_export_writes_the_mtp_run_parameters(run, src, tmp_path):
                   dtype=torch.float32)
     a = export_checkpoint(ExportConfig(out_dir=tmp_path / "from", params_dir=pdir, **common))
     b = export_checkpoint(ExportConfig(out_dir=tmp_path / "rtn", **common))
-    assert a.mtp == "mtp.0: quantized (run parameters)" and b.mtp == "mtp.0: quantized (RTN)"
+    assert a.extra_layers == "mtp.0: quantized (run parameters)" and b.extra_layers == "mtp.0: quantized (RTN)"
     ta = _mtp_tensors(tmp_path / "from", "model.safetensors.index.json")
     tb = _mtp_tensors(tmp_path / "rtn", "model.safetensors.index.json")
     assert set(ta) == set(tb) and any(k.endswith("weight_scale") for k in ta)

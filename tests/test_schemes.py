@@ -181,3 +181,29 @@ def test_parse_targets():
     assert w8.target("attn-linear-all") == w8.target("attn-linear")
     with pytest.raises(QuantConfigError, match="no quant target"):
         parse_targets(" , ")
+
+
+def test_wider_targets_come_from_the_model_binding():
+    """amct_ext/ names no wider target: V4's attn-linear-all exists because its binding declares
+    it (ModelBinding.wider_targets, registered with the binding); without it the name is unknown."""
+    from amct_ext.quant import schemes
+    from models.deepseek_v4.binding import V4_BINDING
+
+    assert schemes.wider_targets() == V4_BINDING.wider_targets == {"attn-linear-all": "attn-linear"}
+    saved = dict(schemes._WIDER)
+    try:
+        schemes._WIDER.clear()
+        assert schemes.valid_targets() == schemes.BASE_TARGETS
+        with pytest.raises(QuantConfigError, match="unknown quant target 'attn-linear-all'"):
+            parse_targets("attn-linear-all")
+        schemes.register_wider_target("moe-all", "moe")
+        assert schemes.valid_targets() == ("attn-linear", "attn-cache", "moe", "moe-all")
+        assert spec_targets(["moe-all"]) == ["moe"]
+        with pytest.raises(QuantConfigError, match="moe and moe-all exclude each other"):
+            parse_targets("moe-all,moe")
+        with pytest.raises(QuantConfigError, match="must widen one of attn-linear, moe"):
+            schemes.register_wider_target("cache-all", "attn-cache")
+    finally:
+        schemes._WIDER.clear()
+        schemes._WIDER.update(saved)
+    assert schemes.valid_targets() == ("attn-linear", "attn-linear-all", "attn-cache", "moe")

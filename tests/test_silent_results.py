@@ -47,7 +47,7 @@ def adapter_of(path: Path) -> DeepseekV4Adapter:
 def run(path: Path, spec, out: Path):
     a = adapter_of(path)
     try:
-        return run_blockwise_ptq(a, spec, out, layers=LAYERS, mtp=False)
+        return run_blockwise_ptq(a, spec, out, layers=LAYERS, extra_layers=False)
     finally:
         a.close()
 
@@ -205,3 +205,22 @@ def test_weights_digest_equals_an_independent_hash(tiny_ckpt_fp8):
         assert {"F8_E4M3", "F8_E8M0", "BF16"} <= dtypes or {"F8_E4M3", "F8_E8M0"} <= dtypes, dtypes
         chain0 = d.get("layer 0").chain
         assert got.chain == hashlib.sha256(f"{chain0}|{got.own}".encode()).hexdigest()
+
+
+def test_the_digest_stem_leaves_out_the_models_extra_layers(tiny_adapter, tmp_path):
+    """The stem group of the weights digest holds the keys outside every layer: the decoder
+    layers' and the extra layers' the adapter declares (``extra_layers``, V4: ``mtp.{j}.*``),
+    whether or not the run builds them (the tiny asset's incomplete MTP layer is never built)."""
+    from amct_ext.io.weights_digest import weight_groups
+    from amct_ext.pipeline.resume_guard import ResumeGuard
+
+    wm = {"embed.weight": "a", "layers.0.x": "a", "mtp.0.e_proj.weight": "a", "head.weight": "a"}
+    assert weight_groups(wm, [("layer 0", "layers.0.")], ("mtp.",))[0] == ("stem", ["embed.weight", "head.weight"])
+    guard = ResumeGuard(tiny_adapter, tmp_path, [0])
+    try:
+        name, stem = guard.digest.groups[0]
+    finally:
+        guard.digest.close()
+    assert name == "stem" and "embed.weight" in stem
+    assert any(k.startswith("mtp.") for k in tiny_adapter.reader.weight_map)
+    assert not any(k.startswith(("mtp.", "layers.")) for k in stem)

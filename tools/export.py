@@ -117,7 +117,7 @@ def export_from_args(args, model_path: Path | None = None, allow_distributed: bo
     d = export_run(request_from_args(args, model_path), allow_distributed=allow_distributed)
     env = distributed.env_from() if allow_distributed else None
     if env is None or env.rank == 0:
-        print(json.dumps({k: d[k] for k in ("out_dir", "format", "quantized_layers", "mtp", "bytes_read",
+        print(json.dumps({k: d[k] for k in ("out_dir", "format", "quantized_layers", "extra_layers", "bytes_read",
                                              "bytes_written", "seconds", "peak_host_rss_bytes")}), flush=True)
     return d
 

@@ -135,14 +135,15 @@ class _Snapshot:
         named = dict(unit_module.named_parameters())
         self.params = {n: (named[n], named[n].detach().clone()) for n in _touched(unit_module, pair)}
         self.unit = unit_module
-        self.up_limit = getattr(unit_module, "up_limit", None)
+        # a gated MLP's per-channel clamp (smoothing its up rows scales it, fold_scales)
+        self.clamp = unit_module.channel_clamp() if isinstance(unit_module, GatedProjections) else None
 
     @torch.no_grad()
     def restore(self) -> None:
         for p, value in self.params.values():
             p.copy_(value)
-        if hasattr(self.unit, "up_limit"):
-            self.unit.up_limit = self.up_limit
+        if isinstance(self.unit, GatedProjections):
+            self.unit.set_channel_clamp(self.clamp)
         _invalidate(self.unit)
 
 
@@ -508,12 +509,12 @@ class AWQ(Algorithm):
                                    else torch.ones(l.weight_quantizer.scale_shape(l.weight))).to(dev, torch.float32)
                                   for l in lins[n]])
                      if any(l.weight_quantizer.clip is not None for l in lins[n]) else None) for n in names}
-        limit = members[0].swiglu_limit
+        limit = members[0].clamp_limit      # the experts' own clamp of |up| (0: none)
         inter = W[up].shape[1]
-        base_lim = (torch.stack([m.up_limit.to(dev) if m.up_limit is not None else
+        base_lim = (torch.stack([m.channel_clamp().to(dev) if m.channel_clamp() is not None else
                                  torch.full((inter,), float(limit), dtype=torch.float32, device=dev) for m in members])
                     if limit > 0 else None)
-        own_lim = [m.up_limit for m in members]
+        own_lim = [m.channel_clamp() for m in members]
 
         def fq(n, w):
             if not quantizes[n]:
@@ -531,7 +532,7 @@ class AWQ(Algorithm):
             """Per slot: (squared error fp32 [E], elements [E]); lim: the members' up limits."""
             if lim is not None:
                 for m, l in zip(members, lim):
-                    m.up_limit = l
+                    m.set_channel_clamp(l)
             try:
                 for k in range(rows.max_calls):
                     x, y, w, mask, n_rows = rows.slot(torch.full((E,), k, dtype=torch.long, device=dev))
@@ -540,7 +541,7 @@ class AWQ(Algorithm):
                     yield diff.square().sum(dim=(1, 2)), n_rows * out.shape[-1], taps, n_rows
             finally:
                 for m, l in zip(members, own_lim):
-                    m.up_limit = l
+                    m.set_channel_clamp(l)
 
         def mse(rows, s=None):   # [E] float64, unit_mse per expert
             wq, lim = weights(s)
@@ -599,7 +600,7 @@ class AWQ(Algorithm):
             for l in lins[lin_n]:
                 l.invalidate_cache()
         W = {n: torch.stack([l.weight.detach().to(dev) for l in lins[n]]) for n in names}
-        own_lim = [m.up_limit for m in members]
+        own_lim = [m.channel_clamp() for m in members]
         after = mse(rows_all).tolist()
         for r, a in zip(results, after):
             r["loss_after"] = a

@@ -13,7 +13,7 @@ Read from msModelSlim 26.1's own output on assets/tiny-v4 (tests/data/msmodelsli
   8 x the row sum of the dequantized weight, [out, 1] for w1 / w3 and [out, 16] for w2 (one
   partial row sum per slice of a 16-way tensor-parallel split of w2's input dim);
 - ``model_quant_type`` stays ``W8A8_DYNAMIC`` when only the experts are W4A8;
-- FLOAT tensors keep their dtype; ``tid2eid`` is int32.
+- FLOAT tensors keep their dtype; integer tables named by the profile (V4's ``tid2eid``) are int32.
 
 Only symmetric int weights with dynamic per-token int8 inputs have a type here (w8a8, w4a8 and
 per-channel variants); other schemes are refused by :func:`check_scheme`.
@@ -38,7 +38,7 @@ INDEX_NAME = "quant_model_weights.safetensors.index.json"
 SHARD_STEM = "quant_model_weights"
 DESCRIPTION_NAME = "quant_model_description.json"
 VERSION = "1.0.0"
-#: the tensor-parallel size msModelSlim fixes for the w2 scale_bias slices
+#: the tensor-parallel size msModelSlim fixes for the scale_bias slices of an expert's down projection
 SCALE_BIAS_TP = 16
 W8A8, W4A8, FLOAT = "W8A8_DYNAMIC", "W4A8_DYNAMIC", "FLOAT"
 
@@ -70,7 +70,15 @@ def _profile() -> SimpleNamespace:
     return SimpleNamespace(ENGINE=facts.get("ENGINE", "vllm-ascend"),
                            W4A8_PER_CHANNEL_ONLY=facts.get("W4A8_PER_CHANNEL_ONLY", "its W4A8 method"),
                            DESCRIPTION_NEEDS=tuple(facts.get("DESCRIPTION_NEEDS", ())),
-                           CACHE_SOURCE=facts.get("CACHE_SOURCE", "its attention"))
+                           CACHE_SOURCE=facts.get("CACHE_SOURCE", "its attention"),
+                           INT32_TENSORS=tuple(facts.get("INT32_TENSORS", ())))
+
+
+def stores_int32(key: str) -> bool:
+    """Whether the layout holds the released tensor ``key`` as int32: its name ends with one of
+    the profile's ``INT32_TENSORS`` (integer tables msModelSlim writes int32; V4: the hash
+    router's table). Such a tensor is never copied file to file."""
+    return key.endswith(_profile().INT32_TENSORS)
 
 
 def check_scheme(scheme: QuantScheme, targets: list[str]) -> None:
@@ -105,8 +113,12 @@ def check_scheme(scheme: QuantScheme, targets: list[str]) -> None:
 
 
 def encode_weight(base: str, spec: TensorSpec, act: TensorSpec | None, d: dict[str, torch.Tensor],
-                  shape: tuple[int, int], fake_quant: torch.Tensor) -> tuple[dict[str, torch.Tensor], str]:
-    """Checkpoint tensors of module ``base`` and their description type."""
+                  shape: tuple[int, int], fake_quant: torch.Tensor,
+                  down_projection: bool = False) -> tuple[dict[str, torch.Tensor], str]:
+    """Checkpoint tensors of module ``base`` and their description type. ``down_projection``:
+    ``base`` is a gated MLP's down projection (the model's role ``down``), whose input dim the
+    engine splits over tensor-parallel ranks: an expert's ``scale_bias`` then holds one row sum
+    per slice."""
     out_f, _ = shape
     typ = weight_type(spec, act, base)
     scale = d["scale"].float().reshape(out_f, -1).contiguous()
@@ -116,7 +128,7 @@ def encode_weight(base: str, spec: TensorSpec, act: TensorSpec | None, d: dict[s
          f"{base}.weight_offset": torch.zeros_like(scale)}
     if typ == W4A8 and ".experts." in base:
         w = fake_quant.float()
-        if base.endswith(".w2"):
+        if down_projection:
             if w.shape[1] % SCALE_BIAS_TP:
                 raise QuantConfigError(f"{base}: in_features {w.shape[1]} is not divisible by {SCALE_BIAS_TP} (scale_bias slices)")
             bias = 8.0 * w.reshape(out_f, SCALE_BIAS_TP, -1).sum(-1)

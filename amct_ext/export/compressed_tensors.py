@@ -29,7 +29,7 @@ library's own ``dequantize`` reproduces our fake-quant weight exactly.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -38,15 +38,11 @@ from ..quant.schemes import LINEAR_TARGETS, QuantScheme, TensorSpec, spec_target
 from ..quant.packing import pack_int32, pack_int32_dim0
 
 QUANT_METHOD = "compressed-tensors"
-#: config_groups keys: our linear target names, so the read-back knows which target a group is.
-#: The regexes match the module names of the three loaders: the release's flat names
-#: (``layers.0.attn.wq_a``), vLLM's after its WeightsMapper (``model.layers.0.attn.fused_wqa_wkv``,
-#: ``...attn.mla_attn.compressor...``, the FusedMoE ``...ffn.experts``) and transformers' renames
-#: (``model.layers.0.self_attn.q_a_proj``, ``...mlp.experts``, ``...mlp.shared_experts.down_proj``).
-GROUP_TARGETS = {"attn-linear": [r"re:.*\.(attn|self_attn)\..*"],
-                 "moe": [r"re:.*\.(ffn|mlp)\.(experts|shared_experts)(\..*)?$"]}
-#: never quantized by this tool (router, heads, MTP projections)
-IGNORE = ["head", "lm_head", r"re:.*\.(ffn|mlp)\.gate$", r"re:.*mtp\.\d+\.(e_proj|h_proj|head)$"]
+#: config_groups keys: our linear target names, so the read-back knows which target a group is;
+#: each group's ``targets`` and the fixed ``ignore`` entries are the model's module names
+#: (``ModelBinding.module_patterns`` / ``unquantized_modules``): the regexes must match the names
+#: of every loader (the release's flat names, vLLM's after its WeightsMapper, transformers' renames).
+IGNORE_HEAD = ["lm_head"]
 
 
 def _strategy(spec: TensorSpec, role: str) -> dict[str, Any]:
@@ -129,9 +125,14 @@ def encode_weight(base: str, spec: TensorSpec, act: TensorSpec | None, d: dict[s
     return t
 
 
-def quantization_config(scheme: QuantScheme, targets: list[str], float_layers: list[int] = ()) -> dict[str, Any]:
+def quantization_config(scheme: QuantScheme, targets: list[str], float_layers: list[int] = (),
+                        module_patterns: Mapping[str, Sequence[str]] | None = None,
+                        unquantized: Sequence[str] = IGNORE_HEAD) -> dict[str, Any]:
     """``quantization_config`` for config.json: one config group per quantized linear target.
 
+    ``module_patterns``: per linear target, the module names / ``re:`` patterns of the group's
+    ``targets`` (``ModelBinding.module_patterns``; None: left empty, for a check of the scheme
+    alone); ``unquantized``: the fixed ``ignore`` entries (``ModelBinding.unquantized_modules``).
     ``float_layers``: decoder-layer ids left in float (a run over a layer range, an MTP layer
     copied as released, which vLLM's MTP loader renumbers ``mtp.{j}`` -> ``layers.{n + j}``);
     they go to ``ignore`` so a loader does not expect quantized tensors there."""
@@ -147,7 +148,11 @@ def quantization_config(scheme: QuantScheme, targets: list[str], float_layers: l
                                    "activation-only linear schemes cannot be exported")
         fmt = module_format(ts.weight, ts.input)
         formats.add(fmt)
-        groups[target] = {"targets": GROUP_TARGETS[target], "weights": quant_args(ts.weight, "weight"),
+        if module_patterns is not None and not module_patterns.get(target):
+            raise QuantConfigError(f"compressed-tensors: the model declares no module names for target {target} "
+                                   "(ModelBinding.module_patterns)")
+        patterns = [] if module_patterns is None else list(module_patterns[target])
+        groups[target] = {"targets": patterns, "weights": quant_args(ts.weight, "weight"),
                           "input_activations": None if ts.input is None else quant_args(ts.input, "input"),
                           "output_activations": None, "format": fmt}
     kv = None
@@ -155,7 +160,7 @@ def quantization_config(scheme: QuantScheme, targets: list[str], float_layers: l
         kv = quant_args(scheme.cache, "input")
     return {"quant_method": QUANT_METHOD, "format": formats.pop() if len(formats) == 1 else "mixed-precision",
             "quantization_status": "compressed", "config_groups": groups,
-            "ignore": list(IGNORE) + [rf"re:.*layers\.{i}\..*" for i in float_layers],
+            "ignore": list(unquantized) + [rf"re:.*layers\.{i}\..*" for i in float_layers],
             "kv_cache_scheme": kv}
 
 

@@ -9,6 +9,7 @@ The tensor encodings themselves stay plain functions in ``compressed_tensors.py`
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -16,6 +17,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..base import model_binding
 from ..errors import ConfigError
 from ..io.io_utils import atomic_write_json
 from ..quant import formats
@@ -39,9 +41,11 @@ class ExportFormat(ABC):
 
     @abstractmethod
     def encode_weight(self, base: str, spec: Any, act: Any, exported: dict[str, torch.Tensor],
-                      shape: tuple[int, ...]) -> tuple[dict[str, torch.Tensor], str | None]:
+                      shape: tuple[int, ...], down_projection: bool = False
+                      ) -> tuple[dict[str, torch.Tensor], str | None]:
         """A quantized leaf's tensors (``exported``: ``WeightQuantizer.export``) and its type
-        for the description (None: the float type)."""
+        for the description (None: the float type). ``down_projection``: the leaf is a gated
+        MLP's down projection (``ModelBinding.gated_projections["down"]``)."""
 
     def released_tensor(self, key: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """A tensor copied as released, in the format's own storage (None in, None out: the
@@ -84,15 +88,18 @@ class CompressedTensors(ExportFormat):
     def check_scheme(self, scheme: Any, targets: Sequence[str]) -> None:
         ct.quantization_config(scheme, targets)  # raises on what it cannot describe
 
-    def encode_weight(self, base, spec, act, exported, shape):
+    def encode_weight(self, base, spec, act, exported, shape, down_projection=False):
         return ct.encode_weight(base, spec, act, exported, shape), None
 
     def write_description(self, out_dir, src, cfg, types, quantized_layers, mtp_state, float_leaves, n_layers,
                           mx_weight_only=False):
         float_layers = [i for i in range(n_layers) if i not in quantized_layers]
         float_layers += [n_layers + int(g.split(".")[1]) for g, how in mtp_state.items() if how == "copied"]
-        qc = ct.quantization_config(cfg.scheme, cfg.targets, float_layers)
-        qc["ignore"] += [rf"re:.*mtp\.{g.split('.')[1]}\..*" for g, how in mtp_state.items() if how == "copied"]
+        model = model_binding(cfg.model_path)
+        qc = ct.quantization_config(cfg.scheme, cfg.targets, float_layers, model.module_patterns,
+                                    model.unquantized_modules)
+        # an extra (draft) layer copied as released: every module under its group (``mtp.0``)
+        qc["ignore"] += [rf"re:.*{re.escape(g)}\..*" for g, how in mtp_state.items() if how == "copied"]
         qc["ignore"] += ct.leaf_ignore_patterns(float_leaves)
         weight_only = ct.drop_mx_inputs(qc) if mx_weight_only else []
         src["quantization_config"] = qc
@@ -103,8 +110,8 @@ class CompressedTensors(ExportFormat):
 
 class AscendModelSlim(ExportFormat):
     """Ascend ModelSlim v1 tensors + ``quant_model_description.json`` (vllm-ascend): every
-    released FP8 / FP4 tensor decoded, ``tid2eid`` as int32 (as msModelSlim stores it), the MTP
-    draft's own head."""
+    released FP8 / FP4 tensor decoded, the integer tables the engine profile names as int32
+    (``ascend.stores_int32``; V4's ``tid2eid``, as msModelSlim stores it), the MTP draft's own head."""
 
     name = "ascend"
     shard_stem = ascend.SHARD_STEM
@@ -114,15 +121,15 @@ class AscendModelSlim(ExportFormat):
     def check_scheme(self, scheme: Any, targets: Sequence[str]) -> None:
         ascend.check_scheme(scheme, targets)
 
-    def encode_weight(self, base, spec, act, exported, shape):
+    def encode_weight(self, base, spec, act, exported, shape, down_projection=False):
         fq = formats.dequantize({("q" if k == "qweight" else k): v for k, v in exported.items()}, spec)
-        return ascend.encode_weight(base, spec, act, exported, shape, fq)
+        return ascend.encode_weight(base, spec, act, exported, shape, fq, down_projection)
 
     def copies_raw(self, key: str) -> bool:
-        return not key.endswith("tid2eid")
+        return not ascend.stores_int32(key)
 
     def released_tensor(self, key, tensor):
-        if tensor is not None and key.endswith("tid2eid"):
+        if tensor is not None and ascend.stores_int32(key):
             return tensor.to(torch.int32)   # as msModelSlim stores it
         return tensor
 

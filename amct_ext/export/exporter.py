@@ -9,11 +9,12 @@ parameters did not touch is read raw from the release (FP8 / FP4 stay FP8 / FP4 
 scales unless ``dequantize_rest``); a tensor they did touch (a smoothed norm) is written from
 the module. Host memory holds one layer's output tensors at a time.
 
-The MTP layer (``mtp.{j}.*``) has the decoder block's structure (its compress ratio is the
-entry after the main layers'). When the release has all of its block tensors it is quantized
-with the same scheme: with the run's parameters when the run calibrated it (a run that reaches
-the last layer does, ``workflow.run_blockwise_ptq(mtp=True)``), else RTN; otherwise (the tiny
-asset carries only e_proj / h_proj / norms) every mtp tensor is copied. It is never dropped.
+The model's extra layers (``ModelBinding.extra_layers``; V4: the MTP layer ``mtp.{j}.*``) have
+the decoder block's structure. When the binding builds one as a block (``build_extra_layer``:
+the release has all of its block tensors) it is quantized with the same scheme: with the run's
+parameters when the run calibrated it (a run that reaches the last layer does,
+``workflow.run_blockwise_ptq(extra_layers=True)``), else RTN; otherwise (the tiny asset carries only
+e_proj / h_proj / norms) every tensor of it is copied. It is never dropped.
 """
 from __future__ import annotations
 
@@ -113,12 +114,17 @@ class ExportReport:
     groups_written: list[str] = field(default_factory=list)
     groups_resumed: list[str] = field(default_factory=list)
     quantized_layers: list[int] = field(default_factory=list)
-    mtp: str = "absent"
+    #: the extra (draft) layers' states, e.g. V4's "mtp.0: copied" (benchmarks/bench_export.py and
+    #: the job report read the field by this name)
+    extra_layers: str = "absent"
     bytes_read: int = 0
     bytes_written: int = 0
     seconds: float = 0.0
     peak_host_rss_bytes: int = 0
 
+
+#: the ExportReport fields a job report (report.json "export") keeps
+SUMMARY_FIELDS = ("out_dir", "format", "extra_layers", "seconds", "bytes_written")
 
 # ----------------------------------------------------------------------------- --from
 def _sha256(path: Path) -> str | None:
@@ -192,6 +198,10 @@ class _Exporter:
         self.profile = cfg.engine_profile()
         #: layer-relative leaves written as float weights (-> quantization_config.ignore)
         self.float_leaves: set[str] = set()
+        #: the key of the extra (draft) layers' states in the resume state and the metadata
+        self.extra_key = self.model.extra_layers or "extra_layers"
+        #: the name of a gated MLP's down projection (ModelBinding.gated_projections)
+        self.down_name = self.model.gated_projections.get("down")
 
     # -------------------------------------------------------------- raw copies
     def _location(self, key: str) -> tuple[Path, str, list[int], int, int]:
@@ -275,7 +285,8 @@ class _Exporter:
                     continue
             with torch.no_grad():
                 d = leaf.weight_quantizer.export(w)
-                tensors, typ = self.fmt.encode_weight(base, spec, act, d, tuple(w.shape))
+                tensors, typ = self.fmt.encode_weight(base, spec, act, d, tuple(w.shape),
+                                                      base.rpartition(".")[2] == self.down_name)
             for k, v in tensors.items():
                 stream.add(k, v)
                 self.types[k] = typ or ascend.FLOAT
@@ -309,34 +320,16 @@ class _Exporter:
         self._copy_released([k for k in rest if k not in consumed], stream)
 
     def _add_mtp_head(self, group: str, stream) -> None:
-        """vllm-ascend's MTP draft loads its own head from ``mtp.{j}.head.weight`` and does not share
-        the target's lm_head (models/deepseek_v4/serving_ascend.py MTP_HEAD_SOURCE); a release
-        without one gets a copy of ``head.weight`` (what vllm-ascend itself does for the FP8 release)."""
+        """vllm-ascend's MTP draft loads its own head from ``{group}.head.weight`` (``mtp.{j}``) and
+        does not share the target's lm_head (models/deepseek_v4/serving_ascend.py MTP_HEAD_SOURCE);
+        a release without one gets a copy of ``head.weight`` (what vllm-ascend itself does for the
+        FP8 release)."""
         key = f"{group}.head.weight"
         stream.add(key, self._raw("head.weight"))
         self.types[key] = ascend.FLOAT
 
     def _build_layer(self, i: int) -> torch.nn.Module:
         return self.model.build_layer(self.reader, self.config, i, self.cfg.dtype, self.device)
-
-    def _build_mtp(self, j: int) -> torch.nn.Module | None:
-        """The MTP block j as a decoder block (layer id n_layers + j), or None when the release
-        lacks some of its block tensors or the config has no compress ratio for it."""
-        from amct_ext.runtime.empty import assert_materialized
-
-        lid = int(self.config.n_layers) + j
-        if len(self.config.compress_ratios) <= lid:
-            return None
-        block = self.model.empty_layer(self.config, lid, self.cfg.dtype)
-        expected = block.state_dict()
-        prefix = f"mtp.{j}."
-        if not all(self.reader.has(prefix + n) for n in expected):
-            return None
-        res = self.reader.load_prefix(prefix, expected, device=self.device, dtype=self.cfg.dtype)
-        block.load_state_dict(res.tensors, strict=True, assign=True)
-        self.model.materialize_derived_buffers(block, self.device)
-        assert_materialized(block, f"mtp.{j}")
-        return block.eval()
 
     @staticmethod
     def _release(block: torch.nn.Module) -> None:
@@ -369,12 +362,16 @@ class _Exporter:
         by_group: dict[str, list[str]] = {"stem": []}
         for i in range(n):
             by_group[f"layers.{i}"] = []
-        mtp_ids = sorted({int(k.split(".")[1]) for k in keys if k.startswith("mtp.") and k.split(".")[1].isdigit()})
-        for j in mtp_ids:
-            by_group[f"mtp.{j}"] = []
+        # the model's extra (draft) layers, ``{extra}.{j}.*`` (ModelBinding.extra_layers)
+        extra_name = self.model.extra_layers
+        numbered = ("layers", extra_name) if extra_name else ("layers",)
+        extra_ids = sorted({int(k.split(".")[1]) for k in keys
+                            if extra_name and k.startswith(f"{extra_name}.") and k.split(".")[1].isdigit()})
+        for j in extra_ids:
+            by_group[f"{extra_name}.{j}"] = []
         for k in keys:
             parts = k.split(".")
-            g = ".".join(parts[:2]) if parts[0] in ("layers", "mtp") and len(parts) > 2 else "stem"
+            g = ".".join(parts[:2]) if parts[0] in numbered and len(parts) > 2 else "stem"
             if g not in by_group:
                 raise CheckpointError(f"checkpoint key {k!r} names a layer the config does not have (n_layers={n})")
             by_group[g].append(k)
@@ -402,7 +399,7 @@ class _Exporter:
             if writer.done(group):
                 extra = writer.state["groups"][group].get("extra", {})
                 self.types.update(extra.get("types", {}))
-                mtp_state.update(extra.get("mtp", {}))
+                mtp_state.update(extra.get(self.extra_key, {}))
                 continue
             self.types = {}
             self.float_leaves = set()
@@ -419,10 +416,10 @@ class _Exporter:
                     self._release(block)
                 else:
                     j = int(group.split(".")[1])
-                    block = self._build_mtp(j)
+                    block = self.model.build_extra_layer(self.reader, self.config, j, cfg.dtype, self.device)
                     if block is None:
                         self._copy_released(gkeys, stream)
-                        extra["mtp"] = {group: "copied"}
+                        extra[self.extra_key] = {group: "copied"}
                     else:
                         # the run's MTP parameters when it calibrated the MTP layer, else RTN
                         mtp_params = self._has_params(n + j)
@@ -430,8 +427,9 @@ class _Exporter:
                         self._release(block)
                         if self.fmt.adds_mtp_head() and f"{group}.head.weight" not in gkeys:
                             self._add_mtp_head(group, stream)
-                        extra["mtp"] = {group: "quantized (run parameters)" if mtp_params else "quantized (RTN)"}
-                    mtp_state.update(extra["mtp"])
+                        extra[self.extra_key] = {group: "quantized (run parameters)" if mtp_params
+                                                 else "quantized (RTN)"}
+                    mtp_state.update(extra[self.extra_key])
                 extra["types"] = dict(self.types)
                 extra["float_leaves"] = sorted(self.float_leaves)
                 report.bytes_written += writer.close_group(group, stream, extra)
@@ -455,7 +453,7 @@ class _Exporter:
             float_leaves.update(extra.get("float_leaves", ()))
         self._write_side_files(qlayers, mtp_state, types, sorted(float_leaves))
         writer.finish()
-        report.mtp = ", ".join(f"{k}: {v}" for k, v in sorted(mtp_state.items())) or "absent"
+        report.extra_layers = ", ".join(f"{k}: {v}" for k, v in sorted(mtp_state.items())) or "absent"
         # every source byte is read at least once (layers through load_block, the rest raw);
         # shards of resumed groups were not read this time, which the count ignores
         shards = set(self.reader.weight_map.values())
@@ -479,7 +477,7 @@ class _Exporter:
         src[EXPORT_KEY] = {
             "version": EXPORT_VERSION, "format": cfg.format, "scheme": cfg.scheme.name,
             "scheme_fingerprint": cfg.scheme.fingerprint(), "targets": cfg.targets,
-            "quantized_layers": qlayers, "mtp": mtp_state, "from_params": cfg.params_dir is not None,
+            "quantized_layers": qlayers, self.extra_key: mtp_state, "from_params": cfg.params_dir is not None,
             "dequantize_rest": cfg.dequantize_rest,
             # the engine profile the export followed (None: serve_check off, or no profile)
             "engine": None if self.profile is None else self.profile.engine,

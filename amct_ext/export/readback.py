@@ -27,7 +27,7 @@ from typing import Callable, Mapping
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..quant.schemes import QuantScheme, TargetScheme, TensorSpec
+from ..quant.schemes import QuantScheme, TargetScheme, TensorSpec, valid_targets, wider_targets
 from ..io.storage_formats import decode_fp4, e8m0_to_float32
 from . import ascend
 from ..quant.packing import unpack_int4_rows, unpack_int32, unpack_int32_dim0
@@ -158,11 +158,12 @@ def exported_quant(model_path: str | Path) -> ExportedQuant | None:
         return None
     targets = {t: TargetScheme(None, s) for t, s in inputs.items() if s is not None}
     names = list(targets) + (["attn-cache"] if cache is not None else [])
-    # the config group is named after the scheme key; the run's module set may be the wider
-    # attn-linear-all (its activation quantizers then sit on wo_a / compressors too)
-    if "attn-linear" in names and meta and "attn-linear-all" in (meta.get("targets") or []):
-        names = ["attn-linear-all" if t == "attn-linear" else t for t in names]
-    order = ("attn-linear", "attn-linear-all", "attn-cache", "moe")
+    # the config group is named after the scheme key; the run's module set may be a wider target
+    # (V4's attn-linear-all: its activation quantizers then sit on wo_a / compressors too)
+    for wide, key in wider_targets().items():
+        if key in names and meta and wide in (meta.get("targets") or []):
+            names = [wide if t == key else t for t in names]
+    order = valid_targets()
     if meta and isinstance(meta.get("quantized_layers"), list):
         layers = {int(i) for i in meta["quantized_layers"]}
     else:

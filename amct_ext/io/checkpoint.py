@@ -41,7 +41,9 @@ ASCEND_INDEX_NAME = "quant_model_weights.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SCALE_SUFFIX = ".scale"
 WEIGHT_SUFFIX = ".weight"
-DEFAULT_SKIP = ("mtp.",)
+#: key prefixes load_prefix leaves out by default: none (a model that keeps extra layers, e.g. draft
+#: layers, out of an enclosing prefix passes their prefixes as ``skip_prefixes``)
+DEFAULT_SKIP: tuple[str, ...] = ()
 # safetensors dtype strings of weights that carry a ``.scale`` companion (FP8 block / MXFP4).
 QUANT_STORAGE = frozenset({"F8_E4M3", "I8", "U8", "F4"})
 
@@ -61,7 +63,7 @@ class LoadResult:
     loaded:     names in ``tensors`` (checkpoint order)
     missing:    expected names absent from the checkpoint (only non-empty with ``strict=False``)
     unexpected: names under the prefix the caller did not expect (not loaded; a warning is logged)
-    skipped:    full checkpoint keys deliberately ignored (``mtp.*``)
+    skipped:    full checkpoint keys deliberately ignored (under ``skip_prefixes``)
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -282,8 +284,8 @@ class CheckpointReader:
         tensor, a shape, or ``(shape, dtype)``. With it: a missing name raises CheckpointError
         (``strict``) or is recorded in ``missing``; a shape mismatch and an unsupported stored
         dtype raise; names under the prefix that are not expected are NOT loaded, are listed in
-        ``unexpected`` and logged as a warning. Keys under ``skip_prefixes`` (``mtp.``) are
-        recorded in ``skipped`` unless ``prefix`` itself asks for them.
+        ``unexpected`` and logged as a warning. Keys under ``skip_prefixes`` (e.g. a model's
+        extra layers, ``mtp.``) are recorded in ``skipped`` unless ``prefix`` itself asks for them.
 
         ``check_finite``: a NaN / Inf in any returned floating tensor raises CheckpointError
         naming the key and its shard (one device reduction per tensor, one host read per call).

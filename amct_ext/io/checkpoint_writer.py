@@ -16,19 +16,22 @@ def shard_file_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
+def layer_group(key: str) -> str:
+    """The shard group of ``key``: a numbered layer (``name.{i}.*``: the decoder layers
+    ``layers.{i}``, a model's extra layers such as ``mtp.{j}``) is one group, every other key
+    goes with its first name part (``embed``, ``norm``, ``head``)."""
+    parts = key.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else parts[0]
+
+
 def save_sharded(tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike, n_shards: int = 2,
                  group_of=None) -> Path:
-    """Split ``tensors`` over ``n_shards`` files, keeping tensors of one group (default: one decoder
-    layer, ``layers.{i}.``) in one shard like the release, and write the index last (atomically), so a
-    half-written checkpoint has no index."""
+    """Split ``tensors`` over ``n_shards`` files, keeping tensors of one group (default: one
+    numbered layer, :func:`layer_group`) in one shard like the release, and write the index last
+    (atomically), so a half-written checkpoint has no index."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-
-    def default_group(key: str) -> str:
-        parts = key.split(".")
-        return ".".join(parts[:2]) if parts[0] in ("layers", "mtp") else parts[0]
-
-    group_of = group_of or default_group
+    group_of = group_of or layer_group
     groups: dict[str, list[str]] = {}
     for key in tensors:
         groups.setdefault(group_of(key), []).append(key)

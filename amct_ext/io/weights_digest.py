@@ -32,7 +32,6 @@ from .shard_headers import ShardHeader, read_header
 
 CHUNK_BYTES = 16 * 2 ** 20
 LAYER_PREFIX = "layers."
-MTP_PREFIX = "mtp."
 
 
 @dataclass
@@ -61,10 +60,13 @@ def tensor_digest(path: Path, key: str, dtype: str, shape: Sequence[int], start:
     return h.hexdigest()
 
 
-def weight_groups(weight_map: Mapping[str, str], prefixes: Sequence[tuple[str, str]]) -> list[tuple[str, list[str]]]:
+def weight_groups(weight_map: Mapping[str, str], prefixes: Sequence[tuple[str, str]],
+                  extra_prefixes: Sequence[str] = ()) -> list[tuple[str, list[str]]]:
     """[("stem", keys outside every layer), (name, keys under prefix) ...] in the given order;
-    ``prefixes``: (group name, key prefix) of each layer the run may build, in run order."""
-    stem = sorted(k for k in weight_map if not k.startswith((LAYER_PREFIX, MTP_PREFIX)))
+    ``prefixes``: (group name, key prefix) of each layer the run may build, in run order;
+    ``extra_prefixes``: key prefixes of the model's extra layers (``mtp.``), never stem even
+    when the run does not build them."""
+    stem = sorted(k for k in weight_map if not k.startswith((LAYER_PREFIX, *extra_prefixes)))
     out = [("stem", stem)]
     for name, prefix in prefixes:
         out.append((name, sorted(k for k in weight_map if k.startswith(prefix))))

@@ -189,7 +189,7 @@ class _JobRun:
             self.mtp_report = evaluate_mtp(adapter, self.windows, self.eval_cfg, self.spec.scheme,
                                            self.spec.targets, pdir)
             if self.mtp_report is not None:
-                print(f"mtp: {self.mtp_report}", flush=True)
+                print(f"{adapter.extra_layers or 'extra layers'}: {self.mtp_report}", flush=True)
 
     def report(self, adapter, t_start: float) -> dict[str, Any]:
         """report.json (the keys in their order of old)."""
@@ -221,7 +221,8 @@ class _JobRun:
                        "loss_after": u.loss_after, "seconds": u.seconds, "n_calls": u.n_calls,
                        "resumed": u.resumed, "stats": u.stats} for u in self.units],
             "evaluations": self.evals,
-            "mtp": self.mtp_report,
+            # the MTP evaluation, under the model's name for its extra layers (V4: "mtp")
+            adapter.extra_layers or "extra_layers": self.mtp_report,
             "unobserved_static_quantizers": self.unobserved,
             "ptq_runtime": {"capture_memory_gb": job.runtime.capture_memory_gb, "sharded": job.runtime.sharded_ptq,
                             "hessian_memory_gb": job.runtime.hessian_memory_gb,
@@ -272,6 +273,7 @@ def export_after_run(job: PtqJob) -> dict[str, Any]:
     """``--export``: the finished run exported into OUTPUT/export-FORMAT (rank 0 alone: the
     other ranks have returned, so the export must not start a group)."""
     from ..export.export_format import finished_export
+    from ..export.exporter import SUMMARY_FIELDS
     from ..export.job import ExportRequest, export_run
 
     eout = job.export.out_dir
@@ -283,7 +285,7 @@ def export_after_run(job: PtqJob) -> dict[str, Any]:
                          overwrite=complete, dequantize_rest=job.export.dequantize_rest,
                          progress=not job.runtime.quiet)
     return {k: v for k, v in export_run(ereq, allow_distributed=False).items()
-            if k in ("out_dir", "format", "mtp", "seconds", "bytes_written")}
+            if k in SUMMARY_FIELDS}
 
 
 __all__ = ["run_job", "export_after_run"]

@@ -37,7 +37,9 @@ class ResumeGuard:
         if reader is not None and getattr(reader, "weight_map", None):
             main = [i for i in range(0, max([i for i in layers if i < adapter.num_layers], default=-1) + 1)]
             ids = main + [i for i in layers if i >= adapter.num_layers]
-            groups = weight_groups(reader.weight_map, [(f"layer {i}", layer_key_prefix(adapter, i)) for i in ids])
+            extra = (f"{adapter.extra_layers}.",) if adapter.extra_layers else ()
+            groups = weight_groups(reader.weight_map, [(f"layer {i}", layer_key_prefix(adapter, i)) for i in ids],
+                                   extra)
             self.digest = WeightsDigest(reader.root, reader.weight_map, groups).start()
             # a run that ends in an exception never calls close(): the thread stops with the guard
             weakref.finalize(self, self.digest.close)

@@ -540,7 +540,7 @@ class _PtqRun:
     @classmethod
     def start(cls, adapter: BaseModel, spec: PtqSpec, output_dir: str | Path, layers: range | None,
               calib_windows: torch.Tensor | None, runtime: PtqRuntime | None, part: "LayerSlice | None",
-              mtp: bool) -> "_PtqRun":
+              extra_layers: bool) -> "_PtqRun":
         spec = spec.resolved()
         cfg, recipe = spec.calibration, spec.recipe
         runtime = runtime or PtqRuntime()
@@ -571,7 +571,7 @@ class _PtqRun:
             with ph.phase("embed"):
                 calib = embed_stream(adapter, calib_windows, cfg.batch_size)
         stage.start(calib)
-        mtp_ids = mtp_layers(adapter, layers) if mtp else []
+        mtp_ids = mtp_layers(adapter, layers) if extra_layers else []
         # finished units are taken only when whole and computed from these weights (resume_guard)
         resume = ResumeGuard(adapter, output_dir, [*range(layers.stop), *mtp_ids])
         settings = SolveSettings(unit_recipe, cfg.seed, adapter.run.dtype, spec.holdout, spec.guard, spec.propagate,
@@ -643,11 +643,11 @@ class _PtqRun:
 def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path, *,
                       layers: range | None = None, calib_windows: torch.Tensor | None = None,
                       runtime: PtqRuntime | None = None, part: LayerSlice | None = None,
-                      mtp: bool = True) -> PtqResult:
+                      extra_layers: bool = True) -> PtqResult:
     """Quantize every unit of ``layers`` with ``spec``'s recipe (``PtqSpec``: scheme, targets,
     calibration, recipe, propagation, holdout, guard) and save its parameters under
     OUTPUT/ptq_params. ``runtime`` (``PtqRuntime``): memory budgets, sharded layers, phase timer,
-    progress hook; ``part`` (``LayerSlice``): a layer range of a larger (torchrun) run; ``mtp``:
+    progress hook; ``part`` (``LayerSlice``): a layer range of a larger (torchrun) run; ``extra_layers``:
     a run ending at the model's last layer quantizes the adapter's MTP layer next, on inputs
     built from the last layer's outputs.
 
@@ -656,7 +656,7 @@ def run_blockwise_ptq(adapter: BaseModel, spec: PtqSpec, output_dir: str | Path,
     the unit recipe solves; the block stage (``block_stage``) tunes the layer as a whole when the
     recipe ends with a block-level algorithm; the units are written; the next layer's inputs are
     the float layer's output (propagate float) or the solved layer's (quant)."""
-    run = _PtqRun.start(adapter, spec, output_dir, layers, calib_windows, runtime, part, mtp)
+    run = _PtqRun.start(adapter, spec, output_dir, layers, calib_windows, runtime, part, extra_layers)
     ph, stage = run.phases, run.stage
     calib = run.take_stream()
     for i in _tqdm(run.layer_ids, desc="ptq layers", disable=not adapter.run.progress):

@@ -313,6 +313,22 @@ class QuantGatedMLP(nn.Module):
     def projection(self, role: str) -> QuantLinear:
         return getattr(self, self.PROJECTIONS[role])
 
+    @property
+    def clamp_limit(self) -> float:
+        """The unit's own clamp of the up projection's output, ``|up| <= limit`` (and the gate's
+        ``<= limit``); 0: none. A model whose MLP clamps overrides it."""
+        return 0.0
+
+    def channel_clamp(self) -> torch.Tensor | None:
+        """A per-channel limit ([intermediate] fp32) that replaces :attr:`clamp_limit` after the up
+        projection's rows were scaled (smoothing into the down projection), or None: the unit's
+        own clamp applies. This class has no clamp: always None."""
+        return None
+
+    def set_channel_clamp(self, limit: torch.Tensor | None) -> None:
+        """Set (or with None drop) the per-channel limit of :meth:`channel_clamp`; a unit without
+        a clamp ignores it."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (self.projection(r) for r in ("gate", "up", "down"))
         return down(self.act_fn(gate(x)) * up(x))

@@ -1,12 +1,15 @@
 """Quantization config objects, built-in schemes and quant targets.
 
 A scheme says *how* tensors are quantized; the quant targets say *which* parts of the model
-(``attn-linear``, ``attn-linear-all``, ``attn-cache``, ``moe``) a run applies it to.
+(``attn-linear``, ``attn-cache``, ``moe``, and the wider targets a model declares) a run
+applies it to.
 
-``attn-linear`` is the attention linears the serving engines quantize; ``attn-linear-all`` a
-wider selection (AMCT's: every attention linear the model has) quantized with the same specs
-(the scheme's ``attn-linear`` key). Which modules each name selects is the model's business
-(DeepSeek-V4: ``models/deepseek_v4/serving.py``); the two are alternatives, never given together.
+``attn-linear`` is the attention linears the serving engines quantize. A model may declare a
+wider selection (``ModelBinding.wider_targets``, registered with :func:`register_wider_target`;
+DeepSeek-V4's ``attn-linear-all``: AMCT's every attention linear the model has) quantized with
+the same specs (the scheme's ``attn-linear`` key). Which modules each name selects is the
+model's business (``models/deepseek_v4/serving.py``); a wider target and the one it widens are
+alternatives, never given together.
 
 Scheme file format (JSON; YAML with the same keys when PyYAML is installed)::
 
@@ -47,13 +50,32 @@ IDENTITY_INT_BITS = 16
 
 LINEAR_TARGETS = ("attn-linear", "moe")
 CACHE_TARGET = "attn-cache"
-#: Canonical order; parse_targets returns targets in this order so fingerprints are stable.
-VALID_TARGETS = ("attn-linear", "attn-linear-all", "attn-cache", "moe")
-#: target name -> the scheme key whose specs it uses (targets that select a different module set
-#: with the specs of another one)
-SPEC_KEY_OF = {"attn-linear-all": "attn-linear"}
-#: targets that exclude each other (one is a superset of the other)
-EXCLUSIVE_TARGETS = (("attn-linear", "attn-linear-all"),)
+#: the framework's own targets in canonical order (``valid_targets`` adds the models' wider ones)
+BASE_TARGETS = ("attn-linear", "attn-cache", "moe")
+#: wider target -> the linear target whose specs it uses and whose modules it contains (a model's
+#: wider selection, ``ModelBinding.wider_targets``, see :func:`register_wider_target`); the two
+#: exclude each other
+_WIDER: dict[str, str] = {}
+
+
+def register_wider_target(name: str, spec_key: str) -> None:
+    """Make ``name`` a target: a wider module set than the linear target ``spec_key`` (a model's
+    selection, e.g. every attention linear it has), quantized with ``spec_key``'s specs."""
+    if spec_key not in LINEAR_TARGETS or name in BASE_TARGETS or not name:
+        raise QuantConfigError(f"wider target {name!r}: must widen one of {', '.join(LINEAR_TARGETS)} "
+                               f"under a name of its own, got {spec_key!r}")
+    _WIDER[name] = spec_key
+
+
+def wider_targets() -> dict[str, str]:
+    """The registered wider targets: name -> the linear target whose specs it uses."""
+    return dict(_WIDER)
+
+
+def valid_targets() -> tuple[str, ...]:
+    """Every target name in canonical order (parse_targets returns targets in this order, so
+    fingerprints are stable): each wider target right after the one it widens."""
+    return tuple(t for base in BASE_TARGETS for t in (base, *(w for w, k in _WIDER.items() if k == base)))
 _SPEC_KEYS = ("format", "bits", "symmetric", "granularity", "group_size", "block_size", "dynamic", "scale_format")
 #: how an fp8 scale is stored: any float, or a power of two (ue8m0, DeepSeek's released FP8 blocks)
 SCALE_FORMATS = ("float", "ue8m0")
@@ -279,8 +301,8 @@ class QuantScheme:
         return hash((self.name, self.description, self.fingerprint()))
 
     def target(self, name: str) -> TargetScheme:
-        """Specs of a linear target ('attn-linear' or 'moe'; 'attn-linear-all' has attn-linear's)."""
-        name = SPEC_KEY_OF.get(name, name)
+        """Specs of a linear target ('attn-linear' or 'moe'; a wider target has its base's)."""
+        name = _WIDER.get(name, name)
         if name not in LINEAR_TARGETS:
             raise QuantConfigError(f"{name!r} is not a linear target; valid: {', '.join(LINEAR_TARGETS)}")
         return self.targets[name]
@@ -299,7 +321,7 @@ class QuantScheme:
         if idle:
             raise QuantConfigError(
                 f"scheme {self.name!r} quantizes nothing for target(s) {', '.join(idle)}; "
-                f"it covers: {', '.join(t for t in VALID_TARGETS if self.quantizes(t)) or 'nothing'}")
+                f"it covers: {', '.join(t for t in valid_targets() if self.quantizes(t)) or 'nothing'}")
         return targets
 
     def to_dict(self) -> dict[str, Any]:
@@ -402,32 +424,33 @@ def parse_targets(targets: "str | Iterable[str]") -> list[str]:
         items = targets.split(",")
     else:
         items = list(targets)
+    valid = valid_targets()
     names = []
     for raw in items:
         if not isinstance(raw, str):
-            raise QuantConfigError(f"quant target {raw!r} must be a string; valid: {', '.join(VALID_TARGETS)}")
+            raise QuantConfigError(f"quant target {raw!r} must be a string; valid: {', '.join(valid)}")
         t = raw.strip().lower()
         if not t:
             continue
         if t == "mlp":
             raise QuantConfigError("quant target 'mlp' does not exist: DeepSeek-V4 has MoE layers, use 'moe'")
-        if t not in VALID_TARGETS:
-            raise QuantConfigError(f"unknown quant target {t!r}; valid: {', '.join(VALID_TARGETS)}")
+        if t not in valid:
+            raise QuantConfigError(f"unknown quant target {t!r}; valid: {', '.join(valid)}")
         names.append(t)
     if not names:
-        raise QuantConfigError(f"no quant target given; valid: {', '.join(VALID_TARGETS)}")
-    for group in EXCLUSIVE_TARGETS:
+        raise QuantConfigError(f"no quant target given; valid: {', '.join(valid)}")
+    for group in ((key, wide) for wide, key in _WIDER.items()):
         given = [t for t in group if t in names]
         if len(given) > 1:
             raise QuantConfigError(f"quant targets {' and '.join(given)} exclude each other "
                                    f"({group[-1]} already contains {group[0]}); give one")
-    return [t for t in VALID_TARGETS if t in names]
+    return [t for t in valid if t in names]
 
 
 
 def spec_targets(targets: Iterable[str]) -> list[str]:
     """``targets`` with each name replaced by the scheme key whose specs it uses
-    (``attn-linear-all`` -> ``attn-linear``): for code that describes what specs a run applies
-    (export configs, plans) rather than which modules."""
-    out = [SPEC_KEY_OF.get(t, t) for t in parse_targets(targets)]
-    return [t for t in VALID_TARGETS if t in out]
+    (a wider target -> the one it widens, V4: ``attn-linear-all`` -> ``attn-linear``): for code
+    that describes what specs a run applies (export configs, plans) rather than which modules."""
+    out = [_WIDER.get(t, t) for t in parse_targets(targets)]
+    return [t for t in valid_targets() if t in out]

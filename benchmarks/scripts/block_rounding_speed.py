@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Block-wise rounding at real size: one V4-Flash ratio-4 layer (and one V4-Pro layer) on one
 H200, every run the main job's own path (bench_ptq -> run_ptq) at 128 x 2048 calibration, each
-run whole (no projection). Renders the table of RESULTS' block-rounding speed section from the
-run folders benchmarks/gpu/h200_2026-12-04_blockround/call*/ (benchmarks/scripts/h200_block_rounding.sh).
+run whole (no projection). Renders the table of benchmarks/results/block-rounding.md §1 (RESULTS §2 quotes its summary) from the
+run folders benchmarks/gpu/h200_2026-12-04_blockround/call*/ and h100_2026-12-06_blockround/call*/
+(benchmarks/scripts/h200_block_rounding.sh), and the default's medians over its repeats.
 
     python benchmarks/scripts/block_rounding_speed.py [--check-results]
 
@@ -11,20 +12,22 @@ device synchronisation), a step's floors (bench_ptq.block_step_floors: the layer
 backward + recomputed-forward FLOPs over the measured bf16 matmul rate; the bytes of weights,
 offsets, fake-quant weights and their gradients over the measured copy bandwidth), each phase's
 seconds, capture + solve, the whole layer, the device peak and the host anonymous peak (the
-run's own PhaseTimer accounting). ``--check-results``: exit 1 unless RESULTS.md carries exactly
-the rendered table between its markers.
+run's own PhaseTimer accounting). ``--check-results``: exit 1 unless results/block-rounding.md
+carries exactly the rendered table between its markers and RESULTS.md the summary sentence.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = REPO / "benchmarks" / "gpu"
 GIB = 2 ** 30
+DOC = REPO / "benchmarks" / "results" / "block-rounding.md"
 BEGIN, END = "<!-- block-rounding-speed:begin -->", "<!-- block-rounding-speed:end -->"
 H200, H100 = "h200_2026-12-04_blockround", "h100_2026-12-06_blockround"
 #: (tag, card folder under benchmarks/gpu, call folder, what it is)
@@ -38,7 +41,25 @@ RUN_ORDER = [
     ("D100", H100, "call4", "H100; the default (float16 offsets, 100 steps), first run of the machine"),
     ("D100b", H100, "call4", "H100; the default, second run (warm page cache and kernels)"),
     ("D100w3", H100, "call4", "H100; the default at w3a16-g128, third run"),
+    ("E1", H100, "call5", "H100 (machine 2); the default, first run (the stream leak, casebook i34-8)"),
+    ("E2", H100, "call5", "H100 (machine 2); the default, second run (the stream leak)"),
+    ("NR", H100, "call5", "H100 (machine 2); the default without recompute (`recompute=false`)"),
+    ("W8BR", H100, "call5", "H100 (machine 3); block-wise rounding at w4a8, first run (leak fixed)"),
+    ("E3", H100, "call5", "H100 (machine 3); the default, second run"),
+    ("W8BR2", H100, "call5", "H100 (machine 3); w4a8, third run"),
+    ("E4", H100, "call5", "H100 (machine 3); the default, fourth run"),
+    ("E5", H100, "call6", "H100 (machine 4); the default, first run"),
+    ("E6", H100, "call6", "H100 (machine 4); the default, second run"),
+    ("W8BR3", H100, "call6", "H100 (machine 4); w4a8, third run"),
 ]
+#: the default at w4a16-g128 (BLOCKROUND_DEFAULT): runs in a machine's first run (cold page cache)
+#: and warm runs (the checkpoint read before); the headline is the median of the warm runs; w4a8's
+#: default (the same recipe) over its warm runs
+W4A8_WARM_RUNS = ("W8BR2", "W8BR3")
+DEFAULT_FIRST_RUNS = ("D100", "E1", "E5")
+DEFAULT_WARM_RUNS = ("D100b", "E2", "E3", "E4", "E6")
+#: runs measured before the stream-leak fix (casebook i34-8): over the host bound
+BEFORE_STREAM_FIX = ("E1", "E2", "NR")
 _STEPS = re.compile(r"blockround layer \d+: (\d+) steps, ([0-9.]+) s a step")
 _ALGO = re.compile(r"--algo (\S+)")
 _OOM = re.compile(r"OutOfMemoryError")
@@ -95,21 +116,54 @@ def render(rs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def default_summary(rs: list[dict]) -> dict:
+    """The default's headline figures: medians (min - max) of capture + solve and of the step over
+    its warm runs, its first runs, and the step over every run of the default."""
+    by = {r["tag"]: r for r in rs}
+
+    def stat(tags, key):
+        v = sorted(by[t][key] for t in tags)
+        return {"median": statistics.median(v), "min": v[0], "max": v[-1], "n": len(v)}
+
+    return {"w4a8_warm_capture_solve_s": stat(W4A8_WARM_RUNS, "capture_solve_s"),
+            "warm_capture_solve_s": stat(DEFAULT_WARM_RUNS, "capture_solve_s"),
+            "warm_layer_s": stat(DEFAULT_WARM_RUNS, "layer_s"),
+            "warm_device_gib": stat(DEFAULT_WARM_RUNS, "device_gib"),
+            "first_capture_solve_s": stat(DEFAULT_FIRST_RUNS, "capture_solve_s"),
+            "step_s": stat(DEFAULT_WARM_RUNS + DEFAULT_FIRST_RUNS, "step_s")}
+
+
+def render_summary(sm: dict) -> str:
+    def f(d, spec):
+        return f"{format(d['median'], spec)} ({format(d['min'], spec)} - {format(d['max'], spec)}, n={d['n']})"
+
+    return ("The default at w4a16-g128 on the H100, median (min - max): capture + solve "
+            f"{f(sm['warm_capture_solve_s'], '.1f')} s warm, {f(sm['first_capture_solve_s'], '.1f')} s in a "
+            f"machine's first run; one step {f(sm['step_s'], '.3f')} s. At w4a8: "
+            f"{f(sm['w4a8_warm_capture_solve_s'], '.1f')} s warm.")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check-results", action="store_true")
     a = ap.parse_args(argv)
-    table = render(rows())
+    rs = rows()
+    summary = render_summary(default_summary(rs))
+    table = render(rs) + "\n\n" + summary
     if not a.check_results:
         print(table)
         return 0
-    text = (REPO / "benchmarks" / "RESULTS.md").read_text()
+    # the whole table lives in the question's results file; the RESULTS index quotes the summary
+    text = DOC.read_text()
     if BEGIN not in text or END not in text:
-        print(f"RESULTS.md has no {BEGIN} ... {END} block")
+        print(f"{DOC.name} has no {BEGIN} ... {END} block")
         return 1
     quoted = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
     if quoted != table:
-        print("RESULTS.md's block-rounding speed table differs from the runs; rendered:\n" + table)
+        print(f"{DOC.name}'s block-rounding speed table differs from the runs; rendered:\n" + table)
+        return 1
+    if summary not in " ".join((REPO / "benchmarks" / "RESULTS.md").read_text().split()):
+        print("RESULTS.md does not quote the default's summary:\n" + summary)
         return 1
     print("ok")
     return 0

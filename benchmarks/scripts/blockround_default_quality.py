@@ -51,6 +51,34 @@ def _report(folder: Path) -> dict | None:
             "ptq_wall_s": rep["ptq_wall_s"]}
 
 
+def collect_before(before: Path) -> dict:
+    """Seed 0, whole split, of the defaults these replaced: ``before/old-<scheme>`` (run on a checkout
+    of main ba169f2 with the same command, no --algo: that commit's default recipe)."""
+    from amct_ext.algorithms.recipe import recipe_label
+
+    out = {}
+    for s in SCHEMES:
+        rec = _report(before / f"old-{s}")
+        if rec is None:
+            continue
+        assert (rec["windows"], rec["first_window"], rec["seed"]) == (1487, 0, 0), (s, rec)
+        out[s] = {"ppl": rec["ppl"], "recipe": recipe_label(rec["recipe"]) + "@" + rec["propagate"],
+                  "source": "main ba169f2's default"}
+    return out
+
+
+BEFORE_BEGIN, BEFORE_END = "<!-- blockround-before-after:begin -->", "<!-- blockround-before-after:end -->"
+
+
+def render_before_after(rec: dict) -> str:
+    lines = [BEFORE_BEGIN, "| scheme | before (recipe) | after | change |", "| --- | ---: | ---: | ---: |"]
+    for s, b in rec.get("before", {}).items():
+        after = rec["cells"][s]["ours100"]["0"]["all"]["ppl"]
+        lines.append(f"| {s} | {b['ppl']:.4f} (`{b['recipe']}`) | {after:.4f} | {100 * (after / b['ppl'] - 1):+.2f} % |")
+    lines.append(BEFORE_END)
+    return "\n".join(lines)
+
+
 def collect(runs: Path) -> dict:
     from amct_ext.runtime.host import cpu_class
     rerun = json.loads(RERUN.read_text())
@@ -115,18 +143,18 @@ def _pct(a: float | None, b: float | None) -> str:
 def render(rec: dict) -> str:
     lines = [BEGIN,
              "| scheme | auto-round, all, seeds 0 / 1 / 2 | auto-round, mean | default (`ours100`), all, seeds 0 / 1 / 2 "
-             "| default, mean (vs auto-round) | `--recipe best` (`best200`), all, seed 0 (vs auto-round, seed 0) "
-             "| default, windows 0-63, seed 0 (limit) | default, dev 64-127, seed 0 |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+             "| default, mean (vs auto-round) | `--recipe best` (`best200`), all, seeds 0 / 1 / 2 "
+             "| best, mean (vs auto-round) | default, windows 0-63, seed 0 (limit) | default, dev 64-127, seed 0 |",
+             "| --- | --- | ---: | --- | ---: | --- | ---: | ---: | ---: |"]
     for s, c in rec["cells"].items():
         ar, ours, best = c["ar"], c["ours100"], c["best200"]
         per = lambda d, view=None: " / ".join(_f(v) for v in seed_values(d, view))
         m_ar, m_ours = mean(ar), mean(ours, "all")
-        b0, ar0 = seed_values(best, "all")[0], seed_values(ar)[0]
+        m_best = mean(best, "all")
         r64 = ours.get("0", {}).get("reported", {}).get("ppl")
         d64 = ours.get("0", {}).get("dev", {}).get("ppl")
         lines.append(f"| {s} | {per(ar)} | {_f(m_ar)} | {per(ours, 'all')} | {_f(m_ours)}{_pct(m_ours, m_ar)} "
-                     f"| {_f(b0)}{_pct(b0, ar0)} | {_f(r64)} ({TURN3_LIMITS[s]}) | {_f(d64)} |")
+                     f"| {per(best, 'all')} | {_f(m_best)}{_pct(m_best, m_ar)} | {_f(r64)} ({TURN3_LIMITS[s]}) | {_f(d64)} |")
     lines.append(END)
     return "\n".join(lines)
 
@@ -135,17 +163,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--collect", type=Path, metavar="RUNS_DIR", help="build the JSON record from run folders")
     ap.add_argument("--check", type=Path, metavar="FILE", help="exit 1 unless FILE carries the rendered table")
+    ap.add_argument("--before", type=Path, metavar="DIR", help="--collect: also the replaced defaults' runs (old-<scheme>)")
     args = ap.parse_args(argv)
     if args.collect:
         if not args.collect.is_dir():
             print(f"error: --collect: {args.collect} is not a folder", file=sys.stderr)
             return 2
-        RECORD.write_text(json.dumps(collect(args.collect), indent=1) + "\n")
+        rec = collect(args.collect)
+        if args.before:
+            rec["before"] = collect_before(args.before)
+        RECORD.write_text(json.dumps(rec, indent=1) + "\n")
         print(f"wrote {RECORD}")
     rec = json.loads(RECORD.read_text())
-    table = render(rec)
+    tables = [render(rec)] + ([render_before_after(rec)] if rec.get("before") else [])
+    table = "\n\n".join(tables)
     if args.check:
-        ok = table in args.check.read_text(encoding="utf-8")
+        text = args.check.read_text(encoding="utf-8")
+        ok = all(t in text for t in tables)
         print("ok" if ok else f"{args.check}: the table differs from the rendered record")
         return 0 if ok else 1
     print(table)

@@ -145,6 +145,8 @@ def _quiet_partial_loads() -> Iterator[None]:
 class DeepseekV4Adapter(BaseModel):
     """Blockwise access to a DeepSeek-V4 checkpoint folder (V4-Flash, V4-Pro, tiny)."""
 
+    extra_layers = mtp.MTP_NAME
+
     def __init__(self, run: RunConfig):
         super().__init__(run)
         check_config_fields(self.model_path)

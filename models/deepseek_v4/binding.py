@@ -17,6 +17,21 @@ class V4Binding(ModelBinding):
     model_type = "deepseek_v4"
     #: the pairs of QuantV4Attention / QuantV4Expert.smoothing_subgraphs (quant_module.py)
     smoothing_pairs = ("attn_norm", "q_norm", "wo_a", "w3")
+    #: AMCT's every attention linear (also wo_a, the compressors, the indexer's weights_proj;
+    #: quant_module.py), with attn-linear's specs
+    wider_targets = {"attn-linear-all": "attn-linear"}
+    #: the MTP layers ``mtp.{j}.*`` (mtp.py)
+    extra_layers = "mtp"
+    #: QuantV4Expert.PROJECTIONS (quant_module.py)
+    gated_projections = {"gate": "w1", "up": "w3", "down": "w2"}
+    #: the regexes match the module names of the three loaders: the release's flat names
+    #: (``layers.0.attn.wq_a``), vLLM's after its WeightsMapper (``model.layers.0.attn.fused_wqa_wkv``,
+    #: ``...attn.mla_attn.compressor...``, the FusedMoE ``...ffn.experts``) and transformers' renames
+    #: (``model.layers.0.self_attn.q_a_proj``, ``...mlp.experts``, ``...mlp.shared_experts.down_proj``)
+    module_patterns = {"attn-linear": (r"re:.*\.(attn|self_attn)\..*",),
+                       "moe": (r"re:.*\.(ffn|mlp)\.(experts|shared_experts)(\..*)?$",)}
+    #: never quantized by this tool (heads, router, the MTP layer's projections)
+    unquantized_modules = ("head", "lm_head", r"re:.*\.(ffn|mlp)\.gate$", r"re:.*mtp\.\d+\.(e_proj|h_proj|head)$")
 
     def check_config(self, model_path) -> None:
         from .adapter import check_config_fields
@@ -35,15 +50,10 @@ class V4Binding(ModelBinding):
         block, _ = load_block(reader, config, layer_idx, dtype, device, pack_experts=False)
         return block
 
-    def empty_layer(self, config, layer_id: int, dtype: torch.dtype | None = None) -> nn.Module:
-        from .loading import empty_block
+    def build_extra_layer(self, reader, config, j: int, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
+        from .mtp import load_complete_mtp_block
 
-        return empty_block(config, layer_id) if dtype is None else empty_block(config, layer_id, dtype)
-
-    def materialize_derived_buffers(self, block: nn.Module, device: torch.device) -> None:
-        from .loading import materialize_derived_buffers
-
-        materialize_derived_buffers(block, device)
+        return load_complete_mtp_block(reader, config, j, dtype, device)
 
     def quantize_block(self, block: nn.Module, scheme, targets: Sequence[str]) -> nn.Module:
         from . import quant_module

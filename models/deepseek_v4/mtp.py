@@ -28,6 +28,8 @@ from amct_ext.io.checkpoint import CheckpointReader
 from .configuration import DeepseekV4Config
 from .modeling import Block, Linear, RMSNorm, hc_head_logits
 
+#: the name of V4's extra layers: checkpoint keys ``mtp.{j}.*`` (``ModelBinding.extra_layers``)
+MTP_NAME = "mtp"
 #: mtp.{j}.<name> tensors besides its decoder block (head / emb.tok_emb are optional)
 PROJECTION_KEYS = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
                    "hc_head_fn", "hc_head_base", "hc_head_scale")
@@ -100,6 +102,22 @@ def load_mtp_block(reader: CheckpointReader, config: DeepseekV4Config, layer_id:
     materialize_derived_buffers(block, device)
     assert_materialized(block, f"{mtp_prefix(config, layer_id)[:-1]} block")
     return block.eval()
+
+
+def load_complete_mtp_block(reader: CheckpointReader, config: DeepseekV4Config, j: int, dtype: torch.dtype,
+                            device: torch.device | str) -> Block | None:
+    """MTP layer ``j``'s decoder block (layer id n_layers + j) for the export, or None when the
+    config has no compress ratio for it or the checkpoint lacks some of its block tensors (the
+    tiny asset carries only e_proj / h_proj / norms): then its tensors are copied as released."""
+    from .loading import empty_block
+
+    lid = int(config.n_layers) + j
+    if len(config.compress_ratios) <= lid:
+        return None
+    prefix = mtp_prefix(config, lid)
+    if not all(reader.has(prefix + n) for n in empty_block(config, lid, dtype).state_dict()):
+        return None
+    return load_mtp_block(reader, config, lid, dtype, device)
 
 
 def load_mtp_projections(reader: CheckpointReader, config: DeepseekV4Config, layer_id: int, dtype: torch.dtype,

@@ -455,6 +455,17 @@ class QuantV4Expert(PtqUnitMixin, QuantGatedMLP):
         # L / s_j: clamp(u / s, -L / s, L / s) == clamp(u, -L, L) / s (s > 0).
         self.register_buffer("up_limit", None, persistent=False)
 
+    # -- the activation clamp (GatedProjections): swiglu_limit, the per-channel up_limit ----------
+    @property
+    def clamp_limit(self) -> float:
+        return self.swiglu_limit
+
+    def channel_clamp(self) -> torch.Tensor | None:
+        return self.up_limit
+
+    def set_channel_clamp(self, limit: torch.Tensor | None) -> None:
+        self.up_limit = limit
+
     @property
     def quantized(self) -> bool:
         """True when any projection really quantizes (MoE then leaves its grouped float path)."""

@@ -138,7 +138,8 @@ def _vllm_ascend_profile(options: engine.ServeOptions) -> engine.EngineProfile:
         default_quantized=False,
         notes=("FLOAT modules are listed as FLOAT in quant_model_description.json",),
         facts={"ENGINE": ENGINE, "W4A8_PER_CHANNEL_ONLY": W4A8_PER_CHANNEL_ONLY,
-               "DESCRIPTION_NEEDS": DESCRIPTION_NEEDS, "CACHE_SOURCE": CACHE_SOURCE},
+               "DESCRIPTION_NEEDS": DESCRIPTION_NEEDS, "CACHE_SOURCE": CACHE_SOURCE,
+               "INT32_TENSORS": INT32_TENSORS},
         tp_rules=v4_shard_rules(ATTN_TP_SOURCE, MOE_TP_SOURCE, "per-rank slices of the weight and its scales"),
         tp_checks=(heads_and_groups_divide(ATTN_TP_SOURCE), w4a8_moe_tp),
         options=options)
@@ -151,6 +152,9 @@ W4A8_PER_CHANNEL_ONLY = "methods/w4a8.py:114-127"
 #: the V4 renaming of description keys (attn -> self_attn, w1 -> gate_proj, ...) runs only when the
 #: description has 'hc_head_fn' (modelslim_config.py:966); without it every lookup by vLLM name misses
 DESCRIPTION_NEEDS = ("hc_head_fn",)
+#: released integer tables the ModelSlim layout holds as int32: the hash router's token -> expert
+#: table, int64 in the release, int32 in msModelSlim 26.1's own output (tests/data/msmodelslim-26.1-tiny-v4)
+INT32_TENSORS = ("tid2eid",)
 #: the DSA attention caches are bf16 on A2/A3 (model.py:589-590); the C8 path is keyed on
 #: '*.k_proj.kv_cache_scale' tensors (modelslim_config.py:1042-1052), which V4 does not have
 CACHE_SOURCE = "model.py:589-590; quantization/modelslim_config.py:1042-1052"
