@@ -76,6 +76,11 @@ SCHEMES = {
     "w2a16-g64": {"weights": _W(2, False, "group", 64)},
 }
 ALGOS = ("gptq", "awq", "smoothquant+gptq")
+#: Algorithms run only when named (not in the default --algos). "gptq" above pins
+#: actorder=None (the project's own GPTQ has no activation ordering); "gptq-default" leaves
+#: every GPTQModifier knob at llm-compressor's default (0.14: block_size 128, dampening_frac
+#: 0.01, actorder "static" for group / channel weights), the peer "at its defaults".
+EXTRA_ALGOS = ("gptq-default",)
 
 # --------------------------------------------------------------------------- targets
 # Our default targets attn-linear + moe (models/deepseek_v4/quant_module.py) in transformers'
@@ -232,14 +237,16 @@ def load_tokenizer(model_path: Path):
 def recipe_spec(algo: str, scheme: str, indexer_layers=()) -> list[dict]:
     """The modifiers of one run as plain data (what goes into the JSON; built into objects
     by :func:`build_recipe` inside the peer venv)."""
-    if algo not in ALGOS:
-        _fail(f"unknown algorithm {algo!r}; valid: {', '.join(ALGOS)}")
+    if algo not in ALGOS + EXTRA_ALGOS:
+        _fail(f"unknown algorithm {algo!r}; valid: {', '.join(ALGOS + EXTRA_ALGOS)}")
     if scheme not in SCHEMES:
         _fail(f"unknown scheme {scheme!r}; valid: {', '.join(SCHEMES)}")
     groups = {"group_0": {"targets": list(TARGETS), **SCHEMES[scheme]}}
     if algo == "gptq":
         return [{"modifier": "GPTQModifier", "config_groups": groups, "block_size": 128,
                  "dampening_frac": 0.01, "actorder": None}]
+    if algo == "gptq-default":
+        return [{"modifier": "GPTQModifier", "config_groups": groups}]
     if algo == "awq":
         return [{"modifier": "AWQModifier", "mappings": awq_mappings(indexer_layers), "duo_scaling": True,
                  "n_grid": 20},
@@ -428,7 +435,9 @@ def run_cell(args, scheme: str, algo: str, calib) -> dict:
     data = Dataset.from_dict({"input_ids": calib.tolist(),
                               "attention_mask": torch.ones_like(calib).tolist()})
     t1 = time.perf_counter()
-    oneshot(model=model, dataset=data, recipe=build_recipe(spec),
+    recipe = build_recipe(spec)
+    gptq = gptq_knobs(build_recipe(spec))   # on a copy: the run's own modifiers stay untouched
+    oneshot(model=model, dataset=data, recipe=recipe,
             num_calibration_samples=calib.shape[0], max_seq_length=calib.shape[1],
             shuffle_calibration_samples=False, pipeline=args.pipeline,
             moe_calibrate_all_experts=args.calibrate_all_experts)
@@ -440,7 +449,22 @@ def run_cell(args, scheme: str, algo: str, calib) -> dict:
             "vs_float_pct": 100.0 * (ppl / args._float_ppl - 1.0),
             "oneshot_s": round(t2 - t1, 2), "eval_s": round(t3 - t2, 2),
             "load_s": round(t1 - t0, 2), "quantized_modules": quantized_modules(model),
-            "recipe": spec, "pipeline": args.pipeline}
+            "recipe": spec, "pipeline": args.pipeline, **({"gptq_knobs": gptq} if gptq else {})}
+
+
+def gptq_knobs(recipe) -> dict:
+    """block_size, dampening_frac and actorder of the recipe's GPTQModifier as it ran (the
+    defaults it filled in included; actorder as the weights' resolved ordering); {} without GPTQ."""
+    for m in recipe:
+        if type(m).__name__ == "GPTQModifier":
+            try:   # read only; an llm-compressor without this method must not cost the cell
+                orders = sorted({str(getattr(g.weights, "actorder", None))
+                                 for g in m.resolve_quantization_config().config_groups.values() if g.weights})
+            except Exception as e:  # noqa: BLE001
+                orders = [f"unresolved: {type(e).__name__}: {e}"[:200]]
+            return {"block_size": m.block_size, "dampening_frac": m.dampening_frac,
+                    "actorder_modifier": str(m.actorder), "actorder_weights": orders}
+    return {}
 
 
 def peer_main(args) -> int:
@@ -805,8 +829,8 @@ def parse_args(argv):
         if s not in SCHEMES:
             ap.error(f"unknown scheme {s!r}; valid: {', '.join(SCHEMES)}")
     for a in args.algos:
-        if a not in ALGOS:
-            ap.error(f"unknown algorithm {a!r}; valid: {', '.join(ALGOS)}")
+        if a not in ALGOS + EXTRA_ALGOS:
+            ap.error(f"unknown algorithm {a!r}; valid: {', '.join(ALGOS + EXTRA_ALGOS)}")
     if args.json is None and not args.smoke:
         args.json = str(DEFAULT_JSON)
     return args

@@ -26,18 +26,46 @@ TESTBED = RESULTS / "release-testbed.json"
 SUMMARY = RESULTS / "release-testbed-peers.json"
 MD = RESULTS / "release-testbed-peers.md"
 # raw JSON of each peer script run on the dequantized release: peer label -> file
-RAW = {"auto-round": RESULTS / "release-testbed-peers-autoround.json"}
+RAW = {"auto-round": RESULTS / "release-testbed-peers-autoround.json",
+       "llm-compressor": RESULTS / "release-testbed-peers-llmcompressor.json"}
 # peers issue 35.2 names that have no cell here yet (listed on the page as not run)
 # `lscpu | grep 'Model name'` of the box the peer runs used (the raw JSON records only its class)
 MACHINE_MODEL = "AMD EPYC"
-NOT_RUN = ("llm-compressor 0.14 GPTQ", "msModelSlim V4 W8A8 / W4A8 recipes")
+NOT_RUN = ("msModelSlim V4 W8A8 / W4A8 recipes",)
+# what a peer's cell names mean, said under its table
+NOTES = {"llm-compressor": (
+    "`gptq-default` is llm-compressor's GPTQModifier at its own defaults (block 128, dampening 0.01, "
+    "actorder static: recorded per cell as `gptq_knobs` in the raw JSON); `gptq` pins actorder to None "
+    "as the issue-13 table did (the project's GPTQ has no activation ordering). Both use the project's "
+    "scheme (w4a16-g128: asymmetric int4, groups of 128, min-max; w8a8: symmetric int8 per channel, "
+    "dynamic per-token int8 activations, which for routed experts is one scale per tensor: "
+    "casebook/peer-llm-compressor.md P5) on the project's targets; 16 x 256 calibration windows, seed 0, "
+    "all experts calibrated (llm-compressor's default).",)}
 DEQUANTIZE = "python tools/dequantize_release.py --src assets/tiny-v4-release --out DEQ"
 
 
-def _command(raw_command: str, scheme: str | None) -> str:
-    """The peer script's recorded argv with the model folder named DEQ and, per cell, its scheme."""
+def _command(raw_command: str, scheme: str | None, algo: str | None = None, json_path: Path | None = None) -> str:
+    """The peer script's recorded argv with the model folder named DEQ and, per cell, its scheme
+    (and algorithm, for a peer with several); ``--json`` names the committed raw file (a run split
+    over processes wrote parts elsewhere and merged them into it)."""
     cmd = re.sub(r"--model \S+", "--model DEQ", "python benchmarks/" + raw_command.replace(str(REPO) + "/", ""))
+    if json_path is not None:
+        cmd = re.sub(r"--json \S+", f"--json {json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path}", cmd)
+    if algo is not None:
+        cmd = re.sub(r"--algos \S+", f"--algos {algo}", cmd)
     return cmd if scheme is None else re.sub(r"--schemes \S+", f"--schemes {scheme}", cmd)
+
+
+def _cell_key_and_scheme(key: str, cell: dict) -> tuple[str, str]:
+    """The summary's name of a raw cell and its scheme: auto-round keys cells by scheme,
+    peer_llmcompressor.py by ``scheme|algo`` (and records ``scheme``), shown as ``scheme algo``."""
+    scheme = cell.get("scheme", key.split("|")[0])
+    return key.replace("|", " "), scheme
+
+
+def _quantize_s(cell: dict) -> float:
+    """Wall time of the peer's quantization: auto-round's ``quantize_s``, llm-compressor's ``oneshot_s``."""
+    return cell["quantize_s"] if "quantize_s" in cell else cell["oneshot_s"]
 
 
 def _pct(ppl: float, ref: float) -> float:
@@ -55,22 +83,24 @@ def summarize(testbed: dict, raws: dict[str, dict]) -> dict:
            "peers": {}}
     for peer, raw in raws.items():
         f = raw["float"]
-        entry = {"command": _command(raw["command"], None),
+        entry = {"command": _command(raw["command"], None, json_path=RAW.get(peer)),
                  "versions": raw["versions"], "date": raw["date"], "machine": raw["machine"],
                  "eval_windows": raw["protocol"]["eval_windows"],
                  "eval_windows_sha256": raw["protocol"]["eval_windows_sha256"],
                  "float": {"ppl": f["ppl"], "vs_release_float_pct": _pct(f["ppl"], release)},
+                 "processes": max(1, len(raw.get("commands", []))),
                  "cells": {}}
-        for scheme, cell in raw["cells"].items():
+        for key, cell in raw["cells"].items():
+            name, scheme = _cell_key_and_scheme(key, cell)
             if "error" in cell:
-                entry["cells"][scheme] = {"error": cell["error"]}
+                entry["cells"][name] = {"error": cell["error"]}
                 continue
-            entry["cells"][scheme] = {"command": _command(raw["command"], scheme), "ppl": cell["ppl"], "vs_release_float_pct": _pct(cell["ppl"], release),
-                                      "vs_peer_float_pct": _pct(cell["ppl"], f["ppl"]),
-                                      "quantize_s": cell["quantize_s"]}
+            entry["cells"][name] = {"command": _command(raw["command"], scheme, cell.get("algo"), RAW.get(peer)), "ppl": cell["ppl"], "vs_release_float_pct": _pct(cell["ppl"], release),
+                                    "vs_peer_float_pct": _pct(cell["ppl"], f["ppl"]),
+                                    "quantize_s": _quantize_s(cell)}
             ours = testbed.get(f"{scheme}-default")   # the project's default on the same release, if run
             if ours is not None:
-                entry["cells"][scheme]["ours_default"] = {"ppl": ours["ppl"],
+                entry["cells"][name]["ours_default"] = {"ppl": ours["ppl"],
                                                           "vs_release_float_pct": _pct(ours["ppl"], release)}
         out["peers"][peer] = entry
     return out
@@ -111,7 +141,9 @@ def render_md(summary: dict) -> str:
              f"**{rf['ppl']:.3f}** (`{rf['command']}`, [release-testbed.json](release-testbed.json)).", ""]
     for peer, e in summary["peers"].items():
         v = e["versions"]
-        lines += [f"## {peer} {v.get(peer, '')}", "",
+        # the versions record names the package as pip does ("llmcompressor" for llm-compressor)
+        version = v.get(peer, v.get(peer.replace("-", ""), ""))
+        lines += [f"## {peer} {version}", "",
                   f"- Command (last run; each cell's is in the JSON): `{e['command']}` (DEQ = the folder above).",
                   f"- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + f"; {e['machine'].get('description', e['machine'])}, lscpu {MACHINE_MODEL}; "
                   f"{e['date']}; fp32, CPU, one thread, shared with other jobs (times are not comparable).",
@@ -119,7 +151,10 @@ def render_md(summary: dict) -> str:
                   f"same sha256 `{e['eval_windows_sha256'][:16]}...`).",
                   f"- Float check: transformers' DeepseekV4 on DEQ gives **{e['float']['ppl']:.3f}**, "
                   f"{e['float']['vs_release_float_pct']:+.5f} % from the release float "
-                  f"(relative {e['float']['vs_release_float_pct'] / 100:.1e}).", "",
+                  f"(relative {e['float']['vs_release_float_pct'] / 100:.1e}).",
+                  *([f"- Run split over {e['processes']} processes (one per cell, `--threads 1` each), the float "
+                     "check made once and copied into the other parts, merged with the script's `--merge`."]
+                    if e.get("processes", 1) > 1 else []), "",
                   "| scheme | PPL | vs release float | vs the peer's own float | quantize s | ours (default), vs release float |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for scheme, c in e["cells"].items():
@@ -130,7 +165,7 @@ def render_md(summary: dict) -> str:
             ours = f"{o['ppl']:.3f}, {o['vs_release_float_pct']:+.2f} %" if o else "not run"
             lines.append(f"| {scheme} | {c['ppl']:.3f} | {c['vs_release_float_pct']:+.2f} % | "
                          f"{c['vs_peer_float_pct']:+.2f} % | {c['quantize_s']:.0f} | {ours} |")
-        lines += ["", "`ours (default)` is the project's default recipe on the release itself "
+        lines += ["", *(x for n in NOTES.get(peer, ()) for x in (n, "")), "`ours (default)` is the project's default recipe on the release itself "
                   "(benchmarks/release_testbed.py's `SCHEME-default` cell, the same windows), for reading the "
                   "peer's number beside it.", ""]
     if NOT_RUN:
