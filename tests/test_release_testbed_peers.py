@@ -71,3 +71,9 @@ def test_results_index_quotes_the_auto_round_cells():
     quoted = " / ".join(f"{cells[s]['ppl']:.3f}" for s in order)
     assert f"w4a16-g128 / w4a16 / w3a16-g128 = {quoted}, behind our defaults at each" in (REPO / "benchmarks" / "RESULTS.md").read_text()
     assert all(cells[s]["ours_default"]["ppl"] < cells[s]["ppl"] for s in order)
+    llmc = peers["peers"]["llm-compressor"]["cells"]
+    gptq = [llmc[f"{s} gptq-default"]["ppl"] for s in ("w4a16-g128", "w8a8")]
+    text = (REPO / "benchmarks" / "RESULTS.md").read_text()
+    assert f"GPTQ at its defaults, w4a16-g128 / w8a8 = {gptq[0]:.3f} / {gptq[1]:.3f}, behind ours" in text
+    testbed = json.loads((REPO / "benchmarks" / "results" / "release-testbed.json").read_text())
+    assert testbed["w4a16-g128-default"]["ppl"] < gptq[0] and testbed["w8a8-default"]["ppl"] < gptq[1]
