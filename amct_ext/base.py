@@ -511,12 +511,13 @@ class BaseModel(abc.ABC):
     def mtp_block_inputs(self, layer_idx: int, hidden: Sequence[torch.Tensor], states: Sequence[dict[str, Any]]
                          ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
         """MTP layer ``layer_idx``'s inputs and per-sample states from the last decoder layer's
-        outputs ``hidden`` and the samples' states."""
-        raise NotImplementedError(f"{type(self).__name__} declares no MTP layer (mtp_layer_ids)")
+        outputs ``hidden`` and the samples' states. A model that lists MTP layers in
+        ``mtp_layer_ids`` overrides it; the base refuses in one line naming the model."""
+        raise _no_mtp_hook(self, "mtp_block_inputs")
 
     def mtp_logits(self, layer_idx: int, y: torch.Tensor) -> torch.Tensor:
-        """Logits of MTP layer ``layer_idx``'s output ``y``."""
-        raise NotImplementedError(f"{type(self).__name__} declares no MTP layer (mtp_layer_ids)")
+        """Logits of MTP layer ``layer_idx``'s output ``y`` (overridden like ``mtp_block_inputs``)."""
+        raise _no_mtp_hook(self, "mtp_logits")
 
     def layer_cost(self, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int) -> Any:
         """The cost of layer ``layer_idx`` (``layer_cost.LayerCost``) for the torchrun layer
@@ -612,3 +613,11 @@ class _StopAfter:
             h.remove()
         self.handles = []
         return exc_type is _SampleDone
+
+
+def _no_mtp_hook(adapter, hook: str) -> Exception:
+    from .errors import ModelContractError
+
+    ids = adapter.mtp_layer_ids()
+    return ModelContractError(f"{type(adapter).__name__}.{hook}: not implemented, but the model "
+                              + (f"lists MTP layers {ids} (mtp_layer_ids)" if ids else "declares no MTP layer (mtp_layer_ids)"))

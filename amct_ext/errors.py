@@ -30,6 +30,11 @@ class OutputError(AmctError):
     little free space for what the run will write."""
 
 
+class ModelContractError(AmctError, TypeError):
+    """A model port declares a capability (e.g. MTP layers) without the hook that serves it: named
+    with the model class and the hook, raised when the hook is reached."""
+
+
 def os_error_line(e: OSError, path: object = None) -> str:
     """One line for an OS error: the path (``path``, else the error's own file name) and the
     OS cause with its errno name, e.g. ``/out/ptq_params: Permission denied [EACCES]``."""

@@ -88,3 +88,22 @@ def test_v4_fulfils_the_unit_hooks_and_declares_its_pairs(tiny_adapter):
     # the names a recipe may give are exactly those the units offer
     assert set(names) == set(V4_BINDING.smoothing_pairs)
     assert set(V4_BINDING.smoothing_pairs) <= set(known_smoothing_pairs())
+
+
+def test_an_undeclared_mtp_hook_is_one_contract_error():
+    """A port listing MTP layers without their hooks gets one line naming the model and the hook
+    (a ModelContractError, not a bare NotImplementedError)."""
+    import pytest
+    import torch
+
+    from amct_ext.base import BaseModel
+    from amct_ext.errors import ModelContractError
+
+    class HalfPort:
+        def mtp_layer_ids(self):
+            return [4]
+
+    with pytest.raises(ModelContractError, match=r"HalfPort\.mtp_logits: not implemented, but the model lists MTP layers \[4\]"):
+        BaseModel.mtp_logits(HalfPort(), 4, torch.zeros(1))
+    with pytest.raises(ModelContractError, match=r"HalfPort\.mtp_block_inputs"):
+        BaseModel.mtp_block_inputs(HalfPort(), 4, [], [])
