@@ -32,6 +32,21 @@ def load_script(relpath: str, name: str | None = None):
     sys.modules.setdefault(name, mod)
     spec.loader.exec_module(mod)
     return mod
+def stored_tensors(folder) -> dict:
+    """Every tensor a sharded safetensors checkpoint folder stores, as stored (FP8 / FP4 codes and
+    scales undecoded), read through its model.safetensors.index.json."""
+    import json
+
+    from safetensors import safe_open
+
+    index = json.loads((Path(folder) / "model.safetensors.index.json").read_text())
+    out = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(Path(folder) / shard), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
 def run_interpreted(module: str, function: str = "interpreted_checks"):
     """``module.function()`` run in a child process under Triton's interpreter, its JSON result.
     TRITON_INTERPRET=1 must be set before Triton is imported: Triton's own library functions

@@ -18,7 +18,7 @@ from amct_ext.io.storage_formats import decode_fp4, decode_fp8_block
 from amct_ext.pipeline.perplexity import load_eval_text, tokenize_windows
 from models.deepseek_v4 import load_checkpoint_model
 from models.deepseek_v4.release_format import FP4_EXPERT, FP8_LINEAR
-from tests.conftest import REPO, WIKI_TEST_RAW, load_script
+from tests.conftest import REPO, WIKI_TEST_RAW, load_script, stored_tensors
 
 RELEASE = REPO / "assets" / "tiny-v4-release"
 BF16_TINY = REPO / "assets" / "tiny-v4"
@@ -27,13 +27,6 @@ tool = load_script("tools/dequantize_release.py", "dequantize_release_tool")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def stored_of(folder) -> dict[str, torch.Tensor]:
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    out = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        with safe_open(str(folder / shard), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +38,12 @@ def deq(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def release_tensors():
-    return stored_of(RELEASE)
+    return stored_tensors(RELEASE)
 
 
 def test_layout_is_the_bf16_tinys(deq):
     """Same keys, dtypes and shapes as assets/tiny-v4, the same config.json, the tokenizer files."""
-    ours, ref = stored_of(deq), stored_of(BF16_TINY)
+    ours, ref = stored_tensors(deq), stored_tensors(BF16_TINY)
     assert sorted(ours) == sorted(ref)
     for k, t in ref.items():
         assert (ours[k].dtype, ours[k].shape) == (t.dtype, t.shape), k
@@ -63,7 +56,7 @@ def test_layout_is_the_bf16_tinys(deq):
 def test_values_are_the_decoded_codes_exactly(deq, release_tensors):
     """Each FP8 / FP4 weight equals the project's decoder in fp32 exactly; every other tensor is
     the stored bytes."""
-    ours = stored_of(deq)
+    ours = stored_tensors(deq)
     n = 0
     for k, t in release_tensors.items():
         if k.endswith(".scale"):
@@ -124,7 +117,7 @@ def test_value_outside_bf16_is_refused_and_fp32_keeps_it(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'layers.0.attn.wq_a.weight'" in err and "--dtype fp32" in err and not (tmp_path / "b").exists()
     assert tool.main(["--src", str(src), "--out", str(tmp_path / "f"), "--dtype", "fp32"]) == 0
-    got = stored_of(tmp_path / "f")["layers.0.attn.wq_a.weight"]
+    got = stored_tensors(tmp_path / "f")["layers.0.attn.wq_a.weight"]
     want = decode_fp8_block(tensors["layers.0.attn.wq_a.weight"], tensors[key], dtype=torch.float32)
     assert got.dtype == torch.float32 and torch.equal(got, want) and (want != 0).any()
     assert not torch.equal(want.bfloat16().float(), want)

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from amct_ext.base import EvalConfig, RunConfig
 from amct_ext.io.storage_formats import decode_fp4, decode_fp8_block, encode_fp4, encode_fp8_block
@@ -17,7 +16,7 @@ from models.deepseek_v4 import load_checkpoint_model
 from models.deepseek_v4.adapter import DeepseekV4Adapter
 from models.deepseek_v4.cli import SHIPPED_TINIES
 from models.deepseek_v4.release_format import FP4_EXPERT, FP8_LINEAR
-from tests.conftest import REPO, WIKI_TEST_RAW
+from tests.conftest import REPO, WIKI_TEST_RAW, stored_tensors
 
 ASSET = REPO / "assets" / "tiny-v4-release"
 # The bf16 tiny's float PPL on the 64 reported windows (benchmarks/quality/headlines.json's reference,
@@ -32,18 +31,11 @@ EVAL64 = dict(seq_len=256, max_windows=64, batch_size=8, data_path=WIKI_TEST_RAW
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def stored_of(folder) -> dict[str, torch.Tensor]:
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    out = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        with safe_open(str(folder / shard), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")
 def tensors():
-    return stored_of(ASSET)
+    return stored_tensors(ASSET)
 
 
 def test_registered_under_its_model_name():
@@ -116,7 +108,7 @@ def test_release_float_ppl_is_pinned_and_near_the_bf16_tiny(tmp_path):
 
     bf16 = REPO / "assets" / "tiny-v4"
     model = load_checkpoint_model(bf16, dtype=torch.float32)
-    extra = {k: v for k, v in stored_of(bf16).items() if k.startswith("mtp.")}
+    extra = {k: v for k, v in stored_tensors(bf16).items() if k.startswith("mtp.")}
     write_release_checkpoint(model.state_dict(), model.config, tmp_path, fmt="fp8", extra=extra)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((bf16 / name).read_bytes())

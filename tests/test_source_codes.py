@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from amct_ext.algorithms.source_grid import is_kept, kept_result, split_kept, weights_on_target_grid
@@ -15,7 +14,7 @@ from amct_ext.pipeline.ptq_units import make_ptq_unit
 from amct_ext.pipeline.summary import format_summary, summarize_units
 from amct_ext.quant.quant_linear import QuantLinear
 from amct_ext.quant.schemes import load_scheme
-from tests.conftest import REPO
+from tests.conftest import REPO, stored_tensors
 
 ASSET = REPO / "assets" / "tiny-v4-release"
 
@@ -65,13 +64,6 @@ def test_split_keeps_order_and_the_summary_counts_kept_units():
     assert "source codes: 2 of 2 units (expert) keep the checkpoint's stored codes bit for bit" in format_summary(groups)
 
 
-def _tensors(folder):
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    out = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        with safe_open(str(folder / shard), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def _run(tmp_path, scheme: str, algo: str) -> tuple:
@@ -124,7 +116,7 @@ def test_mxfp4_run_from_the_release_keeps_the_released_expert_codes(tmp_path, ca
     others = [u for u in report["units"] if u["kind"] != "expert"]
     assert others and not any((u["stats"] or {}).get("kept_source_codes") for u in others)
     assert "source codes: 32 of 40 units (expert)" in printed
-    rel, n = _tensors(ASSET), 0
+    rel, n = stored_tensors(ASSET), 0
     for key, unit, leaf in _quantized_leaves(run, "mxfp4"):
         if unit.kind != "expert":
             continue
@@ -145,7 +137,7 @@ def test_fp8_block_ue8m0_run_from_the_release_keeps_every_released_code(tmp_path
     scheme = str(REPO / "benchmarks" / "schemes" / "fp8-block-ue8m0.json")
     run, report = _run(tmp_path, scheme, "clip")
     assert report["units_keeping_source_codes"] == len(report["units"]) == 40
-    rel, n = _tensors(ASSET), 0
+    rel, n = stored_tensors(ASSET), 0
     for key, unit, leaf in _quantized_leaves(run, scheme):
         got = leaf.export()
         if rel[key + ".weight"].dtype == torch.float8_e4m3fn:
@@ -186,7 +178,7 @@ def test_float_scaled_fp8_blocks_do_not_hold_the_release():
     from amct_ext.quant.schemes import TensorSpec
     from models.deepseek_v4.release_format import FP8_LINEAR
 
-    rel = _tensors(ASSET)
+    rel = stored_tensors(ASSET)
     plain = TensorSpec("fp8", granularity="block", block_size=(128, 128))
     pow2 = TensorSpec("fp8", granularity="block", block_size=(128, 128), scale_format="ue8m0")
     kept = total = exact = exact_pow2 = n = 0

@@ -40,12 +40,14 @@ TURN3_LIMITS = {"w3a16-g128": 279.2, "w2a16-g64": 326.2, "w4a16-g128": 276.09, "
 BEGIN, END = "<!-- blockround-default-quality:begin -->", "<!-- blockround-default-quality:end -->"
 
 
-def _report(folder: Path) -> dict | None:
+def run_view(folder: Path) -> dict | None:
+    """What a quality record keeps of one run folder's report.json (None: no finished run there);
+    also read by w4a8_default_quality.py."""
     f = folder / "report.json"
     if not f.is_file():
         return None
     rep = json.loads(f.read_text())
-    return {"ppl": rep["ppl"]["quant"], "windows": rep["eval"]["windows"],
+    return {"ppl": rep["ppl"]["quant"], "model": rep["model"], "scheme": rep["scheme"], "windows": rep["eval"]["windows"],
             "first_window": rep["eval"]["first_window"], "seed": rep["calibration"]["seed"],
             "recipe": rep["recipe"]["algorithms"], "propagate": rep["recipe"]["propagate"],
             "ptq_wall_s": rep["ptq_wall_s"]}
@@ -58,7 +60,7 @@ def collect_before(before: Path) -> dict:
 
     out = {}
     for s in SCHEMES:
-        rec = _report(before / f"old-{s}")
+        rec = run_view(before / f"old-{s}")
         if rec is None:
             continue
         assert (rec["windows"], rec["first_window"], rec["seed"]) == (1487, 0, 0), (s, rec)
@@ -88,7 +90,7 @@ def collect(runs: Path) -> dict:
             for r in RECIPES:
                 views = {}
                 for view, suffix in (("all", ""), ("reported", "-r64"), ("dev", "-d64")):
-                    rec = _report(runs / f"{r}-{s}-s{seed}{suffix}")
+                    rec = run_view(runs / f"{r}-{s}-s{seed}{suffix}")
                     if rec is not None:
                         assert (rec["windows"], rec["first_window"]) == VIEWS[view], (r, s, seed, view, rec)
                         assert rec["seed"] == seed and rec["propagate"] == RECIPES[r][1], (r, s, seed, rec)

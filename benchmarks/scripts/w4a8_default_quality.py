@@ -25,6 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from blockround_default_quality import run_view  # noqa: E402  (one reading of a run folder for both records)
 RECORD = REPO / "benchmarks" / "quality" / "w4a8_default.json"
 #: label -> (run-folder prefix for the bf16 tiny, for the release tiny, --algo, --propagate)
 RECIPES = {
@@ -38,17 +40,6 @@ SEEDS = (0, 1, 2)
 BEGIN, END = "<!-- w4a8-default-quality:begin -->", "<!-- w4a8-default-quality:end -->"
 
 
-def _report(folder: Path) -> dict | None:
-    f = folder / "report.json"
-    if not f.is_file():
-        return None
-    rep = json.loads(f.read_text())
-    return {"ppl": rep["ppl"]["quant"], "model": rep["model"], "scheme": rep["scheme"],
-            "windows": rep["eval"]["windows"], "first_window": rep["eval"]["first_window"],
-            "seed": rep["calibration"]["seed"], "recipe": rep["recipe"]["algorithms"],
-            "propagate": rep["recipe"]["propagate"]}
-
-
 def collect(runs: Path) -> dict:
     from amct_ext.algorithms.recipe import parse_algo
     from amct_ext.runtime.host import cpu_class
@@ -59,10 +50,10 @@ def collect(runs: Path) -> dict:
         for model, k in MODELS.items():
             got = {}
             for seed in SEEDS:
-                rec = _report(runs / f"{prefixes[k]}-w4a8-s{seed}")
+                rec = run_view(runs / f"{prefixes[k]}-w4a8-s{seed}")
                 if rec is not None:
                     got[str(seed)] = rec
-            dev = _report(runs / f"{prefixes[k]}-w4a8-s0-d64")
+            dev = run_view(runs / f"{prefixes[k]}-w4a8-s0-d64")
             if dev is not None:
                 got["dev"] = dev
             for view, rec in got.items():      # every folder is the run its name says
