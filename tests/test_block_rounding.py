@@ -170,21 +170,22 @@ def test_recompute_gives_the_same_state():
 
     xs = _inputs(4, dtype=torch.float32)
     states = []
-    for recompute in (False, True):
+    for recompute, units in ((False, False), (True, True), (True, False)):
         m = _TwoUnits()
         with torch.no_grad():
             set_quant_enabled(m, False)
             ys = [m(x) for x in xs]
             set_quant_enabled(m, True)
         units = [make_ptq_unit("expert", f"layers.0.ffn.experts.{k}", 0, getattr(m, f"e{k}")) for k in (0, 1)]
-        BlockRound(iters=12, batch=2, fold_grid=False, recompute=recompute).apply_block(
+        BlockRound(iters=12, batch=2, fold_grid=False, recompute=recompute, recompute_units=units).apply_block(
             BlockData(units=units, inputs=xs, states=[{}] * 4, targets=ys, forward=lambda x, st, m=m: m(x)))
         states.append({**_offsets(m.e0), **{f"e1.{k}": v for k, v in _offsets(m.e1).items()}})
         assert "forward" not in m.e0.__dict__ and "forward" not in m.e1.__dict__   # unpatched after
-    assert states[0].keys() == states[1].keys()
-    for k in states[0]:
-        assert torch.equal(states[0][k][0], states[1][k][0]), k
-        assert torch.equal(states[0][k][1], states[1][k][1]), k
+    for other in states[1:]:
+        assert states[0].keys() == other.keys()
+        for k in states[0]:
+            assert torch.equal(states[0][k][0], other[k][0]), k
+            assert torch.equal(states[0][k][1], other[k][1]), k
     assert any(bool(v[0].any()) for v in states[0].values())
 
 

@@ -155,7 +155,7 @@ def _expert_bytes(block) -> int:
     return sum(getattr(block.ffn.experts[0], n).weight.numel() for n in ("w1", "w3", "w2")) * 4
 
 
-def _run_blockround(block, x, ids, grouped: bool, steps=12):
+def _run_blockround(block, x, ids, grouped: bool, steps=12, **knobs):
     """BlockRound on the layer, its input/target samples made here (the float layer's outputs)."""
     units = list(iter_block_ptq_units(block, 3, ["moe"]))
     from models.deepseek_v4.quant_module import set_quant_enabled
@@ -168,7 +168,7 @@ def _run_blockround(block, x, ids, grouped: bool, steps=12):
                      forward=lambda xx, st: block(xx, st["start_pos"], st["input_ids"]), seed=5, layer_idx=3,
                      block=block)
     stats = BlockRound(iters=steps, lr=0.02, batch=1, eval_every=3, fold_grid=False, grouped=grouped,
-                       chunk_gb=3 * _expert_bytes(block) / 2 ** 30).apply_block(data)   # 3 experts a chunk
+                       chunk_gb=3 * _expert_bytes(block) / 2 ** 30, **knobs).apply_block(data)   # 3 experts a chunk
     state = {}
     for u in units:
         for lname, lin in u.module.named_modules():
@@ -206,6 +206,72 @@ def test_chunking_changes_no_number():
         outs.append(block.ffn(x[:, :, 0], ids))
         block.ffn.detach_leaf_stacks()
     assert torch.equal(outs[0], outs[1])
+
+
+def test_held_chunks_are_the_first_that_fit():
+    from amct_ext.quant.leaf_stack import held_chunks
+
+    bounds = [(0, 3), (3, 6), (6, 8)]
+    assert held_chunks(bounds, 10, 0) == frozenset()
+    assert held_chunks(bounds, 10, 29) == frozenset()            # the first chunk needs 30
+    assert held_chunks(bounds, 10, 30) == frozenset({0})
+    assert held_chunks(bounds, 10, 79) == frozenset({0, 1})
+    assert held_chunks(bounds, 10, 80) == frozenset({0, 1, 2})
+
+
+def test_held_and_recomputed_chunks_give_the_same_gradients(monkeypatch):
+    """Some chunks held (``hold_bytes``: no checkpointing), the rest recomputed: the MoE output
+    and every expert's offset and clip gradient equal the per-expert reference (float64), and
+    exactly the chunks not held go through the checkpoint."""
+    import models.deepseek_v4.quant_module as qm
+
+    checkpointed = []
+
+    def counting(fn, *args, **kw):
+        checkpointed.append(fn.args[0])      # the chunk index bound by route_stacked
+        return torch.utils.checkpoint.checkpoint(fn, *args, **kw)
+    monkeypatch.setattr(qm, "checkpoint", counting)
+    block, x, ids = _block()
+    _random_state(block)
+    other = copy.deepcopy(block)
+    target = torch.randn(x.shape[0], x.shape[1], 64, dtype=x.dtype, generator=torch.Generator().manual_seed(9))
+    y_ref, g_ref = _per_expert_grads(block, x, ids, target)
+    chunk = 3 * _expert_bytes(other) // 4 * 8          # 3 experts' float64 weights: one chunk held
+    orig = other.ffn.attach_leaf_stacks
+
+    def attach(**kw):
+        stacks = orig(**kw, hold_bytes=chunk)
+        held = other.ffn._leaf_stacks[2]
+        assert held == frozenset({0}) and len(stacks[0].bounds) == 3, (held, stacks[0].bounds)
+        return stacks
+    other.ffn.attach_leaf_stacks = attach
+    y, g = _stacked_grads(other, x, ids, target, chunk_bytes=3 * _expert_bytes(other))
+    assert checkpointed == [1, 2], checkpointed
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    for key, (gv_ref, gc_ref) in g_ref.items():
+        gv, gc = g[key]
+        if gv_ref is None:
+            assert not gv.any() and not gc.any(), key
+            continue
+        torch.testing.assert_close(gv, gv_ref, rtol=1e-10, atol=1e-12, msg=f"offset gradient of {key}")
+        torch.testing.assert_close(gc, gc_ref, rtol=1e-10, atol=1e-12, msg=f"clip gradient of {key}")
+
+
+def test_memory_knobs_change_no_number():
+    """``hold_gb`` (expert chunks held, not recomputed) and ``recompute_units=False`` (attention
+    and shared expert held): the same end state as recomputing everything, bit for bit (fp32,
+    CPU), and the knobs stay out of the run folder's fingerprint."""
+    block, x, ids = _block(dtype=torch.float32)
+    runs = []
+    for knobs in ({}, {"hold_gb": 4 * _expert_bytes(block) / 2 ** 30, "recompute_units": False}):
+        runs.append(_run_blockround(copy.deepcopy(block), x, ids, grouped=True, **knobs))
+    (s0, a), (s1, b) = runs
+    assert a.keys() == b.keys() and len(a) > 20
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    for name in s0:
+        assert s0[name]["layer_loss_after"] == s1[name]["layer_loss_after"]
+    assert BlockRound(hold_gb=3.0, recompute_units=False).settings() == BlockRound().settings()
 
 
 @torch.no_grad()

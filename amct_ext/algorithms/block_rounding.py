@@ -93,6 +93,9 @@ def _recomputed(modules):
             del m.forward
 
 
+#: BlockRound fields that move intermediates between memory and recomputation, never a number
+MEMORY_ONLY_SETTINGS = ("recompute", "recompute_units", "hold_gb", "chunk_gb")
+
 #: "STEP:PATH": a torch.profiler table of that step (0-based) written to PATH (benchmarks/)
 PROFILE_ENV = "AMCT_PROFILE_BLOCKROUND"
 
@@ -145,6 +148,14 @@ class BlockRound(Algorithm):
     # on by default: without it a real-size layer's fake-quant intermediates do not fit (the
     # tiny model pays ~1/3 more time for it)
     recompute: bool = True
+    #: with ``recompute``: also checkpoint the layer's other units (attention, shared expert).
+    #: Off by default: their intermediates are small beside the experts' (a V4-Flash layer: +2.5
+    #: GiB device peak) and recomputing them cost 17 % of a step (H100, results/block-rounding.md)
+    recompute_units: bool = False
+    #: with ``recompute``: device memory (GiB) for routed-expert chunks run WITHOUT checkpointing,
+    #: the first chunks whose fake-quant weights fit it (0: every chunk recomputed). Trades the
+    #: device peak for the step time; the numbers are the same
+    hold_gb: float = 0.0
     #: False: no intermediate evaluation and no copy of a later state, the end state kept unless
     #: it is worse than the start (a real-size layer's memory: one copy of its offsets less)
     keep_best: bool = True
@@ -158,10 +169,10 @@ class BlockRound(Algorithm):
     offset_dtype: Literal["float32", "float16"] = "float32"
 
     def settings(self) -> dict[str, Any]:
-        # recompute and chunk_gb change where intermediates live, not one number
-        # (test_block_rounding): a run may resume with them switched, and they are not part of
-        # the folder's fingerprint
-        return {k: v for k, v in super().settings().items() if k not in ("recompute", "chunk_gb")}
+        # these change where intermediates live, not one number (test_block_rounding,
+        # test_grouped_block_rounding): a run may resume with them switched, and they are not
+        # part of the folder's fingerprint
+        return {k: v for k, v in super().settings().items() if k not in MEMORY_ONLY_SETTINGS}
 
     def check(self) -> None:
         if self.iters < 0:
@@ -178,6 +189,8 @@ class BlockRound(Algorithm):
             raise ConfigError(f"target={self.target!r}: must be 'float_model' or 'float_layer'")
         if not self.chunk_gb > 0:
             raise ConfigError(f"chunk_gb={self.chunk_gb}: must be > 0")
+        if not self.hold_gb >= 0:
+            raise ConfigError(f"hold_gb={self.hold_gb}: must be >= 0 (0: every expert chunk recomputed)")
         if self.offset_dtype not in ("float32", "float16"):
             raise ConfigError(f"offset_dtype={self.offset_dtype!r}: must be 'float32' or 'float16'")
 
@@ -206,7 +219,8 @@ class BlockRound(Algorithm):
                 continue
             got = attach(learn_clip=self.learn_clip, clip_min=self.clip_min,
                          chunk_bytes=int(self.chunk_gb * 2 ** 30), recompute=self.recompute,
-                         offset_dtype=getattr(torch, self.offset_dtype), step=sign_step)
+                         offset_dtype=getattr(torch, self.offset_dtype), step=sign_step,
+                         hold_bytes=int(self.hold_gb * 2 ** 30))
             if got:
                 hosts.append(m)
                 stacks += got
@@ -284,7 +298,8 @@ class BlockRound(Algorithm):
                 lr_now[0] = sign_step.lr = lr0 * (1.0 - t / self.iters)
                 ks = [next(order) for _ in range(min(self.batch, n))]
                 with _maybe_profiled(t == profile_step, dev, profile_out), \
-                        (_recomputed(modules) if self.recompute else contextlib.nullcontext()):
+                        (_recomputed(modules) if (self.recompute and self.recompute_units)
+                         else contextlib.nullcontext()):
                     se, count = group_error(ks)
                     # one backward for the batch: the mean over its elements
                     (se / count).backward()

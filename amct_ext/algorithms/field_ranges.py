@@ -23,6 +23,7 @@ FIELD_MAX: dict[str, float] = {
     "iters": 10 ** 6,
     "epochs": 10 ** 5,
     "chunk_gb": 2.0 ** 20,
+    "hold_gb": 2.0 ** 20,
 }
 #: any other int (grid points, chunk sizes, block sizes, sweeps): far above every real use
 DEFAULT_MAX = 10 ** 7

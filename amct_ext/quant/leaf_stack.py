@@ -232,6 +232,22 @@ def chunk_bounds(n_experts: int, expert_bytes: int, chunk_bytes: int) -> list[tu
     return [(e, min(e + per, n_experts)) for e in range(0, n_experts, per)]
 
 
+def held_chunks(bounds: Sequence[tuple[int, int]], expert_weight_bytes: int, hold_bytes: int) -> frozenset[int]:
+    """The chunks (indices into ``bounds``, first ones first) whose fake-quant weights fit
+    ``hold_bytes`` together: block-wise rounding runs them without activation checkpointing (their
+    weights and intermediates kept for the backward) and recomputes the rest. Only the weights are
+    counted: they are a chunk's largest intermediate (its activations scale with the routed rows,
+    a few percent of them at a V4-Flash step)."""
+    held, used = set(), 0
+    for k, (e0, e1) in enumerate(bounds):
+        need = (e1 - e0) * expert_weight_bytes
+        if used + need > hold_bytes:
+            break
+        held.add(k)
+        used += need
+    return frozenset(held)
+
+
 def stack_leaves(weight: torch.Tensor, members: Sequence[StackMember]) -> LeafStack | None:
     """A :class:`LeafStack` over ``members`` when every one quantizes with one stackable spec and
     owns a learnable integer grid (no fixed scales), else None (the caller keeps them per leaf)."""

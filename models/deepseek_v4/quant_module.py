@@ -43,7 +43,7 @@ from amct_ext.errors import QuantConfigError
 from amct_ext.pipeline.ptq_units import PtqUnit, iter_indexed_units, make_ptq_unit
 from amct_ext.quant.quant_linear import (QuantGatedMLP, QuantizedMatmul, QuantLinear, load_replaced_weight,
                                          load_weight_codes, replaced_weight_params)
-from amct_ext.quant.leaf_stack import LeafStack, SignStep, StackMember, chunk_bounds, stack_leaves
+from amct_ext.quant.leaf_stack import LeafStack, SignStep, StackMember, chunk_bounds, held_chunks, stack_leaves
 from amct_ext.quant.quantizers import ActivationQuantizer, WeightQuantizer
 from amct_ext.runtime.grouped_linear import grouped_linear
 from amct_ext.quant.schemes import QuantScheme, TensorSpec, parse_targets
@@ -664,15 +664,21 @@ class QuantV4MoE(MoE):
         return super()._apply(fn, *args, **kwargs)
 
     # -- block-wise rounding: the routed experts' learnable state, stacked ---------------------
-    #: (w13 stack, w2 stack, recompute) while block-wise rounding tunes the experts, else None
+    #: (w13 stack, w2 stack, the chunks run without checkpointing) while block-wise rounding
+    #: tunes the experts, else None
     _leaf_stacks: tuple | None = None
 
     def attach_leaf_stacks(self, learn_clip: bool, clip_min: float, chunk_bytes: int, recompute: bool,
-                           offset_dtype: torch.dtype = torch.float32, step: SignStep | None = None) -> list[LeafStack]:
+                           offset_dtype: torch.dtype = torch.float32, step: SignStep | None = None,
+                           hold_bytes: int = 0) -> list[LeafStack]:
         """Stack the routed experts' rounding offsets (and clips) chunk by chunk, every leaf's own
         state a view into its chunk, and route through :meth:`route_stacked` until
         :meth:`detach_leaf_stacks`. [] (nothing changed) where the experts cannot be stacked:
-        per-channel up limits, input quantizers that are not per row, mixed or non-integer specs."""
+        per-channel up limits, input quantizers that are not per row, mixed or non-integer specs.
+
+        ``recompute``: each chunk under activation checkpointing, except the first chunks whose
+        fake-quant weights fit ``hold_bytes`` together: those keep their intermediates for the
+        backward (no second fake-quant forward, no second GEMM; the same numbers)."""
         experts = list(self.experts)
         if not experts or not all(isinstance(e, QuantV4Expert) for e in experts):
             return []
@@ -696,7 +702,9 @@ class QuantV4MoE(MoE):
         for e in experts:
             for lin in (e.w1, e.w3, e.w2):
                 lin.invalidate_cache()
-        self._leaf_stacks = (s13, s2, recompute)
+        held = held_chunks(bounds, (w13[0].numel() + w2[0].numel()) * w13.element_size(), hold_bytes) \
+            if recompute else frozenset(range(len(bounds)))
+        self._leaf_stacks = (s13, s2, held)
         return [s13, s2]
 
     def detach_leaf_stacks(self) -> None:
@@ -739,7 +747,7 @@ class QuantV4MoE(MoE):
         learnable state: per chunk, the fake-quant weights by one op and the projections by
         grouped GEMMs (under autograd: recomputed in the backward, with ``recompute``). Each
         token sums its k rows in expert order, as ``route`` does."""
-        s13, s2, recompute = self._leaf_stacks
+        s13, s2, held = self._leaf_stacks
         slots = indices.flatten()
         order = slots.argsort(stable=True)
         counts = torch.bincount(slots, minlength=self.n_routed_experts).tolist()   # one host sync
@@ -752,7 +760,7 @@ class QuantV4MoE(MoE):
                 continue
             run = functools.partial(self._stacked_chunk, k, counts[e0:e1])
             rows, rw = xs[start:start + n], slot_weights[start:start + n]
-            if recompute and torch.is_grad_enabled():
+            if k not in held and torch.is_grad_enabled():
                 ys.append(checkpoint(run, rows, rw, use_reentrant=False))
             else:
                 ys.append(run(rows, rw))
