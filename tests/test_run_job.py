@@ -83,7 +83,9 @@ def test_the_plan_derives_the_legacy_solver_and_the_runtime(tiny_ckpt, tmp_path)
 
 
 def test_the_cli_only_parses_flags_into_the_plan():
-    """tools/run_ptq.py's run: the plan from the flags, then run_job; no workflow call of its own."""
+    """tools/run_ptq.py's run: the flags as the library's options, its plan_job, then run_job; no
+    plan or workflow call of its own (the plan, its defaults and the model's resolution live in the
+    library: amct_ext/pipeline/options.py and the model's binding)."""
     import ast
 
     src = (Path(__file__).resolve().parents[1] / "tools" / "run_ptq.py").read_text()
@@ -92,3 +94,5 @@ def test_the_cli_only_parses_flags_into_the_plan():
               for n in ast.walk(run) if isinstance(n, ast.Call)}
     assert {"plan_job", "run_job"} <= called and len(run.body) <= 6
     assert "run_blockwise_ptq" not in src and "evaluate_blockwise" not in src
+    assert "def plan_job" not in src and "build_job" not in src and "check_request" not in src
+    assert "DEFAULTS = " not in src and "resolve_checkpoint" not in src and "PlanSpec" not in src
