@@ -285,6 +285,23 @@ def test_the_library_plan_fills_the_models_defaults_and_refuses_unknown_names(tm
     assert not (tmp_path / "o").exists()          # the plan writes nothing
 
 
+def test_a_models_default_must_name_an_option():
+    """A binding's default under a misspelt name would never apply (the run silently takes
+    another value): refused, naming it (casebook i37l-1)."""
+    from amct_ext.errors import ConfigError
+    from amct_ext.pipeline.options import PtqOptions, with_model_defaults
+
+    class Typo:
+        def model_defaults(self, name):
+            return {"calib_sample": 4, "seq_len": 32}
+
+    with pytest.raises(ConfigError, match="its defaults name no option: calib_sample"):
+        with_model_defaults(PtqOptions(output_dir="o"), Typo())
+    given = with_model_defaults(PtqOptions(output_dir="o", seq_len=64), SimpleNamespace(
+        model_defaults=lambda name: {"seq_len": 32, "calib_samples": 4}))
+    assert (given.seq_len, given.calib_samples) == (64, 4)     # a given option is never replaced
+
+
 def test_resume_precheck_names_the_field(tmp_path):
     """The fingerprint fields settled before the model is opened are compared at plan time."""
     from amct_ext.algorithms.recipe import parse_algo

@@ -96,3 +96,15 @@ def test_the_cli_only_parses_flags_into_the_plan():
     assert "run_blockwise_ptq" not in src and "evaluate_blockwise" not in src
     assert "def plan_job" not in src and "build_job" not in src and "check_request" not in src
     assert "DEFAULTS = " not in src and "resolve_checkpoint" not in src and "PlanSpec" not in src
+
+
+def test_quantize_is_plan_job_then_run_job(tiny_ckpt, tmp_path, one_thread):
+    """The one-call convenience (models.deepseek_v4.quantize, registering V4 on import) runs the
+    job of its options: the report it returns is the one written, for the options it was given."""
+    from models.deepseek_v4 import quantize
+
+    report = quantize(str(tmp_path / "q"), model="tiny", model_path=str(tiny_ckpt), no_ptq=True, eval_ppl=False,
+                      calib_samples=1, seq_len=16, quiet=True)
+    saved = json.loads((tmp_path / "q" / "report.json").read_text())
+    assert report["ppl"] == saved["ppl"] == {"float": None, "rtn": None, "quant": None}
+    assert report["model_path"] == str(tiny_ckpt) and report["calibration"]["samples"] == 1
