@@ -23,8 +23,10 @@ The model contract: everything the framework asks of a model, declared here and 
                      (one per config.json ``model_type``; ``extra_layers`` / ``build_extra_layer``:
                      the extra (draft) layers the export groups and quantizes; the export's leaf
                      names: ``gated_projections``, ``module_patterns``, ``unquantized_modules``),
-                     and the vocabulary a recipe may name before any model is built:
-                     ``smoothing_pairs``, ``wider_targets``;
+                     the vocabulary a recipe may name before any model is built:
+                     ``smoothing_pairs``, ``wider_targets``, and the built-in model names the
+                     library entry point takes (``model_names``, ``model_defaults``,
+                     ``resolve_checkpoint``: ``pipeline.options.plan_job``);
 - ``PtqUnit``        (pipeline/ptq_units.py) a solvable piece of a layer; its module may offer
                      ``SmoothableUnit`` (smoothing pairs) and ``GatedProjections`` (a gated MLP's
                      gate / up / down projections by role, and its activation clamp: routed
@@ -55,7 +57,7 @@ import torch
 from torch import nn
 
 from .runtime import device as devmod, device_checks
-from .errors import ConfigError, DataError
+from .errors import CheckpointError, ConfigError, DataError
 from .pipeline.ptq_units import PtqUnit
 
 
@@ -229,6 +231,29 @@ class ModelBinding(abc.ABC):
         None (no extra layer is ever quantized)."""
         return None
 
+    #: the built-in model names this binding answers for (``pipeline.options.PtqOptions.model``,
+    #: the CLI's ``--model``): each a checkpoint folder :meth:`resolve_checkpoint` finds, and the
+    #: job's defaults :meth:`model_defaults` gives; () = only a checkpoint folder names the model
+    model_names: tuple[str, ...] = ()
+
+    def model_defaults(self, name: str | None) -> dict[str, Any]:
+        """The job options (``PtqOptions`` field -> value) a run of model ``name`` takes where the
+        caller left them unset (None); ``name`` None: a checkpoint given by its folder only.
+        Default: none (the caller gives calibration and evaluation sizes itself)."""
+        return {}
+
+    def resolve_checkpoint(self, name: str | None, model_path: str | os.PathLike | None, download: bool,
+                           calib_path: Path | None) -> Path:
+        """The checkpoint folder of model ``name`` (``model_path`` given: that folder), weights
+        present; ``download``: fetch a released one; ``calib_path``: the text a generated
+        checkpoint's tokenizer is trained on. Default: ``model_path`` itself, checked to be a
+        folder (no built-in names)."""
+        if name is not None:
+            raise ConfigError(f"model {name!r}: model_type {self.model_type!r} has no built-in models")
+        if model_path is None or not Path(model_path).is_dir():
+            raise CheckpointError(f"--model-path {model_path} does not exist or is not a folder")
+        return Path(model_path)
+
     def plan_spec(self) -> Any:
         """The model's answers to the job plan (``amct_ext.pipeline.job.ModelPlanSpec``: config,
         index keys, scheme x shapes, unit file stems); the export asks it which layers a run
@@ -271,6 +296,17 @@ def register_model_binding(binding: ModelBinding) -> ModelBinding:
         register_wider_target(name, spec_key)
     _BINDINGS[binding.model_type] = binding
     return binding
+
+
+def named_model_binding(name: str) -> ModelBinding:
+    """The registered binding whose ``model_names`` holds ``name``; ConfigError listing the names
+    known when none does."""
+    for binding in _BINDINGS.values():
+        if name in binding.model_names:
+            return binding
+    known = ", ".join(n for b in _BINDINGS.values() for n in b.model_names) or "none imported"
+    raise ConfigError(f"model {name!r}: no registered model binding names it (known: {known}); "
+                      "import its model package first, or give the checkpoint folder (model_path) instead")
 
 
 def known_smoothing_pairs() -> tuple[str, ...]:

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The main job (``amct_ext.pipeline.job_runner.run_job``, planned from run_ptq's flags) on a synthetic V4-shaped checkpoint, phase by phase.
+"""The main job (``amct_ext.pipeline.job_runner.run_job``, planned by ``amct_ext.pipeline.options.plan_job``
+from run_ptq's flags) on a synthetic V4-shaped checkpoint, phase by phase.
 
     python benchmarks/bench_ptq.py --device cuda --json $OUT/ptq.json               # 4-layer V4-Flash, 128 x 2048
     python benchmarks/bench_ptq.py --device cuda --algo gptq --json $OUT/gptq.json    # once --algo exists
@@ -7,7 +8,8 @@
 
 What runs: ``tools/make_synthetic_checkpoint``'s writer (unless --model-path) builds a checkpoint
 whose layers 0-3 are V4-Flash's (ratio 0 hash, ratio 0 hash, ratio 4 hash, ratio 128 score), then
-``run_job(run_ptq.plan_job(args), phases=PhaseTimer)`` -- the job's own code path, with its own defaults
+``run_job(plan_job(options), phases=PhaseTimer)`` (the flags parsed into ``PtqOptions`` by run_ptq's
+parser) -- the job's own code path, with its own defaults
 (128 x 2048 calibration, w8a8, the default recipe); options after ``--`` and ``--algo`` go to
 run_ptq unchanged. The PhaseTimer records, per layer, wall time and peak device / host memory of:
 build (read + decode + wrap), capture (float forward with the unit hooks + static observation),
@@ -232,8 +234,11 @@ def project(measured: dict[int, dict], config_measured, like: str, once_s: float
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    import run_ptq  # tools/run_ptq.py: its flags make the job's plan (plan_job)
-    from amct_ext.pipeline import job_runner  # the job itself (run_job)
+    # tools/run_ptq.py's parser only: this benchmark takes the job's own flags (after --) and
+    # records them; the plan and the run are the library's (plan_job, run_job)
+    import run_ptq
+    from amct_ext.pipeline import job_runner
+    from amct_ext.pipeline.options import plan_job
 
     # the recipe runner's per-kind progress and a block-level algorithm's steps (INFO): a run
     # stopped at its time limit still shows where the solve's time went
@@ -279,8 +284,8 @@ def main(argv=None) -> int:
 
         with PhaseTimer(devices, on_record=live) as timer:
             t0 = time.perf_counter()
-            # the CLI's flags parsed into the checked plan, then the library's entry point
-            job_runner.run_job(run_ptq.plan_job(args), phases=timer, t_start=t0)
+            # the flags as the library's options, its checked plan, then its entry point
+            job_runner.run_job(plan_job(run_ptq.options_from_args(args)), phases=timer, t_start=t0)
             rc = 0
             wall = time.perf_counter() - t0
         if rc != 0:

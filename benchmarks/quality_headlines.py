@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The quality headlines: the perplexities README.md and RESULTS.md §3 quote, from ONE source.
 
-Each headline is one `tools/run_ptq.py` command on the trained tiny V4 (assets/tiny-v4) on the
+Each headline is one job (the library's ``plan_job`` + ``run_job``, in this process; the record quotes
+the equal `tools/run_ptq.py` command) on the trained tiny V4 (assets/tiny-v4) on the
 reported windows (the first 64 x 256 of the shipped test split; recipes are chosen on the
 disjoint dev windows 64-127, benchmarks/quality_table.py --split dev) and the one number of its
 report.json that is quoted. `--write` runs every headline and writes
@@ -38,7 +39,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
 
 from amct_ext.io.io_utils import atomic_write, atomic_write_json  # noqa: E402
 from amct_ext.algorithms.recipe import recipe_label  # noqa: E402
@@ -67,12 +67,19 @@ class Headline:
     ppl_modes: str = ""    # run_ptq --ppl-modes: the reference PPLs the same run also measures
     recipe: str = "default"  # the scheme's named recipe (recipe.NAMED_RECIPES): default | best
 
+    def options(self, threads: int = 1) -> dict:
+        """The job's options (``amct_ext.pipeline.options.PtqOptions`` fields; the output folder is
+        added by the runner). No algo: a scheme's headline is its named recipe, whatever
+        recipe.py says it is."""
+        named = {} if self.recipe == "default" else {"recipe": self.recipe}
+        return {"model": "tiny-trained", "scheme": self.scheme, **named, "eval_windows": REPORTED_WINDOWS,
+                "ppl_modes": self.ppl_modes, "threads": threads, "quiet": True}
+
     def argv(self, threads: int = 1) -> list[str]:
-        """The exact run_ptq arguments (the output folder is added by the runner). No --algo: a
-        scheme's headline is its named recipe, whatever recipe.py says it is."""
-        named = [] if self.recipe == "default" else ["--recipe", self.recipe]
-        return ["--model", "tiny-trained", "--scheme", self.scheme, *named, "--eval-windows", str(REPORTED_WINDOWS),
-                "--ppl-modes", self.ppl_modes, "--threads", str(threads), "--quiet"]
+        """The same job as tools/run_ptq.py flags (the command the record quotes)."""
+        from amct_ext.pipeline.options import command_flags
+
+        return command_flags(**self.options(threads))
 
     def command(self) -> str:
         return "python tools/run_ptq.py " + " ".join(a if a else "''" for a in self.argv()) + " --output-dir OUT"
@@ -104,24 +111,25 @@ def run_folder(h: Headline) -> str:
     return f"{h.scheme}-{h.recipe}-{h.ppl_modes or 'none'}"
 
 
-def run_report(argv: list[str], out_dir: Path, cache: dict | None = None) -> dict:
-    """run_ptq ARGV in this process (threads restored after); report.json. Headlines that share a
-    command (float and w8a8) share one run through ``cache``."""
+def run_report(options: dict, out_dir: Path, cache: dict | None = None) -> dict:
+    """The job of ``options`` through the library (``plan_job`` + ``run_job``) in this process
+    (threads restored after); its report. Headlines that share a job (float and w8a8) share one
+    run through ``cache``."""
     import torch
 
-    import run_ptq
+    import models.deepseek_v4  # noqa: F401  (registers the model names plan_job resolves)
+    from amct_ext.pipeline.job_runner import run_job
+    from amct_ext.pipeline.options import PtqOptions, plan_job
 
-    key = tuple(argv)
+    key = tuple(options.items())
     if cache is not None and key in cache:
         return cache[key]
     old = torch.get_num_threads()
     t0 = time.perf_counter()
     try:
-        rc = run_ptq.main(argv + ["--output-dir", str(out_dir)])
+        run_job(plan_job(PtqOptions(output_dir=str(out_dir), **options)))
     finally:
         torch.set_num_threads(old)
-    if rc != 0:
-        raise SystemExit(f"error: run_ptq exited {rc}: {' '.join(argv)}")
     rep = json.loads((out_dir / "report.json").read_text())
     rep["_wall_s"] = round(time.perf_counter() - t0, 1)
     if cache is not None:
@@ -131,7 +139,7 @@ def run_report(argv: list[str], out_dir: Path, cache: dict | None = None) -> dic
 
 def run_headline(h: Headline, out_dir: Path, threads: int = 1, cache: dict | None = None) -> dict:
     """Run one headline's command; its entry for headlines.json."""
-    rep = run_report(h.argv(threads), out_dir, cache)
+    rep = run_report(h.options(threads), out_dir, cache)
     recipe = rep.get("recipe")
     return {"name": h.name, "scheme": h.scheme, "metric": h.metric, "ci": h.ci,
             "recipe": None if h.metric != "quant" else

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Quantization-quality table of the trained tiny DeepSeek-V4 (assets/tiny-v4).
 
-For every built-in scheme and quant target it runs `tools/run_ptq.py --model tiny-trained`
-(float, direct RTN and blockwise PTQ perplexity on the same Wikitext-2 test windows) and writes
+For every built-in scheme and quant target it runs the main job on `--model tiny-trained` through
+the library (``plan_job`` + ``run_job``, what `tools/run_ptq.py` runs; float, direct RTN and
+blockwise PTQ perplexity on the same Wikitext-2 test windows) and writes
 
     OUT/quality.json       every report, keyed "scheme|targets"
     OUT/quality.md         the table (markdown), pasted into benchmarks/RESULTS.md
@@ -49,20 +50,28 @@ CACHE_RUNS = (("kv8", "attn-cache"), ("kv8-fp8", "attn-cache"), ("w8a8", "attn-l
 PLOT_RUN = ("w4a16-g128", "attn-linear,moe")
 
 
-def run_one(scheme: str, targets: str, out: Path, args) -> dict:
-    from tools.run_ptq import main as run_ptq
+def run_job_once(run_dir: Path, what: str, **options) -> dict:
+    """The job of ``options`` through the library (``plan_job`` + ``run_job``) into ``run_dir``,
+    unless its report.json is there already (a table run resumes); the report."""
+    import models.deepseek_v4  # noqa: F401  (registers the model names plan_job resolves)
+    from amct_ext.errors import AmctError
+    from amct_ext.pipeline.job_runner import run_job
+    from amct_ext.pipeline.options import PtqOptions, plan_job
 
-    run_dir = out / "runs" / f"{scheme}_{targets.replace(',', '+')}"
     report = run_dir / "report.json"
     if not report.is_file():
-        argv = ["--model", "tiny-trained", "--scheme", scheme, "--quant-target", targets,
-                "--output-dir", str(run_dir), "--eval-windows", str(args.eval_windows),
-                "--seq-len", str(args.seq_len), "--calib-samples", str(args.calib_samples),
-                "--epochs", str(args.epochs), "--quiet"]
-        rc = run_ptq(argv)
-        if rc != 0:
-            raise SystemExit(f"run_ptq failed for {scheme} / {targets}")
+        try:
+            run_job(plan_job(PtqOptions(output_dir=str(run_dir), **options)))
+        except AmctError as e:   # one line, as the CLI's exit 2
+            raise SystemExit(f"error: the job failed for {what}: {e}") from None
     return json.loads(report.read_text())
+
+
+def run_one(scheme: str, targets: str, out: Path, args) -> dict:
+    run_dir = out / "runs" / f"{scheme}_{targets.replace(',', '+')}"
+    return run_job_once(run_dir, f"{scheme} / {targets}", model="tiny-trained", scheme=scheme, quant_target=targets,
+                        eval_windows=args.eval_windows, seq_len=args.seq_len, calib_samples=args.calib_samples,
+                        epochs=args.epochs, quiet=True)
 
 
 WEIGHT_SCHEMES = ("w8a8", "w4a8", "w4a16-g128", "w3a16-g128", "w4a16", "w2a16-g64", "fp8", "mxfp8", "mxfp4")
@@ -109,25 +118,17 @@ def _column_tag(algo: str | None, prop: str | None) -> str:
 
 
 def run_algo(scheme: str, algo: str | None, prop: str | None, out: Path, args, with_float: bool = False) -> dict:
-    from tools.run_ptq import main as run_ptq
-
     run_dir = out / "runs" / scheme / _column_tag(algo, prop)
-    report = run_dir / "report.json"
-    if not report.is_file():
-        argv = ["--model", "tiny-trained", "--scheme", scheme, "--quant-target", args.targets,
-                "--output-dir", str(run_dir), "--eval-windows", str(args.eval_windows),
-                "--seq-len", str(args.seq_len), "--calib-samples", str(args.calib_samples), "--quiet",
-                "--eval-first-window", str(SPLITS[args.split])]
-        if algo is None:
-            argv += ["--no-ptq", "--ppl-modes", "float,rtn" if with_float else "rtn"]
-        else:
-            argv += ["--algo", algo, "--ppl-modes", ""]
-            if prop:
-                argv += ["--propagate", prop]
-        rc = run_ptq(argv)
-        if rc != 0:
-            raise SystemExit(f"run_ptq failed for {scheme} / {algo}")
-    return json.loads(report.read_text())
+    options = dict(model="tiny-trained", scheme=scheme, quant_target=args.targets, eval_windows=args.eval_windows,
+                   seq_len=args.seq_len, calib_samples=args.calib_samples, quiet=True,
+                   eval_first_window=SPLITS[args.split])
+    if algo is None:
+        options.update(no_ptq=True, ppl_modes="float,rtn" if with_float else "rtn")
+    else:
+        options.update(algo=algo, ppl_modes="")
+        if prop:
+            options["propagate"] = prop
+    return run_job_once(run_dir, f"{scheme} / {algo}", **options)
 
 
 def algorithms_main(args) -> int:

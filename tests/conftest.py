@@ -47,6 +47,20 @@ def stored_tensors(folder) -> dict:
     return out
 
 
+def library_job(output_dir, **options) -> dict:
+    """The main job through the library entry point, as tests and benchmarks call it:
+    ``run_job(plan_job(PtqOptions(output_dir, **options)))`` (options by the CLI's flag names);
+    its report. torch's thread count is restored after (the job sets its own)."""
+    from amct_ext.pipeline.job_runner import run_job
+    from amct_ext.pipeline.options import PtqOptions, plan_job
+
+    old = torch.get_num_threads()
+    try:
+        return run_job(plan_job(PtqOptions(output_dir=str(output_dir), **options)))
+    finally:
+        torch.set_num_threads(old)
+
+
 def run_interpreted(module: str, function: str = "interpreted_checks"):
     """``module.function()`` run in a child process under Triton's interpreter, its JSON result.
     TRITON_INTERPRET=1 must be set before Triton is imported: Triton's own library functions

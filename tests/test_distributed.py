@@ -21,6 +21,8 @@ from models.deepseek_v4.cost import CostRates, v4_layer_cost
 from amct_ext.errors import AmctError
 from amct_ext.io.io_utils import safe_torch_load
 from models.deepseek_v4.tiny import tiny_config
+from amct_ext.pipeline.options import command_flags
+from tests.conftest import library_job
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "run_ptq.py"
@@ -28,8 +30,9 @@ sys.path.insert(0, str(REPO / "tools"))
 
 # 4 windows in batches of 2: two window batches flow through the perplexity pipeline (all 4
 # layers); layers 0-1 (ratio 0 and ratio 4, hash-routed) are quantized, split over the 2 ranks
-FAST = ["--model", "tiny", "--calib-samples", "2", "--seq-len", "64", "--eval-windows", "4", "--eval-batch-size", "2",
-        "--epochs", "1", "--quiet", "--end-layer", "2"]
+FAST_OPTIONS = dict(model="tiny", calib_samples=2, seq_len=64, eval_windows=4, eval_batch_size=2, epochs=1, quiet=True,
+                    end_layer=2)
+FAST = command_flags(**FAST_OPTIONS)      # the same job as tools/run_ptq.py flags (the torchrun ranks)
 
 
 # ----------------------------------------------------------------------------- small pieces
@@ -140,17 +143,10 @@ def _pt_files(out: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def one_process(tiny_ckpt, wiki_test_raw, tmp_path_factory):
-    """The reference: the same command in one process (in this interpreter, 1 thread)."""
-    import run_ptq
-
+    """The reference: the same job in one process (the library's entry point in this
+    interpreter, 1 thread)."""
     out = tmp_path_factory.mktemp("one-process")
-    old = torch.get_num_threads()
-    try:
-        code = run_ptq.main([*FAST, "--model-path", str(tiny_ckpt), "--eval-data", str(wiki_test_raw),
-                             "--output-dir", str(out)])
-    finally:
-        torch.set_num_threads(old)
-    assert code == 0
+    assert library_job(out, **FAST_OPTIONS, model_path=str(tiny_ckpt), eval_data=str(wiki_test_raw)) is not None
     return out
 
 

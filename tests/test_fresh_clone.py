@@ -102,19 +102,13 @@ def test_installed_package_carries_the_data(monkeypatch):
 
 
 def test_tiny_trained_runs_with_the_shipped_defaults(tmp_path, capsys):
-    """--model tiny-trained needed --calib-data and --eval-data before the data shipped."""
-    import torch
-
-    from tools import run_ptq
+    """--model tiny-trained needed --calib-data and --eval-data before the data shipped (the
+    library's entry point fills in the shipped splits, for the CLI too)."""
+    from tests.conftest import library_job
 
     out = tmp_path / "o"
-    old = torch.get_num_threads()
-    try:
-        code = run_ptq.main(["--model", "tiny-trained", "--output-dir", str(out), "--no-ptq", "--quiet",
-                             "--calib-samples", "1", "--seq-len", "16", "--eval-windows", "1"])
-    finally:
-        torch.set_num_threads(old)
-    assert code == 0, capsys.readouterr().err
+    assert library_job(out, model="tiny-trained", no_ptq=True, quiet=True, calib_samples=1, seq_len=16,
+                       eval_windows=1) is not None, capsys.readouterr().err
     report = json.loads((out / "report.json").read_text())
     assert report["calibration"]["path"] == str(REPO / "amct_ext" / "data" / "wikitext-2" / "wiki.valid.tokens")
     assert report["eval"]["path"] == str(REPO / "amct_ext" / "data" / "wikitext-2-raw" / "wiki.test.raw")

@@ -233,11 +233,81 @@ def test_the_tools_do_not_import_each_other():
     assert "parse_args([" not in (REPO / "tools" / "run_ptq.py").read_text()
 
 
+def test_every_flag_is_an_option_of_the_library_by_name_and_default():
+    """tools/run_ptq.py parses its flags into ``PtqOptions(**vars(args))``: one field per flag,
+    the same defaults, so a library call with a field left out is the command without that flag."""
+    import dataclasses
+
+    from amct_ext.errors import ConfigError
+    from amct_ext.pipeline.options import PtqOptions, command_flags
+
+    args = run_ptq.build_parser().parse_args(["--output-dir", "o"])
+    assert set(vars(args)) == {f.name for f in dataclasses.fields(PtqOptions)}
+    assert run_ptq.options_from_args(args) == PtqOptions(output_dir="o")
+    flagged = run_ptq.build_parser().parse_args(["--output-dir", "o", "--model", "tiny-trained", "--no-guard",
+                                                 "--eval-windows", "3", "--no-eval-ppl"])
+    assert run_ptq.options_from_args(flagged) == PtqOptions(output_dir="o", model="tiny-trained", no_guard=True,
+                                                            eval_windows=3, eval_ppl=False)
+    # and back: the flags a record quotes for a library call parse into that call's options
+    asked = dict(model="tiny-trained", scheme="w4a16-g128", recipe="best", eval_windows=3, ppl_modes="", no_guard=True,
+                 eval_ppl=False, holdout=0.5, threads=1, quiet=True)
+    assert command_flags(**asked)[:4] == ["--model", "tiny-trained", "--scheme", "w4a16-g128"]
+    assert run_ptq.options_from_args(run_ptq.build_parser().parse_args([*command_flags(**asked), "--output-dir", "o"])) \
+        == PtqOptions(output_dir="o", **asked)
+    with pytest.raises(ConfigError, match="'eval_window' is no option of the job"):
+        command_flags(eval_window=3)
+
+
+def test_the_library_plan_fills_the_models_defaults_and_refuses_unknown_names(tmp_path):
+    """plan_job asks the model's binding (amct_ext.base registry) for the name's checkpoint and
+    defaults; the plan equals the CLI's for the same command."""
+    from amct_ext.errors import ConfigError
+    from amct_ext.pipeline.options import PtqOptions, plan_job
+    from models.deepseek_v4.cli import TRAINED_TINY
+
+    job = plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model="tiny-trained", eval_windows=3, quiet=True))
+    assert job.model.path == TRAINED_TINY and job.model.label == "tiny-trained"
+    assert (job.calibration.samples, job.calibration.seq_len, job.runtime.dtype, job.runtime.threads) == \
+        (16, 256, "fp32", 1)
+    assert job.evaluation.enabled and job.evaluation.windows == 3 and job.evaluation.batch_size == 8
+    cli = plan_job(run_ptq.options_from_args(run_ptq.build_parser().parse_args(
+        ["--model", "tiny-trained", "--eval-windows", "3", "--quiet", "--output-dir", str(tmp_path / "o")])))
+    assert (cli.calibration, cli.evaluation, cli.runtime, cli.output, cli.recipe.source) == \
+        (job.calibration, job.evaluation, job.runtime, job.output, job.recipe.source)
+    with pytest.raises(ConfigError, match="model 'tiny-x': no registered model binding names it"):
+        plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model="tiny-x"))
+    with pytest.raises(ConfigError, match="--dtype fp16: must be one of bf16, fp32"):
+        plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model="tiny-trained", dtype="fp16"))
+    # a folder alone names the model by its config.json model_type (V4's defaults for unnamed folders)
+    by_path = plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model=None, model_path=str(TRAINED_TINY),
+                                  calib_samples=2, seq_len=32))
+    assert by_path.model.path == TRAINED_TINY and by_path.runtime.dtype == "bf16" and not by_path.evaluation.enabled
+    assert not (tmp_path / "o").exists()          # the plan writes nothing
+
+
+def test_a_models_default_must_name_an_option():
+    """A binding's default under a misspelt name would never apply (the run silently takes
+    another value): refused, naming it (casebook i37l-1)."""
+    from amct_ext.errors import ConfigError
+    from amct_ext.pipeline.options import PtqOptions, with_model_defaults
+
+    class Typo:
+        def model_defaults(self, name):
+            return {"calib_sample": 4, "seq_len": 32}
+
+    with pytest.raises(ConfigError, match="its defaults name no option: calib_sample"):
+        with_model_defaults(PtqOptions(output_dir="o"), Typo())
+    given = with_model_defaults(PtqOptions(output_dir="o", seq_len=64), SimpleNamespace(
+        model_defaults=lambda name: {"seq_len": 32, "calib_samples": 4}))
+    assert (given.seq_len, given.calib_samples) == (64, 4)     # a given option is never replaced
+
+
 def test_resume_precheck_names_the_field(tmp_path):
     """The fingerprint fields settled before the model is opened are compared at plan time."""
     from amct_ext.algorithms.recipe import parse_algo
     from amct_ext.errors import AmctError
     from amct_ext.pipeline.job import RecipePart
+    from amct_ext.pipeline.options import resume_check
     from amct_ext.base import PtqConfig
     from amct_ext.pipeline.ptq_spec import PtqSpec
     from amct_ext.quant.schemes import load_scheme
@@ -251,14 +321,14 @@ def test_resume_precheck_names_the_field(tmp_path):
                                                 # the "solver" entry a run writes (PtqSpec.solver_meta)
                                                 "solver": PtqSpec(w8, targets, PtqConfig(), recipe=part.recipe,
                                                                   propagate="float").solver_meta()}))
-    assert not run_ptq._resume_check(tmp_path / "fresh", w8, targets, part, "fp32")
-    assert run_ptq._resume_check(tmp_path, w8, targets, part, "fp32")
+    assert not resume_check(tmp_path / "fresh", w8, targets, part, "fp32")
+    assert resume_check(tmp_path, w8, targets, part, "fp32")
     with pytest.raises(AmctError, match=r"scheme: 'w8a8' in the folder, 'fp8' now"):
-        run_ptq._resume_check(tmp_path, load_scheme("fp8"), targets, part, "fp32")
+        resume_check(tmp_path, load_scheme("fp8"), targets, part, "fp32")
     with pytest.raises(AmctError, match=r"dtype: 'fp32' in the folder, 'bf16' now"):
-        run_ptq._resume_check(tmp_path, w8, targets, part, "bf16")
+        resume_check(tmp_path, w8, targets, part, "bf16")
     with pytest.raises(AmctError, match=r"solver.holdout: 0.25 in the folder, 0.5 now"):
-        run_ptq._resume_check(tmp_path, w8, targets, RecipePart(part.recipe, "float", 0.5, True, "--algo"), "fp32")
+        resume_check(tmp_path, w8, targets, RecipePart(part.recipe, "float", 0.5, True, "--algo"), "fp32")
 
 
 def test_library_spec_takes_the_default_recipe_by_content_too(tmp_path):

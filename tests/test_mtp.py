@@ -61,18 +61,14 @@ def eval_raw(tmp_path_factory, wiki_test_raw):
 
 @pytest.fixture(scope="module")
 def run(src, eval_raw, tmp_path_factory):
-    """run_ptq on the last main layer with a calibrating algorithm (clip): the MTP layer follows."""
-    import run_ptq
+    """The main job (the library's entry point) on the last main layer with a calibrating
+    algorithm (clip): the MTP layer follows."""
+    from tests.conftest import library_job
 
     out = tmp_path_factory.mktemp("run") / "R"
-    old = torch.get_num_threads()
-    try:
-        assert run_ptq.main(["--model", "tiny-trained", "--model-path", str(src), "--scheme", "w8a8", "--algo", "clip",
-                             "--output-dir", str(out), "--start-layer", "3", "--end-layer", "4",
-                             "--calib-samples", "1", "--seq-len", str(SEQ), "--eval-windows", "2", "--epochs", "1",
-                             "--quiet", "--eval-data", str(eval_raw), "--eval-batch-size", "2", "--ppl-modes", ""]) == 0
-    finally:
-        torch.set_num_threads(old)
+    assert library_job(out, model="tiny-trained", model_path=str(src), scheme="w8a8", algo="clip", start_layer=3,
+                       end_layer=4, calib_samples=1, seq_len=SEQ, eval_windows=2, epochs=1, quiet=True,
+                       eval_data=str(eval_raw), eval_batch_size=2, ppl_modes="") is not None
     return out
 
 

@@ -4,7 +4,6 @@ routed experts, ue8m0 scales), trained on those grids (tools/train_release_tiny.
 ``--model tiny-trained-release``."""
 import json
 import math
-import sys
 
 import pytest
 import torch
@@ -120,17 +119,12 @@ def test_release_float_ppl_is_pinned_and_near_the_bf16_tiny(tmp_path):
 
 
 def test_ptq_smoke_by_model_name(tmp_path):
-    """`--model tiny-trained-release` runs the PTQ pipeline end to end (few windows)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    import run_ptq
+    """`--model tiny-trained-release` (the library's model name) runs the PTQ pipeline end to end
+    (few windows)."""
+    from tests.conftest import library_job
 
-    old = torch.get_num_threads()
-    try:
-        code = run_ptq.main(["--model", "tiny-trained-release", "--scheme", "w4a8", "--calib-samples", "2",
-                             "--seq-len", "128", "--eval-windows", "2", "--quiet", "--output-dir", str(tmp_path)])
-    finally:
-        torch.set_num_threads(old)
-    assert code == 0
+    assert library_job(tmp_path, model="tiny-trained-release", scheme="w4a8", calib_samples=2, seq_len=128,
+                       eval_windows=2, quiet=True) is not None
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["model_path"] == str(ASSET)
     ppl = report["ppl"]

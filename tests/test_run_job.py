@@ -83,7 +83,9 @@ def test_the_plan_derives_the_legacy_solver_and_the_runtime(tiny_ckpt, tmp_path)
 
 
 def test_the_cli_only_parses_flags_into_the_plan():
-    """tools/run_ptq.py's run: the plan from the flags, then run_job; no workflow call of its own."""
+    """tools/run_ptq.py's run: the flags as the library's options, its plan_job, then run_job; no
+    plan or workflow call of its own (the plan, its defaults and the model's resolution live in the
+    library: amct_ext/pipeline/options.py and the model's binding)."""
     import ast
 
     src = (Path(__file__).resolve().parents[1] / "tools" / "run_ptq.py").read_text()
@@ -92,3 +94,17 @@ def test_the_cli_only_parses_flags_into_the_plan():
               for n in ast.walk(run) if isinstance(n, ast.Call)}
     assert {"plan_job", "run_job"} <= called and len(run.body) <= 6
     assert "run_blockwise_ptq" not in src and "evaluate_blockwise" not in src
+    assert "def plan_job" not in src and "build_job" not in src and "check_request" not in src
+    assert "DEFAULTS = " not in src and "resolve_checkpoint" not in src and "PlanSpec" not in src
+
+
+def test_quantize_is_plan_job_then_run_job(tiny_ckpt, tmp_path, one_thread):
+    """The one-call convenience (models.deepseek_v4.quantize, registering V4 on import) runs the
+    job of its options: the report it returns is the one written, for the options it was given."""
+    from models.deepseek_v4 import quantize
+
+    report = quantize(str(tmp_path / "q"), model="tiny", model_path=str(tiny_ckpt), no_ptq=True, eval_ppl=False,
+                      calib_samples=1, seq_len=16, quiet=True)
+    saved = json.loads((tmp_path / "q" / "report.json").read_text())
+    assert report["ppl"] == saved["ppl"] == {"float": None, "rtn": None, "quant": None}
+    assert report["model_path"] == str(tiny_ckpt) and report["calibration"]["samples"] == 1

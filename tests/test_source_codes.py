@@ -2,7 +2,6 @@
 holds exactly (the release's FP4 experts under mxfp4) is kept as stored, codes and all, whatever
 the recipe; the run's summary and report say so (amct_ext/algorithms/source_grid.py)."""
 import json
-import sys
 
 import pytest
 import torch
@@ -67,18 +66,13 @@ def test_split_keeps_order_and_the_summary_counts_kept_units():
 
 
 def _run(tmp_path, scheme: str, algo: str) -> tuple:
-    """run_ptq from the release tiny (few calibration windows, no PPL); (output dir, stdout)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    import run_ptq
+    """The main job (library entry point) from the release tiny (few calibration windows, no
+    reference PPL); (output dir, report)."""
+    from tests.conftest import library_job
 
     run = tmp_path / "run"
-    old = torch.get_num_threads()
-    try:
-        assert run_ptq.main(["--model", "tiny-trained-release", "--scheme", scheme, "--algo", algo,
-                             "--calib-samples", "2", "--seq-len", "128", "--eval-windows", "1",
-                             "--ppl-modes", "", "--output-dir", str(run)]) == 0
-    finally:
-        torch.set_num_threads(old)
+    assert library_job(run, model="tiny-trained-release", scheme=scheme, algo=algo, calib_samples=2, seq_len=128,
+                       eval_windows=1, ppl_modes="") is not None
     return run, json.loads((run / "report.json").read_text())
 
 

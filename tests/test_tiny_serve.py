@@ -5,7 +5,6 @@ model is built from and on the config.json that `--model tiny-serve` writes; the
 model, which vLLM cannot run, must break the rules the issue names.
 """
 import json
-import types
 
 import pytest
 import torch
@@ -54,16 +53,17 @@ def test_tiny_serve_model_runs_and_keeps_every_layer_kind(one_thread):
 
 def test_model_flag_builds_cached_checkpoint(tmp_path, monkeypatch):
     """`--model tiny-serve` resolves to a cached checkpoint (built once) whose config.json has vLLM's geometry."""
+    from amct_ext.base import named_model_binding
     from tools import run_ptq
 
     monkeypatch.setenv("AMCT_CACHE", str(tmp_path))
-    args = types.SimpleNamespace(model="tiny-serve", model_path=None, download=False)
-    path = run_ptq.resolve_model_path(args)
+    binding = named_model_binding("tiny-serve")      # what the library's plan_job asks
+    path = binding.resolve_checkpoint("tiny-serve", None, False, None)
     assert path.parent == tmp_path and path.name.startswith("tiny-serve-")
     cfg = json.loads((path / "config.json").read_text())
     assert violated_vllm_constraints(cfg) == []
     assert cfg["head_dim"] == 512 and cfg["n_routed_experts"] == 64
     stamp = (path / "config.json").stat().st_mtime_ns
-    assert run_ptq.resolve_model_path(args) == path and (path / "config.json").stat().st_mtime_ns == stamp
+    assert binding.resolve_checkpoint("tiny-serve", None, False, None) == path and (path / "config.json").stat().st_mtime_ns == stamp
     assert run_ptq.build_parser().parse_args(["--model", "tiny-serve", "--output-dir", str(tmp_path / "o")]).model \
         == "tiny-serve"

@@ -59,21 +59,17 @@ def test_unobserved_static_quantizers_are_counted(tiny_adapter, tiny_ckpt, tmp_p
     assert q.unobserved_static == expected
 
 
-def test_cli_reports_them(tiny_ckpt, tmp_path, capsys):
-    from tools import run_ptq
+def test_the_job_reports_them(tiny_ckpt, tmp_path, capsys):
+    """The main job (library entry point, as the CLI runs it) counts and prints them."""
+    from tests.conftest import library_job
 
     scheme = tmp_path / "static.json"
     scheme.write_text(json.dumps({**STATIC, "name": "w8a8-static"}))
     out = tmp_path / "out"
-    old = torch.get_num_threads()
-    try:
-        code = run_ptq.main(["--model", "tiny", "--model-path", str(tiny_ckpt), "--scheme", str(scheme),
-                             "--quant-target", "moe", "--calib-samples", "1", "--seq-len", "4", "--epochs", "0",
-                             "--eval-windows", "1", "--output-dir", str(out), "--quiet"])
-    finally:
-        torch.set_num_threads(old)
+    report = library_job(out, model="tiny", model_path=str(tiny_ckpt), scheme=str(scheme), quant_target="moe",
+                         calib_samples=1, seq_len=4, epochs=0, eval_windows=1, quiet=True)
     printed = capsys.readouterr().out
-    assert code == 0
+    assert report is not None
     counts = json.loads((out / "report.json").read_text())["unobserved_static_quantizers"]
     assert set(counts) == {"rtn", "ptq_calibration", "ptq"} and counts["rtn"] > 0
     assert counts["rtn"] == counts["ptq_calibration"] == counts["ptq"]

@@ -35,4 +35,5 @@ CHECKPOINT_FIXTURES = frozenset({"tiny_ckpt", "tiny_ckpt_fp8", "tiny_adapter", "
 #: names whose use in a fast file means a checkpoint, a whole job or another process
 HEAVY_NAMES = ("make_tiny_checkpoint", "make_synthetic", "write_synthetic", "train_tiny", "run_ptq",
                "tiny-trained", "tiny_trained", "subprocess", "torchrun", "run_interpreted",
-               "load_checkpoint_model", "DeepseekV4Adapter", "run_blockwise_ptq", "evaluate_blockwise")
+               "load_checkpoint_model", "DeepseekV4Adapter", "run_blockwise_ptq", "evaluate_blockwise",
+               "plan_job", "run_job", "library_job")

@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 
 from amct_ext.errors import AmctError, user_error_line  # noqa: E402
 from models.deepseek_v4.cli import (MODELS, PlainHelpFormatter, add_model_arguments,  # noqa: E402,F401
-                                    check_weights_present, resolve_model_path)
+                                    check_weights_present, resolve_checkpoint)
 
 from amct_ext.export.export_format import FORMATS  # noqa: E402  (each format's rules: export_format.py)
 
@@ -100,7 +100,7 @@ def serve_options(args):
 def request_from_args(args, model_path: Path | None = None):
     from amct_ext.export.job import ExportRequest
 
-    model_path = model_path or resolve_model_path(args)
+    model_path = model_path or resolve_checkpoint(args.model, args.model_path, args.download)
     check_weights_present(model_path)
     return ExportRequest(model_path=model_path, format=args.format, out_dir=Path(args.out),
                          from_dir=Path(args.from_dir) if args.from_dir else None, scheme=args.scheme,

@@ -38,6 +38,7 @@ Defaults for --model tiny (chosen so the whole run, PPL included, takes well und
 on 2 CPU cores): 8 calibration windows x 128 tokens, 2 epochs, lr 5e-3, fp32 compute,
 PPL on the first 32 test windows of 128 tokens (float + RTN + PTQ), 1 intra-op thread.
 For v4-*: 128 x 2048 calibration tokens, bf16, PPL off unless --eval-ppl (then every window).
+Every model's defaults: models/deepseek_v4/cli.py MODEL_DEFAULTS.
 
 Recipes
   --algo a,b,c runs the algorithms in order on every unit (rtn, clip, gptq, and whatever else is
@@ -71,8 +72,9 @@ the report. The parameters and PPLs are those of one process. If a rank dies the
 with one `error:` line (torchrun on its node; a heartbeat watchdog across nodes,
 AMCT_DIST_HEARTBEAT_S=120; collectives time out after AMCT_DIST_TIMEOUT_S=7200); rerun to resume.
 
-The job plan (amct_ext/pipeline/job.py) checks every input before any work, reading no tensor
-data: flags, scheme, recipe (a JSON recipe file may also hold propagate, holdout, guard,
+The flags become the library's options (amct_ext/pipeline/options.py: PtqOptions, one field
+per flag); its plan_job (amct_ext/pipeline/job.py) checks every input before any work, reading
+no tensor data: flags, scheme, recipe (a JSON recipe file may also hold propagate, holdout, guard,
 targets), config.json's required fields, every layer's keys in the index and every shard file,
 the scheme against every targeted weight's shape, the export (format x scheme x targets, and
 smoothing that leaves state no format writes), the output folder and the resume fingerprint.
@@ -84,9 +86,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -95,28 +95,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from amct_ext.base import DEFAULT_EPOCHS, DEFAULT_LR  # noqa: E402
-from amct_ext.data import EVAL_DEFAULT  # noqa: E402
-from amct_ext.errors import AmctError, ConfigError, user_error_line  # noqa: E402
-# model resolution is shared with tools/export.py through a library module (no tool imports the other)
-from models.deepseek_v4.cli import (MODELS, MODELSCOPE_IDS, TRAINED_TINY, PlainHelpFormatter,  # noqa: E402,F401
-                                    add_model_arguments, cache_root, check_weights_present,
-                                    download_checkpoint, resolve_model_path, tiny_checkpoint)
-
-DEFAULT_EVAL_PATH = EVAL_DEFAULT
-
-# per-model defaults for options left unset on the command line
-DEFAULTS = {
-    "tiny": dict(calib_samples=8, seq_len=128, eval_windows=32, eval_ppl=True, dtype="fp32", threads=1,
-                 batch_size=1, eval_batch_size=8),
-    "tiny-serve": dict(calib_samples=8, seq_len=128, eval_windows=32, eval_ppl=True, dtype="fp32", threads=1,
-                       batch_size=1, eval_batch_size=8),
-    "tiny-trained": dict(calib_samples=16, seq_len=256, eval_windows=64, eval_ppl=True, dtype="fp32", threads=1,
-                         batch_size=1, eval_batch_size=8),
-    "tiny-trained-release": dict(calib_samples=16, seq_len=256, eval_windows=64, eval_ppl=True, dtype="fp32",
-                                 threads=1, batch_size=1, eval_batch_size=8),
-    "v4": dict(calib_samples=128, seq_len=2048, eval_windows=None, eval_ppl=False, dtype="bf16", threads=None,
-               batch_size=1, eval_batch_size=1, capture_memory_gb=8.0),
-}
+from amct_ext.errors import AmctError, user_error_line  # noqa: E402
+# the built-in model names and their flags are shared with tools/export.py through a library module
+# (no tool imports the other); importing it registers the model (its ModelBinding) for plan_job
+from models.deepseek_v4.cli import PlainHelpFormatter, add_model_arguments  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -216,88 +198,22 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _default(args, name: str):
-    value = getattr(args, name)
-    if value is not None:
-        return value
-    return DEFAULTS[args.model if args.model in DEFAULTS else "v4"].get(name)
+def options_from_args(args: argparse.Namespace):
+    """The parsed flags as the library's options (``amct_ext.pipeline.options.PtqOptions``: one
+    field per flag, by its name)."""
+    from amct_ext.pipeline.options import PtqOptions
 
-
-def job_request(args, model_path: Path, calib_path: Path, eval_path: Path):
-    """The job as asked (``amct_ext.pipeline.job.JobRequest``), the per-model defaults filled in."""
-    from amct_ext.pipeline.job import JobRequest
-
-    return JobRequest(
-        model_path=model_path, output_dir=args.output_dir, scheme=args.scheme, quant_target=args.quant_target,
-        algo=args.algo, recipe=args.recipe, propagate=args.propagate, holdout=args.holdout,
-        no_guard=args.no_guard, legacy_solver=args.legacy_solver, calib_path=calib_path,
-        calib_samples=_default(args, "calib_samples"), seq_len=_default(args, "seq_len"),
-        batch_size=_default(args, "batch_size"), seed=args.seed, epochs=args.epochs, lr=args.lr,
-        eval_path=eval_path, eval_ppl=bool(_default(args, "eval_ppl")), eval_windows=_default(args, "eval_windows"),
-        eval_batch_size=_default(args, "eval_batch_size"), ppl_modes=args.ppl_modes, no_ptq=args.no_ptq,
-        device=args.device, dtype=_default(args, "dtype"), threads=_default(args, "threads"),
-        capture_memory_gb=_default(args, "capture_memory_gb"), hessian_memory_gb=args.hessian_memory_gb,
-        sharded_ptq=args.sharded_ptq, sharded_eval=args.sharded_eval, start_layer=args.start_layer,
-        end_layer=args.end_layer, export=args.export, dequantize_rest=args.dequantize_rest, allow_partial=False,
-        model=args.model, eval_first_window=args.eval_first_window, boundary=args.boundary, quiet=args.quiet,
-        allow_fewer_layers=args.allow_fewer_layers)
-
-
-def _resume_check(out_dir: Path, scheme, targets, r, dtype: str) -> bool:
-    """The fingerprint fields known before the model is opened (scheme, targets, recipe, dtype)
-    against OUTPUT/ptq_params/meta.json; the full check (calibration windows, checkpoint) follows
-    once the tokenizer ran, still before any perplexity."""
-    from amct_ext.pipeline.run_folder import RunFolder
-
-    now = {"scheme_fingerprint": scheme.fingerprint(), "targets": list(targets), "dtype": dtype}
-    # the recipe part of meta.json's "solver" entry (PtqSpec.solver_meta); --legacy-solver's
-    # learned_clip settings are compared by the full check (prepare_params_dir) that follows
-    if r.recipe is not None:
-        now.update({"solver.recipe": r.recipe.settings(), "solver.propagate": r.propagate,
-                    "solver.holdout": r.holdout, "solver.guard": r.guard})
-    return RunFolder(out_dir).check_settled(now, scheme_name=scheme.name)
-
-
-def plan_job(args):
-    """The checked job plan (``amct_ext.pipeline.job.PtqJob``) from the parsed flags: every input
-    checked before anything is computed or written (the cheap checks first, the request checked
-    once), the model resolved (the tiny checkpoints generated on first use)."""
-    from amct_ext.pipeline.calibration import DEFAULT_CALIBRATION_PATH, refuse_test_split
-    from amct_ext.errors import DataError
-    from amct_ext.pipeline.job import build_job, check_request
-    from models.deepseek_v4.plan import DeepseekV4PlanSpec
-
-    if args.calib_data and args.calib_dataset:
-        raise ConfigError("pass either --calib-data FILE or --calib-dataset NAME, not both")
-    eval_path = Path(args.eval_data) if args.eval_data else DEFAULT_EVAL_PATH
-    if args.calib_dataset:
-        from amct_ext.data import dataset_calibration_file
-
-        calib_path = dataset_calibration_file(args.calib_dataset, cache_root())
-    else:
-        calib_path = Path(args.calib_data) if args.calib_data else DEFAULT_CALIBRATION_PATH
-    if not calib_path.is_file():
-        raise DataError(f"calibration text not found: {calib_path} (pass --calib-data FILE)")
-    threads = _default(args, "threads")
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--threads {threads}: must be >= 1 (omit it for torch's default)")
-    # flags, scheme, recipe, targets, output folder first: they need neither the model nor the text
-    checked = check_request(job_request(args, Path(args.model_path or "."), calib_path, eval_path))
-    # by content, before anything is trained or computed on it (also guards tokenizer training)
-    refuse_test_split(calib_path, "calibration", [eval_path])
-    model_path = resolve_model_path(args, calib_path)
-    check_weights_present(model_path, args.model)
-    return build_job(job_request(args, model_path, calib_path, eval_path), DeepseekV4PlanSpec(),
-                     check_resume=_resume_check, checked=checked)
+    return PtqOptions(**vars(args))
 
 
 def run(args, phases=None) -> int:
-    """The whole job: the plan from the flags, then the library's ``run_job``. ``phases``: an
-    ``amct_ext.pipeline.phases.PhaseTimer`` given to the PTQ loop."""
+    """The whole job: the flags as options, the library's plan (``plan_job``), then its ``run_job``.
+    ``phases``: an ``amct_ext.pipeline.phases.PhaseTimer`` given to the PTQ loop."""
     from amct_ext.pipeline.job_runner import run_job
+    from amct_ext.pipeline.options import plan_job
 
     t_start = time.perf_counter()
-    run_job(plan_job(args), phases=phases, t_start=t_start)
+    run_job(plan_job(options_from_args(args)), phases=phases, t_start=t_start)
     return 0
 
 

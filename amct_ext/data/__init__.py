@@ -30,6 +30,11 @@ EVAL_TEST_SHA256 = "4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4
 _TRUE = {"1", "on", "yes", "true"}
 
 
+def cache_root() -> Path:
+    """Where generated and fetched inputs are cached: ``$AMCT_CACHE``, else ~/.cache/amct_ext."""
+    return Path(os.environ.get("AMCT_CACHE") or Path.home() / ".cache" / "amct_ext")
+
+
 def _offline() -> bool:
     return any(os.environ.get(k, "").strip().lower() in _TRUE
                for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))

@@ -275,7 +275,7 @@ def make_exports(args, cells) -> dict[str, Path]:
     sys.path.insert(0, str(REPO))
     from amct_ext.quant.formats import QuantInputError
     from tools.export import build_parser as export_parser, export_from_args
-    from tools.run_ptq import tiny_checkpoint
+    from models.deepseek_v4.cli import tiny_checkpoint
 
     paths = {"float": tiny_checkpoint(model="tiny-serve")}
     for cell in cells:

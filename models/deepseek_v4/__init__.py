@@ -7,7 +7,7 @@ Every name is imported on first use: importing a light submodule (``models.deeps
 which a CLI imports to print an error) must not pay for transformers (~3 s)."""
 from .binding import V4_BINDING  # noqa: E402,F401  (registers V4 with amct_ext.base.model_binding; no transformers import)
 
-__all__ = ["DeepseekV4Config", "DeepseekV4ForCausalLM", "load_checkpoint_model"]
+__all__ = ["DeepseekV4Config", "DeepseekV4ForCausalLM", "load_checkpoint_model", "quantize"]
 
 
 def __getattr__(name):
@@ -24,4 +24,10 @@ def __getattr__(name):
         from .loading import load_checkpoint_model
 
         return load_checkpoint_model
+    # the whole PTQ job as a library call (amct_ext.pipeline.options.quantize), V4 registered:
+    # quantize("runs/w4", model="tiny-trained", scheme="w4a16-g128") -> its report
+    if name == "quantize":
+        from amct_ext.pipeline.options import quantize
+
+        return quantize
     raise AttributeError(name)

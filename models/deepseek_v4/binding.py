@@ -1,5 +1,6 @@
-"""DeepSeek-V4's ``ModelBinding``: what the export and the torchrun cost model need to know
-about V4 without a running adapter (``amct_ext/`` never imports ``models``; it looks the
+"""DeepSeek-V4's ``ModelBinding``: what the export, the job plan (its built-in model names, their
+defaults and checkpoints: cli.py) and the torchrun cost model need to know about V4 without a
+running adapter (``amct_ext/`` never imports ``models``; it looks the
 binding up by config.json ``model_type``, ``amct_ext.base.model_binding``). Registered when
 ``models.deepseek_v4`` is imported."""
 from __future__ import annotations
@@ -11,6 +12,8 @@ from torch import nn
 
 from amct_ext.base import ModelBinding, register_model_binding
 from amct_ext.pipeline.ptq_units import PtqUnit
+
+from . import cli
 
 
 class V4Binding(ModelBinding):
@@ -79,6 +82,17 @@ class V4Binding(ModelBinding):
             elif isinstance(mod, WoAQuant) and not mod.weight_quantizer.is_identity:
                 leaves[f"{name.rpartition('.')[0]}.wo_a.weight"] = mod
         return leaves
+
+    #: the built-in models (cli.py): the tinies (generated or shipped) and the two releases
+    model_names = cli.MODELS
+
+    def model_defaults(self, name):
+        return cli.model_defaults(name)
+
+    def resolve_checkpoint(self, name, model_path, download, calib_path):
+        path = cli.resolve_checkpoint(name, model_path, download, calib_path)
+        cli.check_weights_present(path, name)
+        return path
 
     def plan_spec(self):
         from .plan import DeepseekV4PlanSpec

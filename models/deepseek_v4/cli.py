@@ -1,5 +1,8 @@
-"""Command-line pieces shared by tools/run_ptq.py and tools/export.py: the built-in model names,
-where their checkpoints come from, and the model / device arguments both tools take.
+"""DeepSeek-V4's built-in model names: where their checkpoints come from, the job's defaults for
+each (``MODEL_DEFAULTS``), and the model / device arguments tools/run_ptq.py and tools/export.py
+both take. The library entry point (``amct_ext.pipeline.options.plan_job``) reaches the names and
+defaults through ``V4Binding`` (binding.py: ``model_names``, ``model_defaults``,
+``resolve_checkpoint``); the tools import this module directly.
 
 Kept here (a library module) so that neither tool imports the other (issue 25.4): run_ptq
 calls the export through ``amct_ext.export.job``, not through export's parser.
@@ -12,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from amct_ext.data import CALIB_DEFAULT
+from amct_ext.data import CALIB_DEFAULT, cache_root  # noqa: F401  (cache_root: the tools' import)
 from amct_ext.errors import CheckpointError, ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,10 +27,6 @@ TRAINED_TINY = REPO / "assets" / "tiny-v4"   # trained on the Wikitext-2 validat
 TRAINED_RELEASE_TINY = REPO / "assets" / "tiny-v4-release"
 SHIPPED_TINIES = {"tiny-trained": TRAINED_TINY, "tiny-trained-release": TRAINED_RELEASE_TINY}
 MODELSCOPE_IDS = {"v4-flash": "deepseek-ai/DeepSeek-V4-Flash", "v4-pro": "deepseek-ai/DeepSeek-V4-Pro"}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("AMCT_CACHE") or Path.home() / ".cache" / "amct_ext")
 
 
 def tiny_checkpoint(text_path: Path | None = None, model: str = "tiny") -> Path:
@@ -74,34 +73,58 @@ def download_checkpoint(model: str, dest: Path | None) -> Path:
                               f"are you offline? download it elsewhere and pass --model-path DIR") from None
 
 
-def resolve_model_path(args, calib_path: Path | None = None) -> Path:
-    """The checkpoint folder of ``args.model`` / ``args.model_path`` / ``args.download``."""
-    if args.model in TINY_MODELS:
-        if args.model_path:
-            path = Path(args.model_path)
+# the job's defaults per built-in model for options left unset (None): the tiny ones are chosen
+# so that the whole run, PPL included, takes well under two minutes on 2 CPU cores; "v4" is
+# every other name (and a checkpoint given by folder only)
+_TINY = dict(calib_samples=8, seq_len=128, eval_windows=32, eval_ppl=True, dtype="fp32", threads=1,
+             batch_size=1, eval_batch_size=8)
+_TRAINED = dict(_TINY, calib_samples=16, seq_len=256, eval_windows=64)
+MODEL_DEFAULTS = {
+    "tiny": _TINY,
+    "tiny-serve": _TINY,
+    "tiny-trained": _TRAINED,
+    "tiny-trained-release": _TRAINED,
+    "v4": dict(calib_samples=128, seq_len=2048, eval_windows=None, eval_ppl=False, dtype="bf16", threads=None,
+               batch_size=1, eval_batch_size=1, capture_memory_gb=8.0),
+}
+
+
+def model_defaults(name: str | None) -> dict:
+    """The job options model ``name`` takes where the caller left them unset."""
+    return dict(MODEL_DEFAULTS[name if name in MODEL_DEFAULTS else "v4"])
+
+
+def resolve_checkpoint(model: str | None, model_path=None, download: bool = False,
+                       calib_path: Path | None = None) -> Path:
+    """The checkpoint folder of built-in ``model`` (``model_path`` / ``download`` as the flags
+    --model-path / --download); ``calib_path``: the text a generated tiny's tokenizer is trained on."""
+    if model in TINY_MODELS:
+        if model_path:
+            path = Path(model_path)
             if not path.is_dir():
                 raise CheckpointError(f"--model-path {path} does not exist or is not a folder "
-                                      f"(omit --model-path to use the built-in {args.model} checkpoint)")
+                                      f"(omit --model-path to use the built-in {model} checkpoint)")
             return path
-        if args.model in SHIPPED_TINIES:
-            return SHIPPED_TINIES[args.model]
-        return tiny_checkpoint(calib_path, args.model)
-    if getattr(args, "download", False):
-        return download_checkpoint(args.model, Path(args.model_path) if args.model_path else None)
-    if not args.model_path:
-        raise ConfigError(f"--model {args.model} needs --model-path DIR (the checkpoint folder) or --download")
-    path = Path(args.model_path)
+        if model in SHIPPED_TINIES:
+            return SHIPPED_TINIES[model]
+        return tiny_checkpoint(calib_path, model)
+    if download and model in MODELSCOPE_IDS:
+        return download_checkpoint(model, Path(model_path) if model_path else None)
+    if not model_path:
+        raise ConfigError(f"--model {model} needs --model-path DIR (the checkpoint folder) or --download")
+    path = Path(model_path)
     if not path.is_dir():
         raise CheckpointError(f"--model-path {path} does not exist or is not a folder")
     return path
 
 
-def check_weights_present(path: Path, model: str = "v4-flash") -> None:
+def check_weights_present(path: Path, model: str | None = "v4-flash") -> None:
     has_index = (path / "model.safetensors.index.json").is_file() or \
         (path / "quant_model_weights.safetensors.index.json").is_file()  # an Ascend export
     has_single = (path / "model.safetensors").is_file()
     if not (has_index or has_single):
         hint = ("download the checkpoint there or use --download" if model in MODELSCOPE_IDS
+                else "pass the checkpoint's folder" if model not in TINY_MODELS
                 else f"omit --model-path to use the built-in {model} checkpoint")
         raise CheckpointError(f"{path}: no weights (neither model.safetensors.index.json nor model.safetensors); "
                               + hint)
