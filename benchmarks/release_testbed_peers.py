@@ -27,11 +27,12 @@ SUMMARY = RESULTS / "release-testbed-peers.json"
 MD = RESULTS / "release-testbed-peers.md"
 # raw JSON of each peer script run on the dequantized release: peer label -> file
 RAW = {"auto-round": RESULTS / "release-testbed-peers-autoround.json",
-       "llm-compressor": RESULTS / "release-testbed-peers-llmcompressor.json"}
+       "llm-compressor": RESULTS / "release-testbed-peers-llmcompressor.json",
+       "msModelSlim": RESULTS / "release-testbed-peers-msmodelslim.json"}
 # peers issue 35.2 names that have no cell here yet (listed on the page as not run)
 # `lscpu | grep 'Model name'` of the box the peer runs used (the raw JSON records only its class)
 MACHINE_MODEL = "AMD EPYC"
-NOT_RUN = ("msModelSlim V4 W8A8 / W4A8 recipes",)
+NOT_RUN = ()
 # what a peer's cell names mean, said under its table
 NOTES = {"llm-compressor": (
     "`gptq-default` is llm-compressor's GPTQModifier at its own defaults (block 128, dampening 0.01, "
@@ -40,7 +41,24 @@ NOTES = {"llm-compressor": (
     "scheme (w4a16-g128: asymmetric int4, groups of 128, min-max; w8a8: symmetric int8 per channel, "
     "dynamic per-token int8 activations, which for routed experts is one scale per tensor: "
     "casebook/peer-llm-compressor.md P5) on the project's targets; 16 x 256 calibration windows, seed 0, "
-    "all experts calibrated (llm-compressor's default).",)}
+    "all experts calibrated (llm-compressor's default).",),
+         "msModelSlim": (
+    "`w8a8 flash-w8a8` / `w4a8 pro-w4a8` are msModelSlim's shipped recipes `lab_practice/deepseek_v4/"
+    "deepseek_v4_flash_w8a8.yaml` (QuaRot + flex_smooth_quant, W8A8_DYNAMIC on wq_a / wkv / wq_b / indexer.wq_b "
+    "and every expert) and `deepseek_v4_pro_w4a8.yaml` (QuaRot + flex_awq_ssz + flex_smooth_quant, routed experts "
+    "W4A8_DYNAMIC per channel, shared expert and attention W8A8_DYNAMIC), run by its own CLI on CPU with only the "
+    "`dataset` line changed (the project's 16 x 256 calibration windows as its jsonl); `wo_a`, `wo_b`, the "
+    "compressors and the indexer's other linears stay FLOAT. The four workarounds it needs on the tiny (config "
+    "fields, MTP off, no YaRN on ratio-0 layers, one dtype in its alpha search) are listed in the raw JSON and "
+    "casebook/peer-msmodelslim.md. Its output is evaluated by the project's read-back of the exported folder: "
+    "weights decoded from the codes, dynamic int8 per-token inputs on the W8A8_DYNAMIC / W4A8_DYNAMIC leaves only "
+    "(what vllm-ascend computes; QuaRot is folded into the saved weights). Its float check is that evaluator "
+    "on DEQ. Our w4a8 is int4 in groups of 128, msModelSlim's per channel (vllm-ascend's W4A8_DYNAMIC takes "
+    "only per channel); our w8a8 also quantizes `wo_b` (weights and inputs), which msModelSlim's recipe keeps "
+    "float. msModelSlim's own model, with the workarounds, computes the tiny: its bf16 last-position logits "
+    "agree with our fp32 float model's to cosine > 0.9999, same argmax (`forward_check` in the raw JSON), "
+    "and its output has the tensor layout and description of the earlier reference run "
+    "(tests/data/msmodelslim-26.1-tiny-v4).",)}
 DEQUANTIZE = "python tools/dequantize_release.py --src assets/tiny-v4-release --out DEQ"
 
 
@@ -53,6 +71,7 @@ def _command(raw_command: str, scheme: str | None, algo: str | None = None, json
         cmd = re.sub(r"--json \S+", f"--json {json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path}", cmd)
     if algo is not None:
         cmd = re.sub(r"--algos \S+", f"--algos {algo}", cmd)
+        cmd = re.sub(r"--recipes \S+", f"--recipes {algo}", cmd)
     return cmd if scheme is None else re.sub(r"--schemes \S+", f"--schemes {scheme}", cmd)
 
 
@@ -89,6 +108,7 @@ def summarize(testbed: dict, raws: dict[str, dict]) -> dict:
                  "eval_windows_sha256": raw["protocol"]["eval_windows_sha256"],
                  "float": {"ppl": f["ppl"], "vs_release_float_pct": _pct(f["ppl"], release)},
                  "processes": max(1, len(raw.get("commands", []))),
+                 **({"float_what": f["what"]} if "what" in f else {}),
                  "cells": {}}
         for key, cell in raw["cells"].items():
             name, scheme = _cell_key_and_scheme(key, cell)
@@ -142,14 +162,16 @@ def render_md(summary: dict) -> str:
     for peer, e in summary["peers"].items():
         v = e["versions"]
         # the versions record names the package as pip does ("llmcompressor" for llm-compressor)
-        version = v.get(peer, v.get(peer.replace("-", ""), ""))
+        version = v.get(peer, v.get(peer.replace("-", ""), v.get(peer.lower(), "")))
+        # which float model the peer's float check ran (recorded by the peer script when not transformers')
+        float_what = e.get("float_what", "transformers' DeepseekV4 on DEQ")
         lines += [f"## {peer} {version}", "",
                   f"- Command (last run; each cell's is in the JSON): `{e['command']}` (DEQ = the folder above).",
                   f"- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + f"; {e['machine'].get('description', e['machine'])}, lscpu {MACHINE_MODEL}; "
                   f"{e['date']}; fp32, CPU, one thread, shared with other jobs (times are not comparable).",
                   f"- Evaluation: {e['eval_windows']} windows x 256 (the whole test split, the testbed's windows: "
                   f"same sha256 `{e['eval_windows_sha256'][:16]}...`).",
-                  f"- Float check: transformers' DeepseekV4 on DEQ gives **{e['float']['ppl']:.3f}**, "
+                  f"- Float check: {float_what} gives **{e['float']['ppl']:.3f}**, "
                   f"{e['float']['vs_release_float_pct']:+.5f} % from the release float "
                   f"(relative {e['float']['vs_release_float_pct'] / 100:.1e}).",
                   *([f"- Run split over {e['processes']} processes (one per cell, `--threads 1` each), the float "

@@ -146,3 +146,33 @@ def test_cli_flow_and_load_checkpoint_model(tmp_path, texts, capsys):
     model, account = load_checkpoint_model(e2, return_account=True)
     assert not account.unexpected and account.skipped   # mtp kept in the file, skipped by the forward
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def test_a_float_leaf_of_a_quantized_target_keeps_a_float_input(tmp_path):
+    """An Ascend description that leaves a leaf of a quantized target FLOAT (msModelSlim keeps
+    ``wo_b`` FLOAT while wq_a / wkv / wq_b are W8A8_DYNAMIC) is read back with that leaf's input
+    unquantized, as vllm-ascend runs it; the W8A8 leaves keep their dynamic int8 inputs."""
+    import shutil
+
+    from amct_ext.export.readback import exported_quant
+    from models.deepseek_v4.loading import apply_exported_activations, load_config
+    from models.deepseek_v4.modeling import Block
+
+    shutil.copy(TINY / "config.json", tmp_path / "config.json")
+    desc = {f"layers.1.attn.{m}.weight": "W8A8_DYNAMIC" for m in ("wq_a", "wkv", "wq_b", "indexer.wq_b")}
+    desc.update({"layers.1.attn.wo_b.weight": "FLOAT", "layers.1.ffn.shared_experts.w2.weight": "FLOAT",
+                 "layers.1.ffn.experts.0.w1.weight": "W4A8_DYNAMIC"})
+    (tmp_path / "quant_model_description.json").write_text(json.dumps(desc))
+    ex = exported_quant(tmp_path)
+    assert ex.targets == ["attn-linear", "moe"]
+    assert ex.float_weights == {"layers.1.attn.wo_b.weight", "layers.1.ffn.shared_experts.w2.weight"}
+    block = apply_exported_activations(Block(1, load_config(TINY), torch.float32), ex, 1)
+    quantized = {n[: -len(".input_quantizer")] for n, m in block.named_modules()
+                 if n.endswith(".input_quantizer") and not m.is_identity}
+    assert {"attn.wq_a", "attn.wkv", "attn.wq_b", "attn.indexer.wq_b", "ffn.experts.0.w1",
+            "ffn.shared_experts.w1"} <= quantized
+    assert "attn.wo_b" not in quantized and "ffn.shared_experts.w2" not in quantized
+    with torch.no_grad():   # the block was built uninitialised
+        block.attn.wo_b.weight.normal_()
+    x = torch.randn(3, block.attn.wo_b.in_features) * 10
+    assert torch.equal(block.attn.wo_b(x), torch.nn.functional.linear(x, block.attn.wo_b.weight))

@@ -77,3 +77,50 @@ def test_results_index_quotes_the_auto_round_cells():
     assert f"GPTQ at its defaults, w4a16-g128 / w8a8 = {gptq[0]:.3f} / {gptq[1]:.3f}, behind ours" in text
     testbed = json.loads((REPO / "benchmarks" / "results" / "release-testbed.json").read_text())
     assert testbed["w4a16-g128-default"]["ppl"] < gptq[0] and testbed["w8a8-default"]["ppl"] < gptq[1]
+
+
+def test_msmodelslim_cells(summary):
+    """msModelSlim 26.1's shipped V4 recipes on DEQ (benchmarks/peer_msmodelslim.py, measured
+    2026-12-06, whole split): the two cells, what they are compared with, and the run's own checks
+    (its model computes the tiny; its output has the reference run's layout; QuaRot folded)."""
+    raw = json.loads(tool.RAW["msModelSlim"].read_text())
+    cells = summary["peers"]["msModelSlim"]["cells"]
+    assert set(cells) == {"w8a8 flash-w8a8", "w4a8 pro-w4a8"}
+    w8, w4 = cells["w8a8 flash-w8a8"], cells["w4a8 pro-w4a8"]
+    assert round(w8["ppl"], 3) == 302.862 and round(w8["vs_release_float_pct"], 2) == 0.04
+    assert round(w4["ppl"], 3) == 305.886 and round(w4["vs_release_float_pct"], 2) == 1.04
+    # ours (the testbed's defaults): w8a8 0.013 PPL behind msModelSlim's Flash recipe, w4a8 ahead
+    assert w8["ours_default"]["ppl"] > w8["ppl"] and w8["ours_default"]["ppl"] - w8["ppl"] < 0.02
+    assert w4["ours_default"]["ppl"] < w4["ppl"]
+    assert raw["float"]["ppl"] == json.loads(tool.TESTBED.read_text())["float"]["ppl"]   # same evaluator, DEQ
+    fwd = raw["forward_check"]
+    assert fwd["argmax_agree"] and fwd["min_cosine"] > 0.9999
+    for cell in raw["cells"].values():
+        assert cell["layout_matches_reference_run"] is True and cell["quarot_rotation"] is True
+        assert cell["eval_windows"] == 1487 and cell["argv"][:2] == ["msmodelslim", "quant"]
+    assert raw["cells"]["w4a8|pro-w4a8"]["weight_types"] == {"FLOAT": 48, "W4A8_DYNAMIC": 96, "W8A8_DYNAMIC": 26}
+    assert len(raw["workarounds"]) == 4
+
+
+def test_results_index_quotes_the_msmodelslim_cells(summary):
+    """RESULTS §3.1 quotes msModelSlim's two cells and the w8a8 gap to our default as measured."""
+    cells = summary["peers"]["msModelSlim"]["cells"]
+    w8, w4 = cells["w8a8 flash-w8a8"], cells["w4a8 pro-w4a8"]
+    gap = w8["ours_default"]["ppl"] - w8["ppl"]
+    text = (REPO / "benchmarks" / "RESULTS.md").read_text()
+    assert (f"Flash w8a8 / Pro w4a8 = {w8['ppl']:.3f} / {w4['ppl']:.3f}: ours is {gap:.3f} PPL "
+            f"({100 * gap / w8['ppl']:.3f} %) behind at w8a8") in text
+    assert w4["ours_default"]["ppl"] < w4["ppl"]
+
+
+def test_msmodelslim_recipe_edit_changes_the_dataset_line_only():
+    """peer_msmodelslim.recipe_text: the shipped recipe keeps every line but ``dataset:``; a recipe
+    with no or two dataset lines is one clear error, not a silently wrong calibration."""
+    pm = load_script("benchmarks/peer_msmodelslim.py", "peer_msmodelslim")
+    shipped = "spec:\n  process:\n  - type: quarot\n    block_size: 32\n  dataset: mix_calib.jsonl\n  save: []\n"
+    edited = pm.recipe_text(shipped, REPO / "c.jsonl")
+    assert [a for a, b in zip(shipped.splitlines(), edited.splitlines()) if a != b] == ["  dataset: mix_calib.jsonl"]
+    assert f"  dataset: {REPO / 'c.jsonl'}\n" in edited
+    for bad in (shipped.replace("  dataset: mix_calib.jsonl\n", ""), shipped + "  dataset: x.jsonl\n"):
+        with pytest.raises(SystemExit):
+            pm.recipe_text(bad, REPO / "c.jsonl")

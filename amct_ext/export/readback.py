@@ -121,6 +121,10 @@ class ExportedQuant:
     targets: list[str]
     layers: set[int]
     format: str
+    #: weights the description labels FLOAT (Ascend): a leaf of a quantized target that the
+    #: writer left float (msModelSlim keeps ``wo_b`` FLOAT) is run float by vllm-ascend, input
+    #: included, so its reader must not quantize that input either (casebook/export.md E18)
+    float_weights: frozenset[str] = frozenset()
 
 
 def exported_quant(model_path: str | Path) -> ExportedQuant | None:
@@ -135,6 +139,7 @@ def exported_quant(model_path: str | Path) -> ExportedQuant | None:
     desc_path = root / ascend.DESCRIPTION_NAME
     inputs: dict[str, TensorSpec | None] = {}
     cache = None
+    float_weights: frozenset[str] = frozenset()
     if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
         from .compressed_tensors import spec_from_args
 
@@ -153,6 +158,7 @@ def exported_quant(model_path: str | Path) -> ExportedQuant | None:
             raise ConfigError(f"{desc_path}: unreadable ({e})") from None
         found, cache = ascend.activation_targets(desc)
         inputs.update(found)
+        float_weights = frozenset(k for k, t in desc.items() if t == ascend.FLOAT and k.endswith(".weight"))
         fmt = "ascend"
     else:
         return None
@@ -169,4 +175,5 @@ def exported_quant(model_path: str | Path) -> ExportedQuant | None:
     else:
         layers = set(range(int(cfg.get("num_hidden_layers", cfg.get("n_layers", 0)))))
     scheme = QuantScheme(name=f"exported-{fmt}-activations", targets=targets, cache=cache)
-    return ExportedQuant(scheme=scheme, targets=[t for t in order if t in names], layers=layers, format=fmt)
+    return ExportedQuant(scheme=scheme, targets=[t for t in order if t in names], layers=layers, format=fmt,
+                         float_weights=float_weights)

@@ -141,7 +141,22 @@ def apply_exported_activations(block: Block, exported, layer_id: int) -> Block:
 
     quant_module.quantize_block(block, exported.scheme, exported.targets)
     quant_module.set_quant_enabled(block, True)
+    _float_leaves_unquantized(block, getattr(exported, "float_weights", frozenset()), layer_id)
     return block
+
+
+def _float_leaves_unquantized(block: Block, float_weights, layer_id: int) -> None:
+    """A leaf inside a quantized target whose weight the export left FLOAT (msModelSlim's ``wo_b``)
+    runs float in the engine, input included: its input quantizer becomes the identity (an
+    identity quantizer, not mode 'off', so no later ``set_activation_mode`` turns it back on)."""
+    if not float_weights:
+        return
+    from amct_ext.quant.quant_linear import QuantLinear
+    from amct_ext.quant.quantizers import ActivationQuantizer
+
+    for name, leaf in block.named_modules():
+        if isinstance(leaf, QuantLinear) and f"layers.{layer_id}.{name}.weight" in float_weights:
+            leaf.input_quantizer = ActivationQuantizer(None)
 
 
 def load_checkpoint_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
