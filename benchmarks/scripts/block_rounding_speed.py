@@ -51,6 +51,10 @@ RUN_ORDER = [
     ("E5", H100, "call6", "H100 (machine 4); the default, first run"),
     ("E6", H100, "call6", "H100 (machine 4); the default, second run"),
     ("W8BR3", H100, "call6", "H100 (machine 4); w4a8, third run"),
+    ("B40", H100, "call7", "H100 (machine 5), 40 steps, first run; every unit recomputed (the default until `recompute_units`)"),
+    ("U40", H100, "call7", "H100 (machine 5), 40 steps; attention and shared expert held (`recompute_units=false`, the default since)"),
+    ("H40", H100, "call7", "H100 (machine 5), 40 steps; every unit recomputed but 8 GiB of expert chunks held (`hold_gb=8`)"),
+    ("UH40", H100, "call7", "H100 (machine 5), 40 steps; `recompute_units=false` and `hold_gb=6`"),
 ]
 #: the default at w4a16-g128 (BLOCKROUND_DEFAULT): runs in a machine's first run (cold page cache)
 #: and warm runs (the checkpoint read before); the headline is the median of the warm runs; w4a8's
