@@ -30,6 +30,7 @@ GIB = 2 ** 30
 DOC = REPO / "benchmarks" / "results" / "block-rounding.md"
 BEGIN, END = "<!-- block-rounding-speed:begin -->", "<!-- block-rounding-speed:end -->"
 H200, H100 = "h200_2026-12-04_blockround", "h100_2026-12-06_blockround"
+H200B = "h200_2026-12-06_blockround"
 #: (tag, card folder under benchmarks/gpu, call folder, what it is)
 RUN_ORDER = [
     ("hbr200", H200, "call1", "H200; before: per-step SignSGD hook, float32 offsets"),
@@ -55,11 +56,22 @@ RUN_ORDER = [
     ("U40", H100, "call7", "H100 (machine 5), 40 steps; attention and shared expert held (`recompute_units=false`, the default since)"),
     ("H40", H100, "call7", "H100 (machine 5), 40 steps; every unit recomputed but 8 GiB of expert chunks held (`hold_gb=8`)"),
     ("UH40", H100, "call7", "H100 (machine 5), 40 steps; `recompute_units=false` and `hold_gb=6`"),
+    ("G1", H200B, "call8", "H200 (machine 6); the default since `recompute_units=false`, first run"),
+    ("R1", H200B, "call8", "H200 (machine 6); the default before it (`recompute_units=true`), second run"),
+    ("G2", H200B, "call8", "H200 (machine 6); the default, third run"),
+    ("G3", H200B, "call8", "H200 (machine 6); the default, fourth run"),
+    ("R2", H200B, "call8", "H200 (machine 6); `recompute_units=true`, fifth run"),
+    ("G4", H200B, "call8", "H200 (machine 6); the default, sixth run"),
 ]
 #: the default at w4a16-g128 (BLOCKROUND_DEFAULT): runs in a machine's first run (cold page cache)
 #: and warm runs (the checkpoint read before); the headline is the median of the warm runs; w4a8's
 #: default (the same recipe) over its warm runs
 W4A8_WARM_RUNS = ("W8BR2", "W8BR3")
+#: the default since recompute_units=false, on one H200 (the issue's card), one lease: its first run,
+#: its warm runs, and the recipe before the knob (recompute_units=true) in the same lease
+NOW_FIRST_RUNS = ("G1",)
+NOW_WARM_RUNS = ("G2", "G3", "G4")
+NOW_BEFORE_RUNS = ("R1", "R2")
 DEFAULT_FIRST_RUNS = ("D100", "E1", "E5")
 DEFAULT_WARM_RUNS = ("D100b", "E2", "E3", "E4", "E6")
 #: runs measured before the stream-leak fix (casebook i34-8): over the host bound
@@ -134,14 +146,27 @@ def default_summary(rs: list[dict]) -> dict:
             "warm_layer_s": stat(DEFAULT_WARM_RUNS, "layer_s"),
             "warm_device_gib": stat(DEFAULT_WARM_RUNS, "device_gib"),
             "first_capture_solve_s": stat(DEFAULT_FIRST_RUNS, "capture_solve_s"),
-            "step_s": stat(DEFAULT_WARM_RUNS + DEFAULT_FIRST_RUNS, "step_s")}
+            "step_s": stat(DEFAULT_WARM_RUNS + DEFAULT_FIRST_RUNS, "step_s"),
+            "now_warm_capture_solve_s": stat(NOW_WARM_RUNS, "capture_solve_s"),
+            "now_first_capture_solve_s": stat(NOW_FIRST_RUNS, "capture_solve_s"),
+            "now_step_s": stat(NOW_WARM_RUNS + NOW_FIRST_RUNS, "step_s"),
+            "now_device_gib": stat(NOW_WARM_RUNS + NOW_FIRST_RUNS, "device_gib"),
+            "now_before_capture_solve_s": stat(NOW_BEFORE_RUNS, "capture_solve_s"),
+            "now_before_step_s": stat(NOW_BEFORE_RUNS, "step_s"),
+            "now_before_device_gib": stat(NOW_BEFORE_RUNS, "device_gib")}
 
 
 def render_summary(sm: dict) -> str:
     def f(d, spec):
         return f"{format(d['median'], spec)} ({format(d['min'], spec)} - {format(d['max'], spec)}, n={d['n']})"
 
-    return ("The default at w4a16-g128 on the H100, median (min - max): capture + solve "
+    return ("The default at w4a16-g128 (since `recompute_units=false`) on one H200, median (min - max): capture + "
+            f"solve {f(sm['now_warm_capture_solve_s'], '.1f')} s warm, {f(sm['now_first_capture_solve_s'], '.1f')} s in "
+            f"the machine's first run; one step {f(sm['now_step_s'], '.3f')} s; device peak "
+            f"{f(sm['now_device_gib'], '.1f')} GiB. The same lease with `recompute_units=true` (the default before): "
+            f"{f(sm['now_before_capture_solve_s'], '.1f')} s, a step {f(sm['now_before_step_s'], '.3f')} s, "
+            f"{f(sm['now_before_device_gib'], '.1f')} GiB. "
+            "Before the knob, on the H100, median (min - max): capture + solve "
             f"{f(sm['warm_capture_solve_s'], '.1f')} s warm, {f(sm['first_capture_solve_s'], '.1f')} s in a "
             f"machine's first run; one step {f(sm['step_s'], '.3f')} s. At w4a8: "
             f"{f(sm['w4a8_warm_capture_solve_s'], '.1f')} s warm.")
