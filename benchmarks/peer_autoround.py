@@ -49,7 +49,6 @@ Finished cells are kept in the JSON and skipped on a rerun (``--redo`` recompute
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import re
@@ -66,9 +65,11 @@ for _p in (REPO, BENCH):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-# The protocol (windows, digests, PPL loop, records) is llm-compressor's peer script's, so the
-# two peers are measured the same way; that module imports nothing beyond the stdlib at load.
+# The protocol (windows, digests, PPL loop, records) is llm-compressor's peer script's and
+# peers_common's, so the two peers are measured the same way; both import only the stdlib at load.
 import peer_llmcompressor as _plc  # noqa: E402
+import peers_common as _pc  # noqa: E402
+from peers_common import fail as _fail  # noqa: E402
 
 DEFAULT_VENV = REPO / "benchmarks" / ".venv-peers-autoround"
 DEFAULT_MODEL = _plc.DEFAULT_MODEL
@@ -147,10 +148,6 @@ def our_name_to_hf(name: str) -> str:
         raise KeyError(f"{name}: no transformers name known for {key!r}")
     e = re.search(r"experts\.(\d+)\.", leaf)
     return f"model.layers.{layer}." + NAME_MAP[key].format(e=e.group(1) if e else "")
-
-
-def _fail(msg: str):
-    return _plc._fail(msg)
 
 
 # =========================================================================== V4 adapters
@@ -241,7 +238,7 @@ def layer_config_for(model) -> dict:
 
 # =========================================================================== peer side
 def versions() -> dict:
-    return _plc.versions(("auto-round", "torch", "transformers", "accelerate"))
+    return _pc.versions(("auto-round", "torch", "transformers", "accelerate"))
 
 
 def load_model(model_path: Path, unfuse: bool = False):
@@ -424,22 +421,21 @@ def peer_main(args) -> int:
     torch.manual_seed(0)
     applied = [patch_autoround_loss()]
     out_path = Path(args.json)
-    res = json.loads(out_path.read_text()) if out_path.is_file() and not args.fresh else {}
-    res.setdefault("cells", {})
+    res = _pc.load_results(out_path, args.fresh)
 
-    tok = _plc.load_tokenizer(args.model)
-    ev, cal = _plc.protocol_windows(tok, args.eval_data, args.calib_data, args.seq_len,
-                                    args.eval_windows, args.calib_samples, args.seed)
+    tok = _pc.load_tokenizer(args.model)
+    ev, cal = _pc.protocol_windows(tok, args.eval_data, args.calib_data, args.seq_len,
+                                   args.eval_windows, args.calib_samples, args.seed)
     args._eval_windows = ev
     args._dev_windows = dev_windows(tok, args) if args.dev_split else None
     res["protocol"] = _plc.protocol_record(args, ev, cal)
     if args._dev_windows is not None:
         res["protocol"]["dev_first_window"] = args.eval_windows
-        res["protocol"]["dev_windows_sha256"] = _plc.digest(args._dev_windows)
+        res["protocol"]["dev_windows_sha256"] = _pc.digest(args._dev_windows)
     res["versions"] = versions()
-    res["machine"] = _plc.machine()
-    res["command"] = " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
-    res["date"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    res["machine"] = _pc.machine()
+    res["command"] = _pc.command_line(sys.argv[0], sys.argv[1:])
+    res["date"] = _pc.utc_date()
     res["workarounds"] = applied + install_v4_adapters(_plc.load_hf_model(args.model, linearize=False)) + [
         "amp=False (fp32; auto-round turns amp off on this CPU by itself)",
         "low_cpu_mem_usage=False (nothing to offload; True gave the same result here)",
@@ -463,7 +459,7 @@ def peer_main(args) -> int:
                         "eval_s": round(t1 - t0, 2)}
         if args._dev_windows is not None:
             res["float"]["ppl_dev"] = _plc.hf_perplexity(plain, args._dev_windows)
-        _plc.save(out_path, res)
+        _pc.save(out_path, res)
     f = res["float"]
     print(f"float PPL (transformers, fp32): {f['ppl']:.4f}  ours {OUR_FLOAT_PPL}  adapted + unfused "
           f"{f['ppl_adapted_unfused']:.4f} (max |logit diff| {f['adapted_logits_max_abs_diff']:.1e})  "
@@ -474,7 +470,7 @@ def peer_main(args) -> int:
         return 2
     if "replay_check" not in res or args.redo:
         res["replay_check"] = check_replay(args.model, tok, cal)
-        _plc.save(out_path, res)
+        _pc.save(out_path, res)
     for name, r in res["replay_check"].items():
         print(f"replay check {name}: equal={r['equal']} (max |diff| {r['max_abs_diff']:.1e}, "
               f"cached {', '.join(r['cached_keys'])})", flush=True)
@@ -486,7 +482,7 @@ def peer_main(args) -> int:
     if "autoround_defaults" not in res or args.redo:
         res["autoround_defaults"] = autoround_settings(
             new_autoround(load_model(args.model), tok, "w4a16-g128", cal, seed=args.ar_seed))
-        _plc.save(out_path, res)
+        _pc.save(out_path, res)
     print("auto-round settings: " + json.dumps(res["autoround_defaults"]), flush=True)
 
     for scheme in args.schemes:
@@ -505,7 +501,7 @@ def peer_main(args) -> int:
                     "traceback_tail": traceback.format_exc()[-4000:]}
             print(f"{scheme}: FAILED {cell['error'][:300]}", flush=True)
         res["cells"][scheme] = cell
-        _plc.save(out_path, res)
+        _pc.save(out_path, res)
     if args.md:
         write_markdown(Path(args.md), res)
     return 0
@@ -598,12 +594,12 @@ def ours_main(args) -> int:
                         args.eval_windows if args.dev_split else 0)
         cell.update({"scheme": scheme, "algo": args.algo, "quant_target": args.quant_target,
                      "propagate": args.propagate, "split": "dev" if args.dev_split else "test",
-                     "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
+                     "date": _pc.utc_date()})
         ours[key] = cell
         print(f"ours {key}: " + (f"PPL {cell['ppl']:.4f}, {cell['wall_s']} s wall, "
                                  f"{cell['quantized_modules']['total']} Linears" if "ppl" in cell
                                  else f"FAILED {cell['error']}"), flush=True)
-        _plc.save(out_path, res)
+        _pc.save(out_path, res)
     if args.md:
         write_markdown(Path(args.md), res)
     return 0
@@ -692,11 +688,7 @@ def _count_cell(groups: dict, total: int) -> str:
     return f"{groups.get('attention', 0)} / {groups.get('shared expert', 0)} / {groups.get('routed experts', 0)} = {total}"
 
 
-def _rel(p: Path) -> str:
-    try:
-        return str(Path(p).resolve().relative_to(REPO))
-    except ValueError:
-        return str(p)
+_rel = _pc.rel_to_repo
 
 
 def load_peer_table(path=DEFAULT_JSON) -> dict:
@@ -713,8 +705,8 @@ def load_peer_table(path=DEFAULT_JSON) -> dict:
 # =========================================================================== venv
 def ensure_peer_venv(venv: Path) -> Path:
     """Create / reuse ``venv`` with torch (CPU wheel) then auto-round 0.16; its python."""
-    return _plc.ensure_peer_venv(venv, module="auto_round", dist="auto-round", version_prefix=PEER_VERSION_PREFIX,
-                                 requirements=PEER_REQUIREMENTS)
+    return _pc.ensure_peer_venv(venv, module="auto_round", dist="auto-round", version_prefix=PEER_VERSION_PREFIX,
+                                requirements=PEER_REQUIREMENTS)
 
 
 # =========================================================================== smoke
@@ -723,22 +715,12 @@ def smoke_main(args) -> int:
     workflow's, the target mapping selects exactly the project's default Linears, the scheme
     fields are the project's scheme files'."""
     import torch
-    from amct_ext.base import EvalConfig, PtqConfig, RunConfig
-    from amct_ext.pipeline.workflow import load_calib_windows, load_eval_windows
     from amct_ext.quant.schemes import load_scheme
-    from models.deepseek_v4.adapter import DeepseekV4Adapter
 
-    tok = _plc.load_tokenizer(args.model)
-    ev, cal = _plc.protocol_windows(tok, args.eval_data, args.calib_data, args.seq_len,
-                                    args.eval_windows, args.calib_samples, args.seed)
-    adapter = DeepseekV4Adapter(RunConfig(model_path=args.model, device="cpu",
-                                          dtype=torch.float32, progress=False))
-    ev_ref = load_eval_windows(adapter, EvalConfig(seq_len=args.seq_len, max_windows=args.eval_windows,
-                                                   data_path=args.eval_data))
-    cal_ref = load_calib_windows(adapter, PtqConfig(seq_len=args.seq_len, n_samples=args.calib_samples,
-                                                    seed=args.seed, calib_path=args.calib_data))
-    dev_ref = load_eval_windows(adapter, EvalConfig(seq_len=args.seq_len, max_windows=args.eval_windows,
-                                                    data_path=args.eval_data, first_window=args.eval_windows))
+    tok = _pc.load_tokenizer(args.model)
+    ev, cal = _pc.protocol_windows(tok, args.eval_data, args.calib_data, args.seq_len,
+                                   args.eval_windows, args.calib_samples, args.seed)
+    ev_ref, cal_ref, dev_ref = _pc.workflow_windows(args, dev=True)
     checks = {"eval_windows_equal_workflow": bool(torch.equal(ev, ev_ref)),
               "dev_windows_equal_workflow": bool(torch.equal(dev_windows(tok, args), dev_ref)),
               "calib_windows_equal_workflow": bool(torch.equal(cal, cal_ref)),
@@ -756,13 +738,7 @@ def smoke_main(args) -> int:
         target_kinds[module_kind(n)] = target_kinds.get(module_kind(n), 0) + 1
     checks["peer_targets_equal_ours"] = dict(sorted(target_kinds.items())) == ours["by_kind"]
     checks["peer_target_total"] = len(targets)
-    res = {"smoke": True, "protocol": _plc.protocol_record(args, ev, cal), "checks": checks}
-    if args.json:
-        _plc.save(Path(args.json), res)
-    ok = all(v for v in checks.values() if isinstance(v, bool))
-    print(json.dumps(checks))
-    print("smoke ok" if ok else "smoke FAILED")
-    return 0 if ok else 1
+    return _pc.smoke_report(args.json, _plc.protocol_record(args, ev, cal), checks)
 
 
 def hf_linear_names(model_path: Path) -> list[str]:
@@ -802,14 +778,7 @@ def _scheme_matches(scheme, fields: dict) -> bool:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    ap.add_argument("--eval-data", type=Path, default=None,
-                    help="raw Wikitext-2 test split (default: the copy shipped in amct_ext/data)")
-    ap.add_argument("--calib-data", type=Path, default=None,
-                    help="calibration text (default: amct_ext.pipeline.calibration's default)")
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--eval-windows", type=int, default=64)
-    ap.add_argument("--calib-samples", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0, help="the calibration draw's seed (the project's)")
+    _pc.add_protocol_args(ap)
     ap.add_argument("--ar-seed", type=int, default=42, help="auto-round's own seed (its default 42)")
     ap.add_argument("--schemes", default="w4a16-g128,w3a16-g128")
     ap.add_argument("--threads", type=int, default=1)
@@ -817,9 +786,7 @@ def parse_args(argv):
     ap.add_argument("--md", default=None, help="also write the markdown table here")
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV,
                     help="the peer's own virtual environment (created with auto-round if missing)")
-    ap.add_argument("--redo", action="store_true", help="recompute cells already in the JSON")
-    ap.add_argument("--fresh", action="store_true", help="ignore an existing JSON")
-    ap.add_argument("--allow-float-mismatch", action="store_true")
+    _pc.add_rerun_args(ap)
     ap.add_argument("--ours", action="store_true",
                     help="run the project's side (tools/run_ptq.py) in this venv; needs no auto-round")
     ap.add_argument("--algo", default=None, help="--ours: run_ptq --algo (default: the scheme's default recipe)")
@@ -832,15 +799,7 @@ def parse_args(argv):
     ap.add_argument("--smoke", action="store_true",
                     help="check the protocol code paths in this venv; needs no auto-round")
     args = ap.parse_args(argv)
-    if args.eval_data is None:
-        args.eval_data = _plc.default_eval_path()
-        if args.eval_data is None:
-            ap.error("no shipped copy of the Wikitext-2 test split in amct_ext/data; pass --eval-data PATH")
-    if args.calib_data is None:
-        args.calib_data = _plc.default_calib_path()
-    for p in (args.eval_data, args.calib_data, Path(args.model) / "config.json"):
-        if not Path(p).is_file():
-            ap.error(f"{p}: no such file")
+    _pc.resolve_data_paths(args, ap.error, also=(Path(args.model) / "config.json",))
     args.schemes = [s for s in args.schemes.split(",") if s]
     for s in args.schemes:
         if s not in SCHEMES:
@@ -860,10 +819,8 @@ def main(argv=None) -> int:
         return smoke_main(args)
     if args.ours:
         return ours_main(args)
-    if os.environ.get(IN_PEER_ENV) == "1":
-        return peer_main(args)
-    return _plc.rerun_in_peer_venv(ensure_peer_venv(args.venv), __file__, argv, IN_PEER_ENV, args.threads,
-                                   pythonpath=str(REPO))
+    return _pc.peer_or_rerun(peer_main, args, argv, script=__file__, inside_env=IN_PEER_ENV,
+                             ensure_venv=ensure_peer_venv, pythonpath=str(REPO))
 
 
 if __name__ == "__main__":

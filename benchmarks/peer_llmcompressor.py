@@ -29,27 +29,29 @@ recomputes them), so an interrupted run resumes.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import hashlib
 import json
-import os
-import platform
 import re
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+BENCH = REPO / "benchmarks"
+for _p in (REPO, BENCH):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+# The peer-independent pieces (venv, re-run, protocol windows, records) live in peers_common;
+# default_calib_path and digest stay importable from here for the tests that read them so.
+import peers_common as _pc  # noqa: E402
+from peers_common import (  # noqa: E402,F401
+    default_calib_path, digest, file_sha256, load_tokenizer, machine, protocol_windows, save)
+from peers_common import fail as _fail  # noqa: E402
 
 DEFAULT_VENV = REPO / "benchmarks" / ".venv-peers"
 DEFAULT_MODEL = REPO / "assets" / "tiny-v4"
 DEFAULT_JSON = REPO / "benchmarks" / "quality" / "peer_llmcompressor.json"
-# Where helper i17 ships the test split inside the package (amct_ext/data/...).
-SHIPPED_EVAL = REPO / "amct_ext" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 PEER_REQUIREMENTS = ("torch==2.13.0", "llmcompressor==0.14.*")
 IN_PEER_ENV = "AMCT_PEER_LLMC_INSIDE"
 
@@ -177,62 +179,6 @@ def indexer_layers_of(model) -> list[int]:
             if getattr(getattr(layer.self_attn, "compressor", None), "indexer", None) is not None]
 
 
-def _fail(msg: str):
-    """A bad input: one `error: ...` line on stderr and exit status 2 (the project's CLI rule)."""
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-# =========================================================================== protocol
-def default_eval_path() -> Path | None:
-    """The shipped test split when the package has it (helper i17), else None."""
-    try:
-        from amct_ext.data import EVAL_DEFAULT  # type: ignore[attr-defined]
-        if Path(EVAL_DEFAULT).is_file():
-            return Path(EVAL_DEFAULT)
-    except Exception:  # noqa: BLE001  (older tree without amct_ext.data)
-        pass
-    return SHIPPED_EVAL if SHIPPED_EVAL.is_file() else None
-
-
-def default_calib_path() -> Path:
-    """The project's own default calibration text (whatever amct_ext.pipeline.calibration points to)."""
-    from amct_ext.pipeline import calibration
-
-    return Path(calibration.DEFAULT_CALIBRATION_PATH)
-
-
-def digest(t) -> str:
-    """sha256 of a token-window tensor (shape + int64 values): equal digests = equal windows."""
-    import torch
-
-    t = t.to(torch.int64).contiguous()
-    h = hashlib.sha256(repr(tuple(t.shape)).encode())
-    h.update(t.numpy().tobytes())
-    return h.hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def protocol_windows(tokenizer, eval_path: Path, calib_path: Path, seq_len: int,
-                     eval_windows: int, calib_samples: int, seed: int):
-    """(eval windows, calibration windows), exactly as the project's workflow builds them."""
-    from amct_ext.pipeline.calibration import load_calibration_windows
-    from amct_ext.pipeline.perplexity import load_eval_text, tokenize_windows
-
-    ev = tokenize_windows(load_eval_text(eval_path), tokenizer, seq_len, eval_windows)
-    cal = load_calibration_windows(calib_path, tokenizer, seq_len, calib_samples, seed)
-    return ev, cal
-
-
-def load_tokenizer(model_path: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_path))
-
-
 # =========================================================================== recipes
 def recipe_spec(algo: str, scheme: str, indexer_layers=()) -> list[dict]:
     """The modifiers of one run as plain data (what goes into the JSON; built into objects
@@ -282,16 +228,8 @@ def build_recipe(spec: list[dict]):
 
 # =========================================================================== peer side
 def versions(packages=("torch", "transformers", "llmcompressor", "compressed-tensors", "accelerate")) -> dict:
-    """Python and the installed versions of ``packages`` (None: not installed); every peer's record."""
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for pkg in packages:
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
-    return out
+    """Python and the installed versions of ``packages`` (None: not installed)."""
+    return _pc.versions(packages)
 
 
 def load_hf_model(model_path: Path, linearize: bool = True):
@@ -473,8 +411,7 @@ def peer_main(args) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     out_path = Path(args.json)
-    res = json.loads(out_path.read_text()) if out_path.is_file() and not args.fresh else {}
-    res.setdefault("cells", {})
+    res = _pc.load_results(out_path, args.fresh)
 
     tok = load_tokenizer(args.model)
     ev, cal = protocol_windows(tok, args.eval_data, args.calib_data, args.seq_len,
@@ -483,8 +420,8 @@ def peer_main(args) -> int:
     res["protocol"] = protocol_record(args, ev, cal)
     res["versions"] = versions()
     res["machine"] = machine()
-    res["command"] = " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
-    res["date"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    res["command"] = _pc.command_line(sys.argv[0], sys.argv[1:])
+    res["date"] = _pc.utc_date()
     res["token_granularity_probe"] = probe_token_granularity()
     res["workarounds"] = cpu_only_workarounds()
 
@@ -536,14 +473,8 @@ def peer_main(args) -> int:
 
 
 # =========================================================================== records
-def machine() -> dict:
-    return {"description": f"{os.cpu_count()}-core CPU box (shared), {platform.machine()}",
-            "platform": platform.platform(), "cpu_count": os.cpu_count()}
-
-
 def protocol_record(args, ev, cal) -> dict:
-    return {"model": str(Path(args.model).resolve().relative_to(REPO)) if
-            Path(args.model).resolve().is_relative_to(REPO) else str(args.model),
+    return {"model": _pc.rel_to_repo(args.model),
             "eval_data": str(args.eval_data), "eval_data_sha256": file_sha256(args.eval_data),
             "calib_data": str(args.calib_data), "calib_data_sha256": file_sha256(args.calib_data),
             "seq_len": args.seq_len, "eval_windows": int(ev.shape[0]),
@@ -551,13 +482,6 @@ def protocol_record(args, ev, cal) -> dict:
             "eval_windows_sha256": digest(ev), "calib_windows_sha256": digest(cal),
             "dtype": "float32", "device": "cpu", "threads": args.threads,
             "calibrate_all_experts": args.calibrate_all_experts, "pipeline": args.pipeline}
-
-
-def save(path: Path, res: dict) -> None:
-    from amct_ext.io.io_utils import atomic_write_json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(res, path)
 
 
 def write_markdown(path: Path, res: dict) -> None:
@@ -700,40 +624,10 @@ def merge_main(args) -> int:
 
 
 # =========================================================================== venv
-def ensure_peer_venv(venv: Path, quiet: bool = False, *, module: str = "llmcompressor",
-                     dist: str = "llmcompressor", version_prefix: str = "0.14",
-                     requirements=PEER_REQUIREMENTS) -> Path:
-    """Create / reuse ``venv`` with torch (local CPU wheel) then the peer (``requirements``, whose
-    ``dist`` must import as ``module`` at ``version_prefix``); its python. Shared by every peer
-    script (peer_autoround.py passes its own names)."""
-    py = venv / "bin" / "python"
-    if not py.is_file():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    # Only the LAST stdout line counts: importing llmcompressor logs a "No accelerator
-    # available!" warning to stdout on a CPU box (casebook/peer-llm-compressor.md P11).
-    probe = subprocess.run([str(py), "-c", f"import {module}, transformers, torch; "
-                            f"import importlib.metadata as m; print(m.version({dist!r}))"],
-                           capture_output=True, text=True)
-    lines = probe.stdout.strip().splitlines()
-    if probe.returncode != 0 or not lines or not lines[-1].startswith(version_prefix):
-        pip = [str(py), "-m", "pip", "install"] + (["-q"] if quiet else [])
-        # torch first: pinning it before the peer resolves keeps pip on the CPU wheel.
-        subprocess.run(pip + [requirements[0]], check=True)
-        subprocess.run(pip + list(requirements), check=True)
-    return py
-
-
-def rerun_in_peer_venv(py: Path, script: str, argv: list, inside_env: str, threads: int,
-                       pythonpath: str | None = None) -> int:
-    """Run ``script argv`` again with the peer venv's python ``py``, marked by ``inside_env=1``,
-    offline, ``threads`` OpenMP threads (and ``pythonpath`` first on PYTHONPATH); its exit code."""
-    env = dict(os.environ, **{inside_env: "1"})
-    env.setdefault("OMP_NUM_THREADS", str(threads))
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return subprocess.run([str(py), str(Path(script).resolve())] + list(argv), env=env).returncode
+def ensure_peer_venv(venv: Path, quiet: bool = False) -> Path:
+    """Create / reuse ``venv`` with torch (local CPU wheel) then llm-compressor 0.14; its python."""
+    return _pc.ensure_peer_venv(venv, quiet, module="llmcompressor", dist="llmcompressor", version_prefix="0.14",
+                                requirements=PEER_REQUIREMENTS)
 
 
 # =========================================================================== smoke
@@ -741,19 +635,11 @@ def smoke_main(args) -> int:
     """Protocol code paths in the project venv, no llm-compressor: windows and digests equal
     the project workflow's, recipe specs and mappings are well formed, names map."""
     import torch
-    from amct_ext.base import EvalConfig, PtqConfig, RunConfig
-    from amct_ext.pipeline.workflow import load_calib_windows, load_eval_windows
-    from models.deepseek_v4.adapter import DeepseekV4Adapter
 
     tok = load_tokenizer(args.model)
     ev, cal = protocol_windows(tok, args.eval_data, args.calib_data, args.seq_len,
                                args.eval_windows, args.calib_samples, args.seed)
-    adapter = DeepseekV4Adapter(RunConfig(model_path=args.model, device="cpu",
-                                          dtype=torch.float32, progress=False))
-    ev_ref = load_eval_windows(adapter, EvalConfig(seq_len=args.seq_len, max_windows=args.eval_windows,
-                                                   data_path=args.eval_data))
-    cal_ref = load_calib_windows(adapter, PtqConfig(seq_len=args.seq_len, n_samples=args.calib_samples,
-                                                    seed=args.seed, calib_path=args.calib_data))
+    ev_ref, cal_ref, _ = _pc.workflow_windows(args)
     checks = {"eval_windows_equal_workflow": bool(torch.equal(ev, ev_ref)),
               "calib_windows_equal_workflow": bool(torch.equal(cal, cal_ref)),
               "eval_shape": list(ev.shape), "calib_shape": list(cal.shape)}
@@ -766,27 +652,14 @@ def smoke_main(args) -> int:
     untargeted = ["model.layers.1.self_attn.compressor.kv_proj", "model.layers.1.mlp.gate",
                   "lm_head", "model.layers.1.self_attn.compressor.indexer.q_b_proj"]
     checks["targets_skip_untargeted"] = not any(re.fullmatch(p, n) for p in pats for n in untargeted)
-    res = {"smoke": True, "protocol": protocol_record(args, ev, cal), "checks": checks}
-    if args.json:
-        save(Path(args.json), res)
-    ok = all(v for k, v in checks.items() if isinstance(v, bool))
-    print(json.dumps(checks))
-    print("smoke ok" if ok else "smoke FAILED")
-    return 0 if ok else 1
+    return _pc.smoke_report(args.json, protocol_record(args, ev, cal), checks)
 
 
 # =========================================================================== CLI
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    ap.add_argument("--eval-data", type=Path, default=None,
-                    help="raw Wikitext-2 test split (default: the copy shipped in amct_ext/data)")
-    ap.add_argument("--calib-data", type=Path, default=None,
-                    help="calibration text (default: amct_ext.pipeline.calibration's default)")
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--eval-windows", type=int, default=64)
-    ap.add_argument("--calib-samples", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
+    _pc.add_protocol_args(ap)
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--algos", default=",".join(ALGOS))
     ap.add_argument("--pipeline", default="independent",
@@ -799,9 +672,7 @@ def parse_args(argv):
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None, help="also write the markdown table here")
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)
-    ap.add_argument("--redo", action="store_true", help="recompute cells already in the JSON")
-    ap.add_argument("--fresh", action="store_true", help="ignore an existing JSON")
-    ap.add_argument("--allow-float-mismatch", action="store_true")
+    _pc.add_rerun_args(ap)
     ap.add_argument("--skip-mapping-check", action="store_true",
                     help="do not run the smoothing-mapping check (another part of a split run does)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -813,16 +684,7 @@ def parse_args(argv):
     if args.merge:
         args.json = args.json or str(DEFAULT_JSON)
         return args
-    if args.eval_data is None:
-        args.eval_data = default_eval_path()
-        if args.eval_data is None:
-            ap.error("no shipped copy of the Wikitext-2 test split in amct_ext/data; "
-                     "pass --eval-data PATH/wiki.test.raw")
-    if args.calib_data is None:
-        args.calib_data = default_calib_path()
-    for p in (args.eval_data, args.calib_data):
-        if not Path(p).is_file():
-            ap.error(f"{p}: no such file")
+    _pc.resolve_data_paths(args, ap.error)
     args.schemes = [s for s in args.schemes.split(",") if s]
     args.algos = [a for a in args.algos.split(",") if a]
     for s in args.schemes:
@@ -843,9 +705,8 @@ def main(argv=None) -> int:
         return smoke_main(args)
     if args.merge:
         return merge_main(args)
-    if os.environ.get(IN_PEER_ENV) == "1":
-        return peer_main(args)
-    return rerun_in_peer_venv(ensure_peer_venv(args.venv), __file__, argv, IN_PEER_ENV, args.threads)
+    return _pc.peer_or_rerun(peer_main, args, argv, script=__file__, inside_env=IN_PEER_ENV,
+                             ensure_venv=ensure_peer_venv)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ re-tokenizes to the windows, the recipes' dataset line is replaced and nothing e
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import hashlib
 import json
 import os
@@ -57,7 +56,8 @@ for _p in (REPO, BENCH):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-import peer_llmcompressor as _plc  # noqa: E402  (stdlib only at import: the shared protocol helpers)
+import peers_common as _pc  # noqa: E402  (stdlib only at import: the venv, protocol and record helpers)
+from peers_common import fail as _fail  # noqa: E402
 
 DEFAULT_VENV = REPO / "benchmarks" / ".venv-peers-msmodelslim"
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "release-testbed-peers-msmodelslim.json"
@@ -81,10 +81,6 @@ WORKAROUNDS = (
     "flex_smooth alpha/beta search: activation and weights promoted to one dtype (bf16 activations x the "
     "fp32 compressor weights of the ratio-4 layers: 'expected m1 and m2 to have the same dtype' on CPU)",
 )
-
-
-def _fail(msg: str):
-    return _plc._fail(msg)
 
 
 def _sha256_text(text: str) -> str:
@@ -232,7 +228,7 @@ def run_recipe(py: Path, model: Path, label: str, work: Path, calib_path: Path, 
     out = work / f"out-{label}"
     argv = ["quant", "--model_type", model_type, "--model_path", str(model), "--save_path", str(out),
             "--device", "cpu", "--config_path", str(recipe), "--trust_remote_code", "False"]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = _pc.peer_env(threads, keep_set=False)
     log = work / f"{label}.log"
     t0 = time.perf_counter()
     with open(log, "w") as fh:
@@ -264,7 +260,7 @@ def forward_check(py: Path, model: Path, windows, work: Path, threads: int) -> d
 
     ids, out = work / "forward-ids.pt", work / "forward-logits.pt"
     torch.save(windows.clone(), ids)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = _pc.peer_env(threads, keep_set=False)
     r = subprocess.run([str(py), str(Path(__file__).resolve()), "--inside-forward", str(model), str(ids), str(out)],
                        env=env, capture_output=True, text=True)
     if r.returncode != 0:
@@ -311,8 +307,7 @@ def eval_commands(model_or_out: Path, windows: int, threads: int, out_dir: Path)
 
 def run_evals(jobs: dict[str, list[str]], parallel: int) -> dict[str, dict]:
     """Run the evaluator commands (``parallel`` at a time); name -> {ppl, eval_s} or {error}."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + (os.pathsep + os.environ["PYTHONPATH"]
-                                                    if os.environ.get("PYTHONPATH") else ""))
+    env = _pc.with_pythonpath(dict(os.environ), str(REPO))
     pending, running, results = list(jobs.items()), {}, {}
     while pending or running:
         while pending and len(running) < max(1, parallel):
@@ -348,13 +343,13 @@ def peer_main(args, argv: list[str]) -> int:
     unknown = [r for r in args.recipes if r not in RECIPES]
     if unknown:
         _fail(f"unknown recipe(s) {unknown}; known: {', '.join(RECIPES)}")
-    py = _plc.ensure_peer_venv(args.venv, module="msmodelslim", dist="msmodelslim",
-                               version_prefix=PEER_VERSION_PREFIX, requirements=PEER_REQUIREMENTS)
+    py = _pc.ensure_peer_venv(args.venv, module="msmodelslim", dist="msmodelslim",
+                              version_prefix=PEER_VERSION_PREFIX, requirements=PEER_REQUIREMENTS)
     info = peer_info(py)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="peer-msmodelslim-"))
     work.mkdir(parents=True, exist_ok=True)
-    tok = _plc.load_tokenizer(model)
-    ev, cal = _plc.protocol_windows(tok, args.eval_data, args.calib_data, args.seq_len, args.eval_windows,
+    tok = _pc.load_tokenizer(model)
+    ev, cal = _pc.protocol_windows(tok, args.eval_data, args.calib_data, args.seq_len, args.eval_windows,
                                     args.calib_samples, args.seed)
     calib = write_calibration(tok, cal, work / "calib" / CALIB_NAME)
     fwd = forward_check(py, model, ev[1:3], work, args.threads)
@@ -377,21 +372,20 @@ def peer_main(args, argv: list[str]) -> int:
             if "ppl" in cell:
                 cell["vs_float_pct"] = 100.0 * (cell["ppl"] / evals["float"]["ppl"] - 1.0)
     res = {"protocol": {"model": _rel(model), "eval_data": _rel(args.eval_data),
-                        "eval_data_sha256": _plc.file_sha256(args.eval_data), "calib_data": _rel(args.calib_data),
-                        "calib_data_sha256": _plc.file_sha256(args.calib_data), "seq_len": args.seq_len,
+                        "eval_data_sha256": _pc.file_sha256(args.eval_data), "calib_data": _rel(args.calib_data),
+                        "calib_data_sha256": _pc.file_sha256(args.calib_data), "seq_len": args.seq_len,
                         "eval_windows": int(ev.shape[0]), "calib_samples": int(cal.shape[0]), "seed": args.seed,
-                        "eval_windows_sha256": _plc.digest(ev), "calib_windows_sha256": _plc.digest(cal),
+                        "eval_windows_sha256": _pc.digest(ev), "calib_windows_sha256": _pc.digest(cal),
                         "calib_jsonl": {k: v for k, v in calib.items() if k != "path"},
                         "dtype": "float32", "device": "cpu", "threads": args.threads,
                         "evaluator": "tools/run_ptq.py --model tiny-trained-release --model-path OUT --no-ptq "
                                      "--eval-ppl --ppl-modes float (exported read-back: dynamic int8 per-token "
                                      "inputs on the W8A8_DYNAMIC / W4A8_DYNAMIC leaves only)"},
            "float": {**evals["float"], "what": "the project's evaluator on DEQ"},
-           "cells": cells, "versions": info["versions"], "machine": _plc.machine(),
+           "cells": cells, "versions": info["versions"], "machine": _pc.machine(),
            "workarounds": list(WORKAROUNDS), "forward_check": fwd,
-           "command": "peer_msmodelslim.py " + " ".join(argv),
-           "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    _plc.save(args.json, res)
+           "command": _pc.command_line(__file__, argv), "date": _pc.utc_date()}
+    _pc.save(args.json, res)
     for key, cell in cells.items():
         print(f"{key}: " + (f"ppl {cell['ppl']:.3f} ({cell['vs_float_pct']:+.2f} % vs float "
                             f"{evals['float']['ppl']:.3f})" if "ppl" in cell else cell.get("error", "")))
@@ -402,8 +396,8 @@ def peer_main(args, argv: list[str]) -> int:
 def smoke_main(args) -> int:
     """Protocol code paths without msModelSlim: the calibration jsonl re-tokenizes to the
     project's windows and the recipe edit touches the dataset line only."""
-    tok = _plc.load_tokenizer(Path(args.model))
-    ev, cal = _plc.protocol_windows(tok, args.eval_data, args.calib_data, args.seq_len, 8, 4, args.seed)
+    tok = _pc.load_tokenizer(Path(args.model))
+    ev, cal = _pc.protocol_windows(tok, args.eval_data, args.calib_data, args.seq_len, 8, 4, args.seed)
     with tempfile.TemporaryDirectory() as d:
         calib = write_calibration(tok, cal, Path(d) / CALIB_NAME)
     shipped = "spec:\n  process:\n  - type: quarot\n  dataset: mix_calib.jsonl\n  save: []\n"
@@ -421,20 +415,13 @@ def parse_args(argv):
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="msModelSlim's own venv (created if missing)")
     ap.add_argument("--work-dir", type=Path, default=None, help="recipes, calibration, outputs (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    ap.add_argument("--eval-data", type=Path, default=None)
-    ap.add_argument("--calib-data", type=Path, default=None)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--eval-windows", type=int, default=None, help="default: the whole test split")
-    ap.add_argument("--calib-samples", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0, help="the calibration windows' draw")
+    _pc.add_protocol_args(ap, eval_windows=None, eval_windows_help="default: the whole test split")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--eval-jobs", type=int, default=1, help="evaluations run at once")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
-    args.eval_data = args.eval_data or _plc.default_eval_path()
-    args.calib_data = args.calib_data or _plc.default_calib_path()
-    if args.eval_data is None:
-        _fail("no test split found; pass --eval-data")
+    # the texts are not checked here (as before): a missing one fails when it is read
+    _pc.resolve_data_paths(args, _fail, check_files=False)
     return args
 
 
