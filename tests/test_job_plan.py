@@ -270,7 +270,8 @@ def test_the_library_plan_fills_the_models_defaults_and_refuses_unknown_names(tm
     assert job.model.path == TRAINED_TINY and job.model.label == "tiny-trained"
     assert (job.calibration.samples, job.calibration.seq_len, job.runtime.dtype, job.runtime.threads) == \
         (16, 256, "fp32", 1)
-    assert job.evaluation.enabled and job.evaluation.windows == 3 and job.evaluation.batch_size == 8
+    ev = job.evaluation
+    assert ev.enabled and ev.config.max_windows == 3 and ev.config.batch_size == 8
     cli = plan_job(run_ptq.options_from_args(run_ptq.build_parser().parse_args(
         ["--model", "tiny-trained", "--eval-windows", "3", "--quiet", "--output-dir", str(tmp_path / "o")])))
     assert (cli.calibration, cli.evaluation, cli.runtime, cli.output, cli.recipe.source) == \

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from ..base import DEFAULT_EPOCHS, DEFAULT_LR
+from ..base import DEFAULT_EPOCHS, DEFAULT_LR, EvalConfig
 from ..errors import AmctError, ConfigError, DataError, QuantConfigError
 from ..io.output_space import probe_writable
 from .size_caps import check_calibration_memory, check_recipe_sizes
@@ -185,12 +185,8 @@ class CalibrationPart:
 @dataclass
 class EvaluationPart:
     enabled: bool
-    path: Path | None
-    windows: int | None
-    batch_size: int
     modes: list[str]
-    sharded: bool
-    first_window: int = 0
+    config: EvalConfig    # the workflow's own settings (text, windows, batch, sharding), held as built
 
 
 @dataclass
@@ -263,7 +259,8 @@ class PtqJob:
 
         c, r = self.calibration, self.recipe
         cfg = PtqConfig(epochs=r.epochs, lr=r.lr, n_samples=c.samples, seq_len=c.seq_len, batch_size=c.batch_size,
-                        seed=c.seed, calib_path=c.path, eval_paths=(str(self.evaluation.path),))
+                        seed=c.seed, calib_path=c.path,
+                        eval_paths=(str(self.evaluation.config.data_path),))
         cfg.check()
         return cfg
 
@@ -275,13 +272,10 @@ class PtqJob:
         return PtqSpec(self.scheme.scheme, self.scheme.targets, calibration, recipe=r.algorithms(),
                        propagate=r.propagate, holdout=r.holdout, guard=r.guard).resolved()
 
-    def eval_config(self) -> Any:
-        """``base.EvalConfig``: the perplexity windows."""
-        from ..base import EvalConfig
-
-        e = self.evaluation
-        cfg = EvalConfig(seq_len=self.calibration.seq_len, max_windows=e.windows, first_window=e.first_window,
-                         batch_size=e.batch_size, data_path=e.path, sharded=e.sharded)
+    def eval_config(self) -> EvalConfig:
+        """``base.EvalConfig``: the perplexity windows, checked here (where the run takes them) and
+        a copy, so that the run's changes never reach the plan."""
+        cfg = replace(self.evaluation.config)
         cfg.check()
         return cfg
 
@@ -541,8 +535,9 @@ def build_job(opts: PtqOptions, spec: ModelPlanSpec, paths: ResolvedPaths, *, ch
         scheme=SchemePart(scheme, list(targets), units),
         recipe=inp.recipe,
         calibration=CalibrationPart(calib_path, inp.samples, seq_len, inp.batch, opts.seed),
-        evaluation=EvaluationPart(bool(opts.eval_ppl), eval_path, opts.eval_windows, inp.eval_batch, inp.modes,
-                                  opts.sharded_eval, first_window=opts.eval_first_window),
+        evaluation=EvaluationPart(bool(opts.eval_ppl), inp.modes, EvalConfig(
+            seq_len=seq_len, max_windows=opts.eval_windows, first_window=opts.eval_first_window,
+            batch_size=inp.eval_batch, data_path=eval_path, sharded=opts.sharded_eval)),
         runtime=RuntimePart(opts.device, opts.dtype, opts.threads, inp.cap, inp.hes, opts.sharded_ptq,
                             boundary=opts.boundary, quiet=opts.quiet),
         output=OutputPart(out, layers, resume=False),
