@@ -39,17 +39,17 @@ def main(argv=None) -> int:
     from amct_ext.data import CALIB_DEFAULT, EVAL_DEFAULT
     from amct_ext.io.checkpoint import CheckpointReader
     from amct_ext.pipeline import plan_checks
-    from amct_ext.pipeline.job import JobRequest, build_job
+    from amct_ext.pipeline.job import PtqOptions, ResolvedPaths, build_job
     from models.deepseek_v4.plan import DeepseekV4PlanSpec
 
     root = Path(args.out)
     good = Path(args.ckpt) if args.ckpt else write_index_only_checkpoint(root / "flash")
 
     def plan():
-        return build_job(JobRequest(model_path=good, output_dir=str(root / "o"), scheme="w4a16-g128",
-                                    calib_path=CALIB_DEFAULT, calib_samples=128, seq_len=2048, batch_size=1,
-                                    eval_path=EVAL_DEFAULT, eval_batch_size=1, export="compressed-tensors",
-                                    dequantize_rest=True), DeepseekV4PlanSpec())
+        return build_job(PtqOptions(output_dir=str(root / "o"), scheme="w4a16-g128", calib_samples=128,
+                                    seq_len=2048, batch_size=1, eval_batch_size=1, dtype="bf16",
+                                    export="compressed-tensors", dequantize_rest=True), DeepseekV4PlanSpec(),
+                         ResolvedPaths(good, CALIB_DEFAULT, EVAL_DEFAULT))
 
     real = plan_checks.check_checkpoint_headers
     plan()                                            # warm-up: imports, skeleton caches

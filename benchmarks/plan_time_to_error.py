@@ -247,14 +247,14 @@ def main(argv=None) -> int:
               flush=True)
     # the valid job: the plan alone, in-process (the run would go on to the tokenizer and the layers)
     from amct_ext.data import CALIB_DEFAULT, EVAL_DEFAULT
-    from amct_ext.pipeline.job import JobRequest, build_job
+    from amct_ext.pipeline.job import PtqOptions, ResolvedPaths, build_job
     from models.deepseek_v4.plan import DeepseekV4PlanSpec
 
     t = time.perf_counter()
-    job = build_job(JobRequest(model_path=good, output_dir=str(root / "o"), scheme="w4a16-g128", calib_path=CALIB_DEFAULT,
-                               calib_samples=128, seq_len=2048, batch_size=1, eval_path=EVAL_DEFAULT,
-                               eval_batch_size=1, export="compressed-tensors", dequantize_rest=True),
-                    DeepseekV4PlanSpec())
+    job = build_job(PtqOptions(output_dir=str(root / "o"), scheme="w4a16-g128", calib_samples=128, seq_len=2048,
+                               batch_size=1, eval_batch_size=1, dtype="bf16", export="compressed-tensors",
+                               dequantize_rest=True),
+                    DeepseekV4PlanSpec(), ResolvedPaths(good, CALIB_DEFAULT, EVAL_DEFAULT))
     dt = time.perf_counter() - t
     print(f"{dt:6.2f} s  valid plan (in-process, imports warm): {job.scheme.n_units} units", flush=True)
     rows.append({"refusal": "(none: the valid w4a16-g128 + compressed-tensors --dequantize-rest plan, in-process)",

@@ -151,15 +151,15 @@ def test_missing_tokenizer_file_named(tiny, tiny_ckpt, tmp_path, capsys):
 
 def test_missing_tokenizer_is_refused_by_the_plan_itself(tiny_ckpt, tmp_path):
     """The plan names it (before the adapter, whose own loader names it too, is built)."""
-    from amct_ext.pipeline.job import JobRequest, build_job
+    from amct_ext.pipeline.job import PtqOptions, ResolvedPaths, build_job
     from models.deepseek_v4.plan import DeepseekV4PlanSpec
 
     d = ckpt_copy(tiny_ckpt, tmp_path, "notok")
     (d / "tokenizer.json").unlink()
-    req = JobRequest(model_path=d, output_dir=str(tmp_path / "o"), calib_path=CALIB_DEFAULT, calib_samples=2,
-                     seq_len=32, batch_size=1, eval_batch_size=1)
+    opts = PtqOptions(output_dir=str(tmp_path / "o"), calib_samples=2, seq_len=32, batch_size=1, eval_batch_size=1,
+                      dtype="bf16")
     with pytest.raises(DataError, match=re.escape(f"{d / 'tokenizer.json'}: not found")):
-        build_job(req, DeepseekV4PlanSpec())
+        build_job(opts, DeepseekV4PlanSpec(), ResolvedPaths(d, CALIB_DEFAULT))
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -207,12 +207,13 @@ def test_absurd_grid_refused_with_the_field(tiny, tmp_path, capsys):
 
 
 def test_grid_at_the_cap_is_planned(tiny_ckpt, tmp_path):
-    from amct_ext.pipeline.job import JobRequest, build_job
+    from amct_ext.pipeline.job import PtqOptions, ResolvedPaths, build_job
     from models.deepseek_v4.plan import DeepseekV4PlanSpec
 
-    req = JobRequest(model_path=tiny_ckpt, output_dir=str(tmp_path / "o"), algo="hclip:grid=1024",
-                     calib_path=CALIB_DEFAULT, calib_samples=2, seq_len=32, batch_size=1, eval_batch_size=1)
-    assert build_job(req, DeepseekV4PlanSpec()).recipe.recipe.algorithms[0].grid == 1024
+    opts = PtqOptions(output_dir=str(tmp_path / "o"), algo="hclip:grid=1024", calib_samples=2, seq_len=32,
+                      batch_size=1, eval_batch_size=1, dtype="bf16")
+    paths = ResolvedPaths(tiny_ckpt, CALIB_DEFAULT)
+    assert build_job(opts, DeepseekV4PlanSpec(), paths).recipe.recipe.algorithms[0].grid == 1024
 
 
 def test_calibration_samples_beyond_host_memory(tiny, capsys):

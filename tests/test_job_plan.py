@@ -95,13 +95,13 @@ def test_every_refusal_is_one_line_before_any_ppl(tiny_ckpt, broken, tmp_path, c
 
 def test_export_with_the_w3_pair_left_out_is_planned(tiny_ckpt, tmp_path):
     from amct_ext.data import CALIB_DEFAULT, EVAL_DEFAULT
-    from amct_ext.pipeline.job import JobRequest, build_job
+    from amct_ext.pipeline.job import PtqOptions, ResolvedPaths, build_job
     from models.deepseek_v4.plan import DeepseekV4PlanSpec
 
-    req = JobRequest(model_path=tiny_ckpt, output_dir=str(tmp_path / "o"), scheme="w8a8",
-                     algo="awq:pairs=attn_norm+q_norm+wo_a", calib_path=CALIB_DEFAULT, calib_samples=2, seq_len=32,
-                     batch_size=1, eval_path=EVAL_DEFAULT, eval_batch_size=1, export="compressed-tensors")
-    job = build_job(req, DeepseekV4PlanSpec())
+    opts = PtqOptions(output_dir=str(tmp_path / "o"), scheme="w8a8", algo="awq:pairs=attn_norm+q_norm+wo_a",
+                      calib_samples=2, seq_len=32, batch_size=1, eval_batch_size=1, dtype="bf16",
+                      export="compressed-tensors")
+    job = build_job(opts, DeepseekV4PlanSpec(), ResolvedPaths(tiny_ckpt, CALIB_DEFAULT, EVAL_DEFAULT))
     assert job.recipe.recipe.algorithms[0].pairs == "attn_norm+q_norm+wo_a"
     assert job.export.format == "compressed-tensors" and job.scheme.n_units == 40
     assert not (tmp_path / "o").exists()          # the plan writes nothing
@@ -123,31 +123,32 @@ def test_typed_pair_syntax_selects_those_pairs():
 def test_recipe_file_holds_the_job_spec(tiny_ckpt, tmp_path):
     from amct_ext.data import CALIB_DEFAULT, EVAL_DEFAULT
     from amct_ext.errors import ConfigError
-    from amct_ext.pipeline.job import JobRequest, build_job
+    from amct_ext.pipeline.job import PtqOptions, ResolvedPaths, build_job
     from models.deepseek_v4.plan import DeepseekV4PlanSpec
 
     f = tmp_path / "job.json"
     f.write_text(json.dumps({"recipe": [{"algo": "clip"}, {"algo": "gptq"}], "propagate": "quant", "holdout": 0.4,
                              "guard": False, "targets": "attn-linear"}))
 
-    def req(**kw):
-        return JobRequest(model_path=tiny_ckpt, output_dir=str(tmp_path / "o"), scheme="w8a8", recipe=str(f),
-                          calib_path=CALIB_DEFAULT, calib_samples=2, seq_len=32, batch_size=1, eval_path=EVAL_DEFAULT,
-                          eval_batch_size=1, **kw)
+    paths = ResolvedPaths(tiny_ckpt, CALIB_DEFAULT, EVAL_DEFAULT)
 
-    job = build_job(req(), DeepseekV4PlanSpec())
+    def req(**kw):
+        return PtqOptions(output_dir=str(tmp_path / "o"), scheme="w8a8", recipe=str(f), calib_samples=2, seq_len=32,
+                          batch_size=1, eval_batch_size=1, dtype="bf16", **kw)
+
+    job = build_job(req(), DeepseekV4PlanSpec(), paths)
     r = job.recipe
     assert (r.recipe.names, r.propagate, r.holdout, r.guard) == (["clip", "gptq"], "quant", 0.4, False)
     assert job.scheme.targets == ["attn-linear"] and job.scheme.n_units == 4
     # the same value on the command line is fine; a different one is refused, never one silently
-    assert build_job(req(holdout=0.4), DeepseekV4PlanSpec()).recipe.holdout == 0.4
+    assert build_job(req(holdout=0.4), DeepseekV4PlanSpec(), paths).recipe.holdout == 0.4
     with pytest.raises(ConfigError, match=r"--holdout 0.3 conflicts with holdout=0.4"):
-        build_job(req(holdout=0.3), DeepseekV4PlanSpec())
+        build_job(req(holdout=0.3), DeepseekV4PlanSpec(), paths)
     with pytest.raises(ConfigError, match=r"--quant-target attn-linear,moe conflicts"):
-        build_job(req(quant_target="attn-linear,moe"), DeepseekV4PlanSpec())
+        build_job(req(quant_target="attn-linear,moe"), DeepseekV4PlanSpec(), paths)
     f.write_text(json.dumps({"recipe": ["rtn"], "holdup": 1}))
     with pytest.raises(ConfigError, match="unknown top-level key"):
-        build_job(req(), DeepseekV4PlanSpec())
+        build_job(req(), DeepseekV4PlanSpec(), paths)
 
 
 def test_default_recipe_follows_the_scheme_content(tmp_path):
@@ -269,7 +270,8 @@ def test_the_library_plan_fills_the_models_defaults_and_refuses_unknown_names(tm
     assert job.model.path == TRAINED_TINY and job.model.label == "tiny-trained"
     assert (job.calibration.samples, job.calibration.seq_len, job.runtime.dtype, job.runtime.threads) == \
         (16, 256, "fp32", 1)
-    assert job.evaluation.enabled and job.evaluation.windows == 3 and job.evaluation.batch_size == 8
+    ev = job.evaluation
+    assert ev.enabled and ev.config.max_windows == 3 and ev.config.batch_size == 8
     cli = plan_job(run_ptq.options_from_args(run_ptq.build_parser().parse_args(
         ["--model", "tiny-trained", "--eval-windows", "3", "--quiet", "--output-dir", str(tmp_path / "o")])))
     assert (cli.calibration, cli.evaluation, cli.runtime, cli.output, cli.recipe.source) == \
@@ -300,6 +302,26 @@ def test_a_models_default_must_name_an_option():
     given = with_model_defaults(PtqOptions(output_dir="o", seq_len=64), SimpleNamespace(
         model_defaults=lambda name: {"seq_len": 32, "calib_samples": 4}))
     assert (given.seq_len, given.calib_samples) == (64, 4)     # a given option is never replaced
+
+
+def test_the_plan_takes_the_options_themselves_and_refuses_a_dtype_left_to_the_model(tmp_path):
+    """build_job / check_request take PtqOptions (no second request type, casebook i37l-2); an
+    options object whose model defaults were never filled in (dtype None) is refused by name,
+    before the output folder is looked at, never planned at fp32's sizes."""
+    from amct_ext.errors import ConfigError
+    from amct_ext.pipeline import job as jobmod
+    from amct_ext.pipeline.job import PtqOptions, check_request
+    from amct_ext.pipeline.options import PtqOptions as exported
+
+    assert exported is PtqOptions and not hasattr(jobmod, "JobRequest")
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"^--dtype None: must be one of bf16, fp32$"):
+        check_request(PtqOptions(output_dir=str(blocker), calib_samples=2, seq_len=32, batch_size=1,
+                                 eval_batch_size=1))
+    with pytest.raises(ConfigError, match="exists and is not a folder"):   # the dtype given: the next check
+        check_request(PtqOptions(output_dir=str(blocker), calib_samples=2, seq_len=32, batch_size=1,
+                                 eval_batch_size=1, dtype="bf16"))
 
 
 def test_resume_precheck_names_the_field(tmp_path):
@@ -353,7 +375,7 @@ def test_named_recipes_best_and_default(tiny_ckpt, tmp_path, monkeypatch):
     from amct_ext.algorithms import recipe as rmod
     from amct_ext.data import CALIB_DEFAULT, EVAL_DEFAULT
     from amct_ext.errors import ConfigError
-    from amct_ext.pipeline.job import JobRequest, build_job
+    from amct_ext.pipeline.job import PtqOptions, ResolvedPaths, build_job
     from amct_ext.pipeline.ptq_spec import resolve_spec
     from amct_ext.base import PtqConfig
     from amct_ext.quant.schemes import load_scheme
@@ -362,9 +384,9 @@ def test_named_recipes_best_and_default(tiny_ckpt, tmp_path, monkeypatch):
     monkeypatch.setitem(rmod.BEST_RECIPES, "w4a16", ("clip,gptq", "quant"))
 
     def plan(scheme, **kw):
-        return build_job(JobRequest(model_path=tiny_ckpt, output_dir=str(tmp_path / "o"), scheme=scheme,
-                                    calib_path=CALIB_DEFAULT, calib_samples=2, seq_len=32, batch_size=1,
-                                    eval_path=EVAL_DEFAULT, eval_batch_size=1, **kw), DeepseekV4PlanSpec()).recipe
+        return build_job(PtqOptions(output_dir=str(tmp_path / "o"), scheme=scheme, calib_samples=2, seq_len=32,
+                                    batch_size=1, eval_batch_size=1, dtype="bf16", **kw), DeepseekV4PlanSpec(),
+                         ResolvedPaths(tiny_ckpt, CALIB_DEFAULT, EVAL_DEFAULT)).recipe
 
     best = plan("w4a16", recipe="best")
     assert (best.recipe.names, best.propagate) == (["clip", "gptq"], "quant") and best.source.startswith("best")

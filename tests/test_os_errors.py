@@ -175,7 +175,7 @@ def test_free_space_counts_the_export(tiny_ckpt, tmp_path, monkeypatch):
     """A disk that holds exactly the export's estimate alone (the checkpoint's bytes + the
     small-files allowance) holds the run (1 MiB + 40 units x 8 KiB) but not the run with its export."""
     from amct_ext.data import CALIB_DEFAULT
-    from amct_ext.pipeline.job import JobRequest, build_job
+    from amct_ext.pipeline.job import PtqOptions, ResolvedPaths, build_job
     from models.deepseek_v4.plan import DeepseekV4PlanSpec
 
     ck = output_space.checkpoint_bytes(tiny_ckpt)
@@ -184,11 +184,12 @@ def test_free_space_counts_the_export(tiny_ckpt, tmp_path, monkeypatch):
     _small_disk(monkeypatch, ck + output_space.SMALL_FILES_BYTES)
 
     def req(**kw):
-        return JobRequest(model_path=tiny_ckpt, output_dir=str(tmp_path / "o"), calib_path=CALIB_DEFAULT,
-                          calib_samples=2, seq_len=32, batch_size=1, eval_batch_size=1, **kw)
-    build_job(req(), DeepseekV4PlanSpec())
+        return PtqOptions(output_dir=str(tmp_path / "o"), calib_samples=2, seq_len=32, batch_size=1,
+                          eval_batch_size=1, dtype="bf16", **kw)
+    paths = ResolvedPaths(tiny_ckpt, CALIB_DEFAULT)
+    build_job(req(), DeepseekV4PlanSpec(), paths)
     with pytest.raises(OutputError, match="the run and its compressed-tensors export will write about"):
-        build_job(req(export="compressed-tensors"), DeepseekV4PlanSpec())
+        build_job(req(export="compressed-tensors"), DeepseekV4PlanSpec(), paths)
 
 
 def test_ptq_estimate_by_what_the_recipe_stores():

@@ -65,12 +65,12 @@ def refused(capsys, ckpt: Path, out: Path, match: str, extra=()) -> str:
 def planned(ckpt: Path, out: Path, extra=()):
     """The plan of a job on ``ckpt`` (in-process, nothing run)."""
     from amct_ext.data import CALIB_DEFAULT, EVAL_DEFAULT
-    from amct_ext.pipeline.job import JobRequest, build_job
+    from amct_ext.pipeline.job import PtqOptions, ResolvedPaths, build_job
     from models.deepseek_v4.plan import DeepseekV4PlanSpec
 
-    req = JobRequest(model_path=ckpt, output_dir=str(out), scheme="w8a8", calib_path=CALIB_DEFAULT,
-                     calib_samples=2, seq_len=32, batch_size=1, eval_path=EVAL_DEFAULT, eval_batch_size=1, **dict(extra))
-    return build_job(req, DeepseekV4PlanSpec())
+    opts = PtqOptions(output_dir=str(out), scheme="w8a8", calib_samples=2, seq_len=32, batch_size=1,
+                      eval_batch_size=1, dtype="bf16", **dict(extra))
+    return build_job(opts, DeepseekV4PlanSpec(), ResolvedPaths(ckpt, CALIB_DEFAULT, EVAL_DEFAULT))
 
 
 # ----------------------------------------------------------------------------- shard headers

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from amct_ext.base import EvalConfig, PtqConfig, RunConfig
-from amct_ext.pipeline.job import JobRequest, build_job
+from amct_ext.pipeline.job import PtqOptions, ResolvedPaths, build_job
 from amct_ext.pipeline.job_runner import run_job
 from amct_ext.pipeline.ptq_spec import PtqSpec
 from amct_ext.pipeline.workflow import (PARAMS_DIR, evaluate_blockwise, load_calib_windows, load_eval_windows,
@@ -24,13 +24,14 @@ from tests.conftest import WIKI_TEST_RAW, WIKI_VALID
 TARGETS = ["attn-linear", "moe"]
 
 
-def _request(model_path: Path, out: Path, **kw) -> JobRequest:
-    base = dict(model_path=model_path, output_dir=str(out), scheme="w8a8", algo="gptq:sequential=false", calib_path=WIKI_VALID,
-                calib_samples=3, seq_len=32, batch_size=2, seed=5, epochs=2, lr=5e-3, eval_path=WIKI_TEST_RAW,
-                eval_ppl=True, eval_windows=3, eval_batch_size=2, ppl_modes="", device="cpu", dtype="fp32",
-                threads=1, start_layer=1, end_layer=3, eval_first_window=4, quiet=True, model="tiny")
+def _plan(model_path: Path, out: Path, **kw):
+    """The plan of these options (the model's defaults given in full) on ``model_path``."""
+    base = dict(output_dir=str(out), scheme="w8a8", algo="gptq:sequential=false", calib_samples=3, seq_len=32,
+                batch_size=2, seed=5, epochs=2, lr=5e-3, eval_ppl=True, eval_windows=3, eval_batch_size=2, ppl_modes="",
+                device="cpu", dtype="fp32", threads=1, start_layer=1, end_layer=3, eval_first_window=4, quiet=True,
+                model="tiny")
     base.update(kw)
-    return JobRequest(**base)
+    return build_job(PtqOptions(**base), DeepseekV4PlanSpec(), ResolvedPaths(model_path, WIKI_VALID, WIKI_TEST_RAW))
 
 
 def _params(pdir: Path) -> dict[str, dict]:
@@ -38,7 +39,7 @@ def _params(pdir: Path) -> dict[str, dict]:
 
 
 def test_run_job_runs_the_plan_as_the_workflow_does(tiny_ckpt, tmp_path, one_thread, capsys):
-    job = build_job(_request(tiny_ckpt, tmp_path / "lib"), DeepseekV4PlanSpec())
+    job = _plan(tiny_ckpt, tmp_path / "lib")
     report = run_job(job)
     saved = json.loads((tmp_path / "lib" / "report.json").read_text())
     assert saved["ppl"] == report["ppl"] and report["model"] == "tiny" and report["layers"] == [1, 3]
@@ -69,8 +70,8 @@ def test_run_job_runs_the_plan_as_the_workflow_does(tiny_ckpt, tmp_path, one_thr
 def test_the_plan_derives_the_legacy_solver_and_the_runtime(tiny_ckpt, tmp_path):
     """--legacy-solver: the plan's recipe part is None (the resume check's rule), the run's
     recipe is learned_clip with the plan's epochs / lr; the memory budgets in bytes."""
-    job = build_job(_request(tiny_ckpt, tmp_path / "o", algo=None, legacy_solver=True, epochs=3, lr=0.01,
-                             capture_memory_gb=0.5, hessian_memory_gb=2.0), DeepseekV4PlanSpec())
+    job = _plan(tiny_ckpt, tmp_path / "o", algo=None, legacy_solver=True, epochs=3, lr=0.01,
+                capture_memory_gb=0.5, hessian_memory_gb=2.0)
     assert job.recipe.recipe is None
     spec = job.ptq_spec(job.ptq_config())
     assert spec.recipe.names == ["learned_clip"]

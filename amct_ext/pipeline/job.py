@@ -1,9 +1,12 @@
 """The job plan: every input of a PTQ run checked before any work (issue 25.1).
 
-``build_job(request, spec)`` turns a :class:`JobRequest` (what the user asked for: the flags
-of tools/run_ptq.py, by the same names) into a :class:`PtqJob` -- small explicit parts for the
-model, checkpoint, scheme and targets, recipe, calibration, evaluation, runtime, output and
+``build_job(options, spec, paths)`` turns a :class:`PtqOptions` (what the user asked for: the
+flags of tools/run_ptq.py, by the same names, the model's defaults filled in) and the
+:class:`ResolvedPaths` of its model and texts into a :class:`PtqJob` -- small explicit parts for
+the model, checkpoint, scheme and targets, recipe, calibration, evaluation, runtime, output and
 export -- or raises one :class:`~amct_ext.errors.AmctError` naming the flag or file at fault.
+``options.plan_job`` resolves the options and calls it; the options are the one "as asked"
+config, the plan the one checked config.
 No tensor data is read: the checkpoint is checked through its index, shapes through
 meta-device skeletons, the export through the exporter's own check. On V4-Flash-sized inputs
 the whole plan takes seconds (benchmarks/RESULTS.md, "time to error").
@@ -24,16 +27,18 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from ..base import DEFAULT_EPOCHS, DEFAULT_LR, EvalConfig
 from ..errors import AmctError, ConfigError, DataError, QuantConfigError
 from ..io.output_space import probe_writable
 from .size_caps import check_calibration_memory, check_recipe_sizes
 from .text_files import check_utf8_text
 from .tokenizer_files import check_tokenizer
 
+DTYPES = ("bf16", "fp32")
 PPL_MODES = ("float", "rtn")
 PROPAGATE = ("float", "quant")
 #: job-spec keys a recipe file may carry beside its algorithm list
@@ -55,12 +60,26 @@ class ModelPlanSpec(Protocol):
 
 
 @dataclass
-class JobRequest:
-    """What was asked, unchecked (None: not given, the default applies). Field names follow
-    the flags of tools/run_ptq.py (``calib_samples`` is ``--calib-samples``)."""
+class PtqOptions:
+    """One PTQ job as asked. Field names and defaults are those of tools/run_ptq.py's flags
+    (tests/test_job_plan.py holds the two together); None: the model's default (its binding's
+    ``model_defaults``), or, for the data paths, the shipped WikiText-2 splits."""
 
-    model_path: Path
     output_dir: str
+    # ---- model and data
+    model: str | None = "tiny"            # a built-in name; None: the model is ``model_path``'s model_type
+    model_path: str | None = None
+    download: bool = False
+    calib_data: str | None = None
+    calib_dataset: str | None = None      # PATH[:CONFIG[:SPLIT]] fetched with `datasets`
+    calib_samples: int | None = None
+    seq_len: int | None = None
+    eval_data: str | None = None
+    eval_windows: int | None = None
+    eval_first_window: int = 0
+    eval_ppl: bool | None = None
+    ppl_modes: str = "float,rtn"
+    # ---- scheme and recipe
     scheme: str = "w8a8"
     quant_target: str | None = None
     algo: str | None = None
@@ -69,36 +88,39 @@ class JobRequest:
     holdout: float | None = None
     no_guard: bool = False
     legacy_solver: bool = False
-    calib_path: Path | None = None
-    calib_samples: int | None = None
-    seq_len: int | None = None
-    batch_size: int | None = None
+    epochs: int = DEFAULT_EPOCHS
+    lr: float = DEFAULT_LR
     seed: int = 0
-    epochs: int | None = None
-    lr: float | None = None
-    eval_path: Path | None = None
-    eval_ppl: bool = False
-    eval_windows: int | None = None
-    eval_batch_size: int | None = None
-    ppl_modes: str = "float,rtn"
-    no_ptq: bool = False
-    device: str = "auto"
-    dtype: str = "bf16"
-    threads: int | None = None
-    capture_memory_gb: float | None = None
-    hessian_memory_gb: float | None = None
-    sharded_ptq: bool = False
-    sharded_eval: bool = False
     start_layer: int | None = None
     end_layer: int | None = None
+    no_ptq: bool = False
+    allow_fewer_layers: bool = False
+    # ---- runtime and memory
+    device: str = "auto"
+    dtype: str | None = None
+    threads: int | None = None
+    batch_size: int | None = None
+    eval_batch_size: int | None = None
+    sharded_eval: bool = False
+    sharded_ptq: bool = False
+    capture_memory_gb: float | None = None
+    hessian_memory_gb: float | None = None
+    boundary: str = "recompute"
+    # ---- output and export
     export: str | None = None
     dequantize_rest: bool = False
-    allow_partial: bool = False
-    allow_fewer_layers: bool = False
-    model: str | None = None              # the --model name (the report's "model")
-    eval_first_window: int = 0
-    boundary: str = "recompute"
     quiet: bool = False
+
+
+
+@dataclass(frozen=True)
+class ResolvedPaths:
+    """Where the options' model and texts were found (``options.plan_job`` resolves them: the
+    model's checkpoint folder, the calibration text, the evaluation text)."""
+
+    model: Path
+    calib: Path | None = None
+    eval: Path | None = None
 
 
 # ----------------------------------------------------------------------------- the plan's parts
@@ -163,12 +185,8 @@ class CalibrationPart:
 @dataclass
 class EvaluationPart:
     enabled: bool
-    path: Path | None
-    windows: int | None
-    batch_size: int
     modes: list[str]
-    sharded: bool
-    first_window: int = 0
+    config: EvalConfig    # the workflow's own settings (text, windows, batch, sharding), held as built
 
 
 @dataclass
@@ -241,7 +259,8 @@ class PtqJob:
 
         c, r = self.calibration, self.recipe
         cfg = PtqConfig(epochs=r.epochs, lr=r.lr, n_samples=c.samples, seq_len=c.seq_len, batch_size=c.batch_size,
-                        seed=c.seed, calib_path=c.path, eval_paths=(str(self.evaluation.path),))
+                        seed=c.seed, calib_path=c.path,
+                        eval_paths=(str(self.evaluation.config.data_path),))
         cfg.check()
         return cfg
 
@@ -253,13 +272,10 @@ class PtqJob:
         return PtqSpec(self.scheme.scheme, self.scheme.targets, calibration, recipe=r.algorithms(),
                        propagate=r.propagate, holdout=r.holdout, guard=r.guard).resolved()
 
-    def eval_config(self) -> Any:
-        """``base.EvalConfig``: the perplexity windows."""
-        from ..base import EvalConfig
-
-        e = self.evaluation
-        cfg = EvalConfig(seq_len=self.calibration.seq_len, max_windows=e.windows, first_window=e.first_window,
-                         batch_size=e.batch_size, data_path=e.path, sharded=e.sharded)
+    def eval_config(self) -> EvalConfig:
+        """``base.EvalConfig``: the perplexity windows, checked here (where the run takes them) and
+        a copy, so that the run's changes never reach the plan."""
+        cfg = replace(self.evaluation.config)
         cfg.check()
         return cfg
 
@@ -347,181 +363,189 @@ class _Inputs:
     hes: float | None
 
 
-def check_request(req: JobRequest) -> _Inputs:
-    """Every check that needs neither the model nor the data: flags, output folder, scheme,
-    recipe (and the job spec of a recipe file), targets. Cheap: run it before anything else."""
+def check_request(opts: PtqOptions) -> _Inputs:
+    """Every check of the options (the model's defaults filled in) that needs neither the model
+    nor the data: flags, output folder, scheme, recipe (and the job spec of a recipe file),
+    targets. Cheap: run it before anything else."""
     from ..algorithms.recipe import choose_recipe
     from ..quant.schemes import load_scheme, parse_targets
 
-    out = Path(req.output_dir)
+    if opts.dtype not in DTYPES:
+        raise ConfigError(f"--dtype {opts.dtype}: must be one of {', '.join(DTYPES)}")
+    out = Path(opts.output_dir)
     _check_output_dir(out)
     probe_writable(out, "--output-dir")   # a read-only folder refused now, not after the perplexities
     # ---- runtime and sizes (flags by name, never a dataclass field)
-    threads = req.threads
+    threads = opts.threads
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads {threads}: must be >= 1 (omit it for torch's default)")
-    samples = _positive_int("--calib-samples", req.calib_samples)
-    seq_len = req.seq_len
+    samples = _positive_int("--calib-samples", opts.calib_samples)
+    seq_len = opts.seq_len
     if not isinstance(seq_len, int) or seq_len < 2:
         raise ConfigError(f"--seq-len {seq_len}: must be >= 2 (a window needs a token and its successor)")
-    batch = _positive_int("--batch-size", req.batch_size)
-    eval_batch = _positive_int("--eval-batch-size", req.eval_batch_size)
-    if req.eval_windows is not None:
-        _positive_int("--eval-windows", req.eval_windows)
+    batch = _positive_int("--batch-size", opts.batch_size)
+    eval_batch = _positive_int("--eval-batch-size", opts.eval_batch_size)
+    if opts.eval_windows is not None:
+        _positive_int("--eval-windows", opts.eval_windows)
     # --epochs 0 is meaningful (learned_clip keeps its grid start: PtqConfig allows it)
-    if req.epochs is not None and (not isinstance(req.epochs, int) or isinstance(req.epochs, bool) or req.epochs < 0):
-        raise ConfigError(f"--epochs {req.epochs}: must be an integer >= 0")
-    if req.lr is not None and not (math.isfinite(req.lr) and req.lr > 0):
-        raise ConfigError(f"--lr {req.lr:g}: must be a positive number")
-    cap = _memory_gb("--capture-memory-gb", req.capture_memory_gb)
-    hes = _memory_gb("--hessian-memory-gb", req.hessian_memory_gb)
-    if req.hessian_memory_gb is not None and req.hessian_memory_gb == 0:
+    if opts.epochs is not None and (not isinstance(opts.epochs, int) or isinstance(opts.epochs, bool) or opts.epochs < 0):
+        raise ConfigError(f"--epochs {opts.epochs}: must be an integer >= 0")
+    if opts.lr is not None and not (math.isfinite(opts.lr) and opts.lr > 0):
+        raise ConfigError(f"--lr {opts.lr:g}: must be a positive number")
+    cap = _memory_gb("--capture-memory-gb", opts.capture_memory_gb)
+    hes = _memory_gb("--hessian-memory-gb", opts.hessian_memory_gb)
+    if opts.hessian_memory_gb is not None and opts.hessian_memory_gb == 0:
         raise ConfigError("--hessian-memory-gb 0: must be > 0 (omit it for 35% of the accelerator's memory)")
-    modes = [m.strip() for m in (req.ppl_modes or "").split(",") if m.strip()]
+    modes = [m.strip() for m in (opts.ppl_modes or "").split(",") if m.strip()]
     for m in modes:
         if m not in PPL_MODES:
             raise ConfigError(f"--ppl-modes: {m!r} is not one of {', '.join(PPL_MODES)}")
-    if req.export and req.no_ptq:
+    if opts.export and opts.no_ptq:
         raise ConfigError("--export needs learned parameters: drop --no-ptq (or use tools/export.py --scheme for RTN)")
 
     # ---- scheme and recipe (the recipe file may hold the job spec)
-    scheme = load_scheme(req.scheme)
+    scheme = load_scheme(opts.scheme)
     # the recipe, resolved in one place (algorithms.recipe.choose_recipe); a JSON file may hold the job spec
-    choice = choose_recipe(scheme, req.algo, req.recipe, legacy=req.legacy_solver, read_file=load_job_spec)
+    choice = choose_recipe(scheme, opts.algo, opts.recipe, legacy=opts.legacy_solver, read_file=load_job_spec)
     recipe, source, job_spec = choice.recipe, choice.source, choice.job_spec
     where = source
-    propagate = _merge("--propagate", req.propagate, "propagate", job_spec, where,
+    propagate = _merge("--propagate", opts.propagate, "propagate", job_spec, where,
                        choice.propagate if recipe is not None and choice.propagate is not None else "float")
     if propagate not in PROPAGATE:
         raise ConfigError(f"propagate={propagate!r} ({where}): must be one of {', '.join(PROPAGATE)}")
-    holdout = _merge("--holdout", req.holdout, "holdout", job_spec, where, 0.25)
+    holdout = _merge("--holdout", opts.holdout, "holdout", job_spec, where, 0.25)
     if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
         # name where the value came from, and its type: a string "0.5" in a recipe file is not 0.5
         shown = (f"holdout={holdout!r} ({type(holdout).__name__}) in recipe file {where}" if "holdout" in job_spec
                  else f"--holdout {holdout}")
         raise ConfigError(f"{shown}: the held-out share of each unit's calls must be a number in [0, 1)")
-    guard = _merge("--no-guard", False if req.no_guard else None, "guard", job_spec, where, True)
-    if req.no_guard and job_spec.get("guard") is True:
+    guard = _merge("--no-guard", False if opts.no_guard else None, "guard", job_spec, where, True)
+    if opts.no_guard and job_spec.get("guard") is True:
         raise ConfigError(f"--no-guard conflicts with guard=true in recipe file {where}; give it in one place")
     if not isinstance(guard, bool):
         raise ConfigError(f"guard={guard!r} in recipe file {where}: must be true or false")
-    targets_text = _merge("--quant-target", req.quant_target, "targets", job_spec, where, "attn-linear,moe")
+    targets_text = _merge("--quant-target", opts.quant_target, "targets", job_spec, where, "attn-linear,moe")
     targets = scheme.check_targets(parse_targets(targets_text))
     if recipe is not None:   # a search grid of 10^12 candidates: refused before any work
         check_recipe_sizes(recipe.algorithms, where)
 
     return _Inputs(scheme, list(targets), RecipePart(recipe, propagate, float(holdout), guard, source,
-                                                     epochs=req.epochs, lr=req.lr),
+                                                     epochs=opts.epochs, lr=opts.lr),
                    samples, batch, eval_batch, modes, cap, hes)
 
 
-def _check_output_room(req: JobRequest, spec: ModelPlanSpec, config: Any, inp: _Inputs, layers: range,
-                       export: ExportPart | None, n_units: int) -> None:
+def _check_output_room(opts: PtqOptions, model_path: Path, spec: ModelPlanSpec, config: Any, inp: _Inputs,
+                       layers: range, export: ExportPart | None, n_units: int) -> None:
     """Free space on --output-dir's disk for the unit files and the export (io/output_space.py)."""
     from ..io import output_space as room
 
     count = getattr(spec, "quantized_weight_numel", None)
     numel = count(config, inp.scheme, inp.targets, list(layers)) if count is not None else {}
     need, what = 0, []
-    if not req.no_ptq:
+    if not opts.no_ptq:
         names = [a.name for a in inp.recipe.recipe.algorithms] if inp.recipe.recipe is not None else []
-        need += room.ptq_params_bytes(numel, names, 2 if req.dtype == "bf16" else 4, n_units)
+        need += room.ptq_params_bytes(numel, names, 2 if opts.dtype == "bf16" else 4, n_units)
         what.append("the run")
     if export is not None:
-        need += room.export_bytes(room.checkpoint_bytes(req.model_path),
+        need += room.export_bytes(room.checkpoint_bytes(model_path),
                                   export.dequantize_rest or export.format == "ascend")
         what.append(f"its {export.format} export")
-    out = Path(req.output_dir)
+    out = Path(opts.output_dir)
     room.check_output_room(out, "--output-dir", need, " and ".join(what) or "the run",
                            already=[out / "ptq_params", *([export.out_dir] if export else [])],
                            probe=False)   # check_request probed it, before the model was opened
 
 
-def build_job(req: JobRequest, spec: ModelPlanSpec, *, check_resume=None, checked: _Inputs | None = None) -> PtqJob:
-    """The checked plan (see the module docstring). ``check_resume(out_dir, scheme, targets,
-    recipe_part, dtype) -> bool``: the caller's fingerprint check of OUTPUT/ptq_params (True: a
-    resume), run before the model is opened; it must read no tensor data. ``checked``: what
-    :func:`check_request` returned for this request when the caller ran it first (it is then
-    not run again: the request is checked once)."""
+def build_job(opts: PtqOptions, spec: ModelPlanSpec, paths: ResolvedPaths, *, check_resume=None,
+              checked: _Inputs | None = None) -> PtqJob:
+    """The checked plan of ``opts`` (see the module docstring), its model and texts at ``paths``.
+    ``check_resume(out_dir, scheme, targets, recipe_part, dtype) -> bool``: the caller's
+    fingerprint check of OUTPUT/ptq_params (True: a resume), run before the model is opened; it
+    must read no tensor data. ``checked``: what
+    :func:`check_request` returned for these options when the caller ran it first (it is then
+    not run again: the options are checked once)."""
     import time
 
     t0 = time.perf_counter()
-    out = Path(req.output_dir)
-    inp = checked if checked is not None else check_request(req)
-    scheme, targets, recipe, seq_len = inp.scheme, inp.targets, inp.recipe.recipe, req.seq_len
+    out = Path(opts.output_dir)
+    inp = checked if checked is not None else check_request(opts)
+    scheme, targets, recipe, seq_len = inp.scheme, inp.targets, inp.recipe.recipe, opts.seq_len
     # the resume fingerprint's settled fields first: a mismatched folder costs no checkpoint scan
-    resume = bool(check_resume(out, scheme, targets, inp.recipe, req.dtype)) \
-        if check_resume is not None and not req.no_ptq else False
+    resume = bool(check_resume(out, scheme, targets, inp.recipe, opts.dtype)) \
+        if check_resume is not None and not opts.no_ptq else False
 
     # ---- data
-    calib_path = Path(req.calib_path) if req.calib_path else None
+    calib_path = Path(paths.calib) if paths.calib else None
     if calib_path is None or not calib_path.is_file():
         raise DataError(f"calibration text not found: {calib_path} (pass --calib-data FILE)")
-    eval_path = Path(req.eval_path) if req.eval_path else None
-    if req.eval_ppl and (eval_path is None or not eval_path.is_file()):
+    eval_path = Path(paths.eval) if paths.eval else None
+    if opts.eval_ppl and (eval_path is None or not eval_path.is_file()):
         raise DataError(f"evaluation text not found: {eval_path} (pass --eval-data wiki.test.raw)")
     check_utf8_text(calib_path, "--calib-data")   # binary / UTF-16 text: one line now, not a traceback later
-    if req.eval_ppl:
+    if opts.eval_ppl:
         check_utf8_text(eval_path, "--eval-data")
 
     # ---- model: links, config, checkpoint index, layers, scheme x shapes
     from .plan_checks import check_checkpoint_links, check_layer_count
 
-    check_checkpoint_links(Path(req.model_path))
-    config = spec.read_config(Path(req.model_path))
+    model_path = Path(paths.model)
+    check_checkpoint_links(model_path)
+    config = spec.read_config(model_path)
     n_layers = spec.n_layers(config)
-    check_tokenizer(Path(req.model_path), getattr(config, "vocab_size", None))   # named file, both sizes
+    check_tokenizer(model_path, getattr(config, "vocab_size", None))   # named file, both sizes
     max_len = getattr(config, "max_seq_len", None)
     if isinstance(max_len, int) and seq_len > max_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings={max_len}")
-    start = 0 if req.start_layer is None else req.start_layer
-    stop = n_layers if req.end_layer is None else req.end_layer
+    start = 0 if opts.start_layer is None else opts.start_layer
+    stop = n_layers if opts.end_layer is None else opts.end_layer
     if not 0 <= start < stop <= n_layers:
         raise ConfigError(f"--start-layer {start} / --end-layer {stop}: the layer range must satisfy "
                           f"0 <= start < end <= {n_layers}")
     layers = range(start, stop)
     values = getattr(spec, "hidden_values_per_token", None)
-    if not req.no_ptq and values is not None:   # --calib-samples 10^9: refused now, not after minutes
-        check_calibration_memory(inp.samples, seq_len, values(config), 2 if req.dtype == "bf16" else 4)
+    if not opts.no_ptq and values is not None:   # --calib-samples 10^9: refused now, not after minutes
+        check_calibration_memory(inp.samples, seq_len, values(config), 2 if opts.dtype == "bf16" else 4)
     # ---- export: format x scheme x targets x engine (the exporter's own check), with the unit
     # parameters the recipe will save that the engine may not represent (the w3 pair's up_limit)
     export = None
-    if req.export:
+    if opts.export:
         from ..export.exporter import ExportConfig
 
-        ecfg = ExportConfig(model_path=Path(req.model_path), out_dir=out / f"export-{req.export}",
-                            format=req.export, scheme=scheme, targets=list(targets),
-                            params_dir=out / "ptq_params", dequantize_rest=req.dequantize_rest)
+        ecfg = ExportConfig(model_path=model_path, out_dir=out / f"export-{opts.export}",
+                            format=opts.export, scheme=scheme, targets=list(targets),
+                            params_dir=out / "ptq_params", dequantize_rest=opts.dequantize_rest)
         planned = spec.planned_params(config, targets, recipe) if hasattr(spec, "planned_params") else ()
         try:
             ecfg.check(planned_params=planned)
         except AmctError as e:
-            raise type(e)(f"--export {req.export}: {e}") from None
-        export = ExportPart(format=req.export, out_dir=ecfg.out_dir, allow_partial=req.allow_partial,
-                            dequantize_rest=req.dequantize_rest, scheme=req.scheme)
+            raise type(e)(f"--export {opts.export}: {e}") from None
+        export = ExportPart(format=opts.export, out_dir=ecfg.out_dir, allow_partial=False,
+                            dequantize_rest=opts.dequantize_rest, scheme=opts.scheme)
 
     # ---- the index (every layer's keys, every shard) and the scheme against every targeted shape
-    ck = spec.check_checkpoint(Path(req.model_path), config)
+    ck = spec.check_checkpoint(model_path, config)
     if "checkpoint_layers" in ck:
-        check_layer_count(n_layers, ck["checkpoint_layers"], str(req.model_path), req.allow_fewer_layers)
+        check_layer_count(n_layers, ck["checkpoint_layers"], str(model_path), opts.allow_fewer_layers)
     units = spec.check_scheme(config, scheme, targets, list(layers))
-    _check_output_room(req, spec, config, inp, layers, export, sum(units.values()))
+    _check_output_room(opts, model_path, spec, config, inp, layers, export, sum(units.values()))
 
     job = PtqJob(
-        model=ModelPart(spec.name, Path(req.model_path), config, n_layers, spec=spec, label=req.model),
+        model=ModelPart(spec.name, model_path, config, n_layers, spec=spec, label=opts.model),
         checkpoint=CheckpointPart(keys=ck.get("keys", 0), shards=ck.get("shards", 0)),
         scheme=SchemePart(scheme, list(targets), units),
         recipe=inp.recipe,
-        calibration=CalibrationPart(calib_path, inp.samples, seq_len, inp.batch, req.seed),
-        evaluation=EvaluationPart(bool(req.eval_ppl), eval_path, req.eval_windows, inp.eval_batch, inp.modes,
-                                  req.sharded_eval, first_window=req.eval_first_window),
-        runtime=RuntimePart(req.device, req.dtype, req.threads, inp.cap, inp.hes, req.sharded_ptq,
-                            boundary=req.boundary, quiet=req.quiet),
+        calibration=CalibrationPart(calib_path, inp.samples, seq_len, inp.batch, opts.seed),
+        evaluation=EvaluationPart(bool(opts.eval_ppl), inp.modes, EvalConfig(
+            seq_len=seq_len, max_windows=opts.eval_windows, first_window=opts.eval_first_window,
+            batch_size=inp.eval_batch, data_path=eval_path, sharded=opts.sharded_eval)),
+        runtime=RuntimePart(opts.device, opts.dtype, opts.threads, inp.cap, inp.hes, opts.sharded_ptq,
+                            boundary=opts.boundary, quiet=opts.quiet),
         output=OutputPart(out, layers, resume=False),
-        export=export, ptq=not req.no_ptq)
+        export=export, ptq=not opts.no_ptq)
     job.output.resume = resume
     job.seconds = time.perf_counter() - t0
     return job
 
 
-__all__ = ["JobRequest", "PtqJob", "ModelPlanSpec", "build_job", "check_request", "load_job_spec", "JOB_KEYS", "PPL_MODES"]
+__all__ = ["PtqOptions", "ResolvedPaths", "PtqJob", "ModelPlanSpec", "build_job", "check_request", "load_job_spec",
+           "JOB_KEYS", "PPL_MODES", "DTYPES"]

@@ -207,7 +207,7 @@ class _JobRun:
             "calibration": {"path": str(job.calibration.path), "samples": cfg.n_samples, "seq_len": cfg.seq_len,
                             "epochs": cfg.epochs, "lr": cfg.lr, "seed": cfg.seed},
             "eval": None if not job.evaluation.enabled else {
-                "path": str(job.evaluation.path), "windows": int(self.windows.shape[0]),
+                "path": str(job.evaluation.config.data_path), "windows": int(self.windows.shape[0]),
                 "first_window": self.eval_cfg.first_window, "seq_len": cfg.seq_len},
             "recipe": None if recipe is None else {"algorithms": recipe.settings(), "propagate": r.propagate,
                                                    "holdout": r.holdout, "guard": r.guard, "source": r.source},
