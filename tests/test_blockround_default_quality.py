@@ -76,3 +76,18 @@ def test_no_changed_default_got_worse(q, rec):
     assert sorted(rec["before"]) == sorted(q.SCHEMES)
     for s, b in rec["before"].items():
         assert rec["cells"][s]["ours100"]["0"]["all"]["ppl"] < b["ppl"], s
+
+
+def test_recompute_units_rerun_equals_the_record(rec):
+    """recompute_units=false (the default since 2026-12-06) moves intermediates between memory and
+    recomputation only: the whole-split reruns of the five block-rounding defaults after it equal the
+    records measured before it, to the last digit (same recipe settings, seed, windows)."""
+    rerun = json.loads((BENCH / "quality" / "recompute_units_rerun.json").read_text())
+    w4a8 = json.loads((BENCH / "quality" / "w4a8_default.json").read_text())
+    before = {s: rec["cells"][s]["ours100"]["0"]["all"] for s in ("w4a16-g128", "w3a16-g128", "w4a16", "w2a16-g64")}
+    before["w4a8"] = w4a8["cells"]["tiny-trained"]["block-wise rounding (default since 2026-12-06)"]["0"]
+    assert sorted(rerun["runs"]) == sorted(before)
+    for s, run in rerun["runs"].items():
+        assert run["scheme"] == s and run["windows"] == 1487 and run["seed"] == 0
+        assert run["recipe"] == before[s]["recipe"] and run["propagate"] == before[s]["propagate"], s
+        assert run["ppl"] == before[s]["ppl"], s

@@ -317,9 +317,10 @@ __all__ = ["Recipe", "RecipeError", "register", "known_algorithms", "algorithm_c
 #:
 #: BLOCKROUND_DEFAULT: block-wise SignRound over each whole decoder layer (BlockRounding), started from
 #: hclip's clips: 100 steps of batch 8 (lr 1/100, decayed), offsets in float16 (half the device memory;
-#: the kernels step in float32), the end state kept unless the start was better. 73 s capture + solve
-#: a V4-Flash layer on one H100 (median of 5 warm runs; 88 s in a machine's first run), 48.9 GiB device
-#: peak; 83 s at w4a8 (its activation fake-quant in every step).
+#: the kernels step in float32), the end state kept unless the start was better. 61.5 s capture + solve
+#: a V4-Flash layer on one H200 (median of 3 warm runs; 79 s in the machine's first run), 51.4 GiB device
+#: peak (73 s / 48.9 GiB on an H100 before recompute_units=false); 83 s at w4a8 on the H100 (its
+#: activation fake-quant in every step).
 BLOCKROUND_DEFAULT = "hclip,blockround:keep_best=false:offset_dtype=float16:iters=100"
 DEFAULT_RECIPES: dict[str, tuple[str, str]] = {
     "w8a8": ("rtn", "float"),                 # dev: RTN 244.295 (clip 244.277 within 0.1 %, replays calls)
