@@ -799,13 +799,20 @@ def parse_args(argv):
     ap.add_argument("--smoke", action="store_true",
                     help="check the protocol code paths in this venv; needs no auto-round")
     args = ap.parse_args(argv)
-    _pc.resolve_data_paths(args, ap.error, also=(Path(args.model) / "config.json",))
+    # every check here is cheap and comes before the venv install and the model load
+    _pc.check_model_dir(args.model, ap.error)
+    _pc.resolve_data_paths(args, ap.error)
+    _pc.check_numbers(args, ap.error)
     args.schemes = [s for s in args.schemes.split(",") if s]
     for s in args.schemes:
         if s not in SCHEMES:
             ap.error(f"--schemes: unknown scheme {s!r}; valid: {', '.join(SCHEMES)}")
     if args.json is None and not args.smoke:
         args.json = str(DEFAULT_JSON)
+    if args.json is not None:   # --ours always reads it, a peer run unless --fresh, --smoke only writes it
+        _pc.check_result_json(args.json, ap.error, read=args.ours or not (args.fresh or args.smoke))
+    if not (args.smoke or args.ours):
+        _pc.check_venv_dir(args.venv, ap.error)
     # the records use _plc.protocol_record, which reads these llm-compressor fields
     args.calibrate_all_experts = None
     args.pipeline = "auto-round SignRound (block-wise)"

@@ -681,10 +681,16 @@ def parse_args(argv):
     ap.add_argument("--smoke", action="store_true",
                     help="check the protocol code paths in this venv; needs no llm-compressor")
     args = ap.parse_args(argv)
-    if args.merge:
+    if args.merge:   # reads the parts and --json, runs nothing
         args.json = args.json or str(DEFAULT_JSON)
+        for part in args.merge:
+            _pc.read_json_object(part, ap.error, "--merge")
+        _pc.check_result_json(args.json, ap.error, read=True)
         return args
+    # every check here is cheap and comes before the venv install and the model load
+    _pc.check_model_dir(args.model, ap.error)
     _pc.resolve_data_paths(args, ap.error)
+    _pc.check_numbers(args, ap.error)
     args.schemes = [s for s in args.schemes.split(",") if s]
     args.algos = [a for a in args.algos.split(",") if a]
     for s in args.schemes:
@@ -695,6 +701,10 @@ def parse_args(argv):
             ap.error(f"unknown algorithm {a!r}; valid: {', '.join(ALGOS + EXTRA_ALGOS)}")
     if args.json is None and not args.smoke:
         args.json = str(DEFAULT_JSON)
+    if args.json is not None:   # a run resumes from it unless --fresh; --smoke only writes it
+        _pc.check_result_json(args.json, ap.error, read=not (args.fresh or args.smoke))
+    if not args.smoke:
+        _pc.check_venv_dir(args.venv, ap.error)
     return args
 
 

@@ -168,8 +168,8 @@ def inside_forward(model_path: Path, ids_path: Path, out_path: Path) -> int:
 
 def inside_main(cli_argv: list[str]) -> int:
     """msModelSlim's own CLI with :func:`install_workarounds` applied (``--inside quant ...``)."""
-    if "--model_path" not in cli_argv:
-        _fail("--inside needs msModelSlim's --model_path")
+    if "--model_path" not in cli_argv[:-1]:   # the flag and a value after it
+        _fail("--inside needs msModelSlim's --model_path PATH")
     install_workarounds(Path(cli_argv[cli_argv.index("--model_path") + 1]))
     from msmodelslim.cli.__main__ import main as msmodelslim_main
 
@@ -337,9 +337,7 @@ def _rel(p: Path) -> str:
 
 def peer_main(args, argv: list[str]) -> int:
     """Quantize with each recipe, evaluate every output and DEQ, write the raw JSON."""
-    model = Path(args.model)
-    if not (model / "config.json").is_file():
-        _fail(f"{model}: no config.json (pass the folder tools/dequantize_release.py wrote)")
+    model = Path(args.model)   # a folder with a config.json: parse_args checked it
     unknown = [r for r in args.recipes if r not in RECIPES]
     if unknown:
         _fail(f"unknown recipe(s) {unknown}; known: {', '.join(RECIPES)}")
@@ -420,8 +418,16 @@ def parse_args(argv):
     ap.add_argument("--eval-jobs", type=int, default=1, help="evaluations run at once")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
-    # the texts are not checked here (as before): a missing one fails when it is read
-    _pc.resolve_data_paths(args, _fail, check_files=False)
+    # every check here is cheap and comes before the venv install and the tokenizer load
+    _pc.check_model_dir(args.model, _fail)
+    _pc.resolve_data_paths(args, _fail)
+    _pc.check_numbers(args, _fail, at_least_one=("calib_samples", "threads", "eval_jobs"))
+    if args.smoke:   # reads no JSON, needs no venv, writes nothing under --work-dir
+        return args
+    _pc.check_result_json(args.json, _fail, read=False)
+    _pc.check_venv_dir(args.venv, _fail)
+    if args.work_dir is not None and args.work_dir.exists() and not args.work_dir.is_dir():
+        _fail(f"--work-dir {args.work_dir}: not a folder")
     return args
 
 

@@ -3,7 +3,8 @@
 - the peer's own virtual environment: create / reuse it (torch's CPU wheel first), re-run the
   script inside it, and the offline / thread environment its processes get;
 - the command line every peer takes: the protocol flags (data, windows, seed) and the defaults
-  of the data paths, with the caller's way of refusing bad input;
+  of the data paths, and the parse-time checks of --model, the texts, the counts, --json and
+  --venv, with the caller's way of refusing bad input (before any model load or venv install);
 - the protocol itself: the project's evaluation / calibration windows and their digests, and the
   windows the project's workflow builds (what ``--smoke`` compares them with);
 - the records: versions, machine, command, date, the result JSON (resumed and written atomically).
@@ -58,19 +59,96 @@ def add_rerun_args(ap) -> None:
     ap.add_argument("--allow-float-mismatch", action="store_true")
 
 
-def resolve_data_paths(args, error, *, check_files: bool = True, also=()) -> None:
+def resolve_data_paths(args, error, *, also=()) -> None:
     """Fill ``args.eval_data`` / ``args.calib_data`` with the project's defaults; ``error(msg)`` (the
-    caller's: ``ap.error`` or :func:`fail`) when there is no test split, or (``check_files``) when
-    one of the two texts or of the paths in ``also`` is no file."""
+    caller's: ``ap.error`` or :func:`fail`) when there is no test split, or when one of the two texts
+    or of the paths in ``also`` is no file. Every mode of every peer reads both texts (none creates
+    them), so a wrong path is refused here, before a venv install or a model load."""
     if args.eval_data is None:
         args.eval_data = default_eval_path()
         if args.eval_data is None:
             error(NO_EVAL_DATA)
     if args.calib_data is None:
         args.calib_data = default_calib_path()
-    for p in (args.eval_data, args.calib_data, *also) if check_files else ():
-        if not Path(p).is_file():
+    for p in (args.eval_data, args.calib_data, *also):
+        p = Path(p)
+        if p.is_dir():
+            error(f"{p}: a folder, not a file")
+        if not p.is_file():
             error(f"{p}: no such file")
+
+
+def check_numbers(args, error, *, at_least_one=("calib_samples", "threads")) -> None:
+    """The protocol's counts, refused before any work: ``--seq-len`` >= 2 (a window predicts at least
+    one token), ``--eval-windows`` >= 1 (None: the whole split, where the script allows it) and the
+    ``at_least_one`` flags >= 1. Past this point the project's loaders would raise a DataError
+    traceback, after the tokenizer load (and in the peer's venv, after its install)."""
+    if args.seq_len < 2:
+        error(f"--seq-len {args.seq_len}: must be >= 2 (a window predicts at least one token)")
+    if args.eval_windows is not None and args.eval_windows < 1:
+        error(f"--eval-windows {args.eval_windows}: must be >= 1")
+    for name in at_least_one:
+        value = getattr(args, name)
+        if value < 1:
+            error(f"--{name.replace('_', '-')} {value}: must be >= 1")
+
+
+def read_json_object(path, error, what: str) -> dict:
+    """``path``'s JSON object, or ``error(msg)`` naming ``what`` (the flag) and the file when it is
+    missing, a folder, unreadable, not JSON, or JSON but not an object."""
+    path = Path(path)
+    if path.is_dir():
+        error(f"{what} {path}: a folder, not a JSON file")
+    if not path.is_file():
+        error(f"{what} {path}: no such file")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        error(f"{what} {path}: not readable JSON ({e})")
+    if not isinstance(obj, dict):
+        error(f"{what} {path}: a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+def check_model_dir(model, error) -> None:
+    """``--model`` is a folder whose ``config.json`` is a JSON object: what every peer's first load
+    reads (transformers' AutoConfig / AutoTokenizer, msModelSlim's config reader). A missing folder
+    is otherwise taken for a hub repo id and, like a bad config.json, ends in an OSError traceback."""
+    model = Path(model)
+    if not model.exists():
+        error(f"--model {model}: no such folder")
+    if not model.is_dir():
+        error(f"--model {model}: not a folder (pass the checkpoint folder that holds config.json)")
+    read_json_object(model / "config.json", error, "--model")
+
+
+def check_result_json(path, error, *, read: bool) -> None:
+    """``--json``: never a folder (the result is written there at the end, after all the work);
+    when ``read`` (a run that resumes or merges into it) an existing file must be a JSON object."""
+    path = Path(path)
+    if path.is_dir():
+        error(f"--json {path}: a folder, not a JSON file")
+    if read and path.exists():
+        read_json_object(path, error, "--json")
+
+
+def check_venv_dir(venv, error) -> None:
+    """``--venv`` is a virtual environment (``pyvenv.cfg``), an empty folder or a path not there yet:
+    the script creates a venv in it and pip-installs the peer into it. A file fails in ``venv``'s
+    own traceback; a non-empty folder that is no venv (a prefix such as /usr, a source tree)
+    would get a venv written over its contents, or the peer installed into that python."""
+    venv = Path(venv)
+    if not venv.exists():
+        return
+    if not venv.is_dir():
+        error(f"--venv {venv}: not a folder (pass a virtual environment or a new folder)")
+    try:
+        empty = not any(venv.iterdir())
+    except OSError as e:
+        error(f"--venv {venv}: cannot list it ({e.strerror})")
+    if not (venv / "pyvenv.cfg").is_file() and not empty:
+        error(f"--venv {venv}: not a virtual environment (no pyvenv.cfg) and not empty; "
+              "pass a venv or a new folder")
 
 
 # =========================================================================== protocol

@@ -124,10 +124,11 @@ def test_resolve_data_paths_defaults_and_errors(tmp_path, monkeypatch):
         pc.resolve_data_paths(_ns(), _raise, also=(tmp_path / "config.json",))
     with pytest.raises(ValueError, match="nope.raw: no such file"):
         pc.resolve_data_paths(_ns(eval_data=tmp_path / "nope.raw"), _raise)
-    pc.resolve_data_paths(_ns(eval_data=tmp_path / "nope.raw"), _raise, check_files=False)
+    with pytest.raises(ValueError, match=f"{tmp_path}: a folder, not a file"):
+        pc.resolve_data_paths(_ns(calib_data=tmp_path), _raise)
     monkeypatch.setattr(pc, "default_eval_path", lambda: None)
     with pytest.raises(ValueError, match="no shipped copy of the Wikitext-2 test split"):
-        pc.resolve_data_paths(_ns(), _raise, check_files=False)
+        pc.resolve_data_paths(_ns(), _raise)
 
 
 def test_records(tmp_path, capsys):
@@ -162,3 +163,124 @@ def test_every_peer_takes_the_shared_protocol_flags(script, tmp_path):
                            "--calib-samples", "2", "--seed", "5", "--threads", "1", "--smoke"])
     assert (args.eval_data, args.calib_data, args.seq_len, args.eval_windows, args.calib_samples, args.seed) \
         == (ev, cal, 32, 3, 2, 5)
+
+
+# =========================================================================== bad input, per script
+# Each case must end in one `error: ...` line and exit status 2 from parse_args (or main before any
+# work): only --smoke runs or parse_args alone, so a missing check can never reach a venv install.
+PEERS = ["peer_llmcompressor", "peer_autoround", "peer_msmodelslim"]
+TINY = pc.REPO / "assets" / "tiny-v4"
+
+
+@pytest.fixture(scope="module")
+def peers():
+    return {s: load_script(f"benchmarks/{s}.py", f"{s}_errors") for s in PEERS}
+
+
+@pytest.fixture
+def texts(tmp_path):
+    ev, cal = tmp_path / "t.raw", tmp_path / "c.txt"
+    ev.write_text("x")
+    cal.write_text("y")
+    return ["--eval-data", str(ev), "--calib-data", str(cal)]
+
+
+def _refused(call, capsys, want: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        call()
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert "Traceback" not in err and "error: " in err.strip().splitlines()[-1], err
+    assert want in err.strip().splitlines()[-1], err
+
+
+@pytest.mark.parametrize("script", PEERS)
+@pytest.mark.parametrize("flag", ["--eval-data", "--calib-data"])
+def test_missing_data_file_refused_at_parse_time(peers, script, flag, texts, tmp_path, capsys):
+    """msModelSlim's run reads both texts only after its venv install: parse time must refuse them."""
+    argv = ["--model", str(TINY), *texts, flag, str(tmp_path / "nope.txt")]
+    _refused(lambda: peers[script].parse_args(argv), capsys, f"{tmp_path / 'nope.txt'}: no such file")
+
+
+@pytest.mark.parametrize("script", PEERS)
+@pytest.mark.parametrize("model, want", [("missing", "no such folder"), ("file", "not a folder"),
+                                         ("no-config", "config.json: no such file"),
+                                         ("bad-config", "config.json: not readable JSON"),
+                                         ("list-config", "config.json: a JSON list, not an object")])
+def test_bad_model_folder_is_one_error_line(peers, script, model, want, texts, tmp_path, capsys):
+    """``--smoke --model /nonexistent`` was a transformers OSError traceback (llm-compressor, msModelSlim)."""
+    path = tmp_path / model
+    if model == "file":
+        path.write_text("{}")
+    elif model != "missing":
+        path.mkdir()
+        if model != "no-config":
+            (path / "config.json").write_text("{oops" if model == "bad-config" else "[1]")
+    _refused(lambda: peers[script].main(["--smoke", "--model", str(path), *texts]), capsys, want)
+
+
+@pytest.mark.parametrize("script", PEERS)
+@pytest.mark.parametrize("flag, value", [("--eval-windows", "-3"), ("--eval-windows", "0"), ("--seq-len", "1"),
+                                         ("--calib-samples", "0"), ("--threads", "0")])
+def test_counts_refused_at_parse_time(peers, script, flag, value, texts, capsys):
+    argv = ["--smoke", "--model", str(TINY), *texts, flag, value]
+    _refused(lambda: peers[script].parse_args(argv), capsys, f"{flag} {value}: must be >= ")
+
+
+def _venv_case(tmp_path, kind: str) -> Path:
+    v = tmp_path / f"venv-{kind}"
+    if kind == "file":
+        v.write_text("")
+    elif kind == "not-a-venv":
+        (v / "src").mkdir(parents=True)   # a source tree or a prefix such as /usr
+    elif kind == "empty":
+        v.mkdir()
+    elif kind == "venv":
+        v.mkdir()
+        (v / "pyvenv.cfg").write_text("home = /usr/bin\n")
+        (v / "lib").mkdir()
+    return v
+
+
+@pytest.mark.parametrize("script", PEERS)
+def test_venv_must_be_a_venv_or_new(peers, script, texts, tmp_path, capsys):
+    """Only parse_args runs here: nothing creates or installs into any of these folders."""
+    def parse(kind):
+        return peers[script].parse_args(["--model", str(TINY), *texts, "--json", str(tmp_path / "r.json"),
+                                         "--venv", str(_venv_case(tmp_path, kind))])
+
+    _refused(lambda: parse("file"), capsys, "not a folder")
+    _refused(lambda: parse("not-a-venv"), capsys, "not a virtual environment (no pyvenv.cfg)")
+    for ok in ("missing", "empty", "venv"):
+        assert parse(ok).venv == tmp_path / f"venv-{ok}"
+
+
+@pytest.mark.parametrize("script", ["peer_llmcompressor", "peer_autoround"])
+def test_result_json_that_a_run_resumes_must_be_an_object(peers, script, texts, tmp_path, capsys):
+    bad, lst = tmp_path / "bad.json", tmp_path / "list.json"
+    bad.write_text("{oops")
+    lst.write_text("[]")
+    base = ["--model", str(TINY), *texts, "--venv", str(tmp_path / "v")]
+    _refused(lambda: peers[script].parse_args(base + ["--json", str(bad)]), capsys, "not readable JSON")
+    _refused(lambda: peers[script].parse_args(base + ["--json", str(lst)]), capsys, "a JSON list, not an object")
+    _refused(lambda: peers[script].parse_args(base + ["--json", str(tmp_path)]), capsys, "a folder, not a JSON file")
+    assert peers[script].parse_args(base + ["--json", str(bad), "--fresh"]).fresh   # --fresh does not read it
+
+
+def test_msmodelslim_json_workdir_and_inside(peers, texts, tmp_path, capsys):
+    ms = peers["peer_msmodelslim"]
+    base = ["--model", str(TINY), *texts, "--venv", str(tmp_path / "v")]
+    _refused(lambda: ms.parse_args(base + ["--json", str(tmp_path)]), capsys, "a folder, not a JSON file")
+    (tmp_path / "f").write_text("")
+    _refused(lambda: ms.parse_args(base + ["--work-dir", str(tmp_path / "f")]), capsys, "--work-dir")
+    _refused(lambda: ms.parse_args(base + ["--eval-jobs", "0"]), capsys, "--eval-jobs 0: must be >= 1")
+    _refused(lambda: ms.main(["--inside", "quant", "--model_path"]), capsys, "--model_path PATH")
+
+
+def test_llmcompressor_merge_parts_must_be_json_objects(peers, tmp_path, capsys):
+    bad = tmp_path / "part.json"
+    bad.write_text("{oops")
+    plc = peers["peer_llmcompressor"]
+    out = ["--json", str(tmp_path / "out.json")]
+    _refused(lambda: plc.parse_args(["--merge", str(bad)] + out), capsys, "--merge")
+    _refused(lambda: plc.parse_args(["--merge", str(tmp_path / "nope.json")] + out), capsys, "no such file")
