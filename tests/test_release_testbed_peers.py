@@ -89,8 +89,9 @@ def test_msmodelslim_cells(summary):
     w8, w4 = cells["w8a8 flash-w8a8"], cells["w4a8 pro-w4a8"]
     assert round(w8["ppl"], 3) == 302.862 and round(w8["vs_release_float_pct"], 2) == 0.04
     assert round(w4["ppl"], 3) == 305.886 and round(w4["vs_release_float_pct"], 2) == 1.04
-    # ours (the testbed's defaults): w8a8 0.013 PPL behind msModelSlim's Flash recipe, w4a8 ahead
-    assert w8["ours_default"]["ppl"] > w8["ppl"] and w8["ours_default"]["ppl"] - w8["ppl"] < 0.02
+    # ours (the testbed's defaults; w8a8's is the release's own since 2026-12-06, gptq:sequential=false):
+    # w8a8 0.018 PPL ahead of msModelSlim's Flash recipe (inside the seed spread), w4a8 ahead
+    assert w8["ours_default"]["ppl"] < w8["ppl"] and w8["ppl"] - w8["ours_default"]["ppl"] < 0.02
     assert w4["ours_default"]["ppl"] < w4["ppl"]
     assert raw["float"]["ppl"] == json.loads(tool.TESTBED.read_text())["float"]["ppl"]   # same evaluator, DEQ
     fwd = raw["forward_check"]
@@ -108,8 +109,13 @@ def test_results_index_quotes_the_msmodelslim_cells(summary):
     w8, w4 = cells["w8a8 flash-w8a8"], cells["w4a8 pro-w4a8"]
     gap = w8["ours_default"]["ppl"] - w8["ppl"]
     text = (REPO / "benchmarks" / "RESULTS.md").read_text()
-    assert (f"Flash w8a8 / Pro w4a8 = {w8['ppl']:.3f} / {w4['ppl']:.3f}: ours is {gap:.3f} PPL "
-            f"({100 * gap / w8['ppl']:.3f} %) behind at w8a8") in text
+    head = f"Flash w8a8 / Pro w4a8 = {w8['ppl']:.3f} / {w4['ppl']:.3f}: "
+    if gap > 0:                                  # the sentence says which side of the peer ours is, by how much
+        assert f"{head}ours is {gap:.3f} PPL ({100 * gap / w8['ppl']:.3f} %) behind at w8a8" in text
+    else:
+        assert (f"{head}ours is ahead at both, {w8['ours_default']['ppl']:.3f} at w8a8 "
+                f"(by {100 * -gap / w8['ppl']:.3f} %") in text
+        assert f"{w4['ours_default']['ppl']:.3f} at w4a8" in text
     assert w4["ours_default"]["ppl"] < w4["ppl"]
 
 

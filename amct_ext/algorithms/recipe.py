@@ -376,11 +376,15 @@ BEST_RECIPES: dict[str, tuple[str, str]] = {
 NAMED_RECIPES = ("default", "best")
 
 
-def named_recipe(scheme, name: str = "default") -> tuple[str, str]:
+def named_recipe(scheme, name: str = "default",
+                 source_defaults: dict[str, tuple[str, str]] | None = None) -> tuple[str, str]:
     """(algo string, propagate) of the named recipe ``name`` (one of NAMED_RECIPES) for a
     scheme, looked up by what the scheme *does* (its fingerprint), never by its name: a user's
     3-bit scheme file named "w8a8" is not w8a8 and gets DEFAULT_FALLBACK, a renamed copy of a
-    built-in scheme gets that scheme's recipes. A string is loaded as a scheme name or file first."""
+    built-in scheme gets that scheme's recipes. A string is loaded as a scheme name or file first.
+    ``source_defaults``: {built-in scheme: (algo, propagate)} replacing DEFAULT_RECIPES for the
+    checkpoint's weights (the model's ``source_defaults``: a release already on a low-precision
+    grid); ``best`` of a scheme with no BEST_RECIPES entry is its default, so it follows."""
     from ..quant.schemes import QuantScheme, load_scheme
 
     if name not in NAMED_RECIPES:
@@ -390,7 +394,7 @@ def named_recipe(scheme, name: str = "default") -> tuple[str, str]:
     builtin = builtin_scheme_named(scheme)
     if builtin is None:
         return BEST_FALLBACK if name == "best" else DEFAULT_FALLBACK
-    default = DEFAULT_RECIPES.get(builtin, DEFAULT_FALLBACK)
+    default = (source_defaults or {}).get(builtin) or DEFAULT_RECIPES.get(builtin, DEFAULT_FALLBACK)
     return BEST_RECIPES.get(builtin, default) if name == "best" else default
 
 
@@ -399,9 +403,10 @@ def default_recipe(scheme) -> tuple[str, str]:
     return named_recipe(scheme, "default")
 
 
-def resolve_named_recipe(scheme, name: str = "default") -> tuple[Recipe, str]:
+def resolve_named_recipe(scheme, name: str = "default",
+                         source_defaults: dict[str, tuple[str, str]] | None = None) -> tuple[Recipe, str]:
     """(Recipe, propagate) of the scheme's named recipe ``name`` (``named_recipe``), parsed."""
-    algo, propagate = named_recipe(scheme, name)
+    algo, propagate = named_recipe(scheme, name, source_defaults)
     where = f"{name} recipe"
     return (parse_algo(algo, where) if isinstance(algo, str) else recipe_from_data(list(algo), where)), propagate
 
@@ -420,10 +425,13 @@ class RecipeChoice:
 
 
 def choose_recipe(scheme, algo: str | None = None, recipe: str | None = None, *, legacy: bool = False,
-                  read_file: Callable[[str], tuple[Recipe, dict]] | None = None) -> RecipeChoice:
+                  read_file: Callable[[str], tuple[Recipe, dict]] | None = None,
+                  source_defaults: dict[str, tuple[str, str]] | None = None, source_label: str = "") -> RecipeChoice:
     """The one resolution of a run's recipe: ``--algo`` or ``--recipe FILE|default|best`` (not
     both; neither = the scheme's default recipe), or the legacy solver. ``read_file(path)`` ->
-    (Recipe, job keys) reads a recipe file (default: ``load_recipe_file``, no job keys)."""
+    (Recipe, job keys) reads a recipe file (default: ``load_recipe_file``, no job keys).
+    ``source_defaults`` / ``source_label``: the named recipes the checkpoint's weights call for
+    (``named_recipe``) and what those weights are (the report's source says when they applied)."""
     if legacy and (algo or recipe):
         raise ConfigError("--legacy-solver runs the learned-clip solver alone: drop --algo / --recipe")
     if algo and recipe:
@@ -436,8 +444,11 @@ def choose_recipe(scheme, algo: str | None = None, recipe: str | None = None, *,
     if legacy:
         return RecipeChoice(None, None, "legacy", {})
     name = recipe or "default"
-    rec, propagate = resolve_named_recipe(scheme, name)
-    return RecipeChoice(rec, propagate, f"{name} for {scheme.name}'s content", {})
+    rec, propagate = resolve_named_recipe(scheme, name, source_defaults)
+    source = f"{name} for {scheme.name}'s content"
+    if source_defaults and named_recipe(scheme, name, source_defaults) != named_recipe(scheme, name):
+        source += f" from {source_label or 'this checkpoint'}"
+    return RecipeChoice(rec, propagate, source, {})
 
 
 def builtin_scheme_named(scheme) -> str | None:

@@ -97,8 +97,29 @@ def plan_job(options: PtqOptions) -> PtqJob:
     # by content, before anything is trained or computed on it (also guards tokenizer training)
     refuse_test_split(calib_path, "calibration", [eval_path])
     model_path = binding.resolve_checkpoint(o.model, o.model_path, o.download, calib_path)
-    return build_job(o, binding.plan_spec(), ResolvedPaths(model_path, calib_path, eval_path),
+    spec = binding.plan_spec()
+    checked = with_source_defaults(checked, o, *spec.source_defaults(model_path))
+    return build_job(o, spec, ResolvedPaths(model_path, calib_path, eval_path),
                      check_resume=resume_check, checked=checked)
+
+
+def with_source_defaults(checked: Any, o: PtqOptions, label: str, source_defaults: dict) -> Any:
+    """``checked`` (``job.check_request``'s result) with the named recipe the checkpoint's weights
+    call for (the model's ``source_defaults``: a release already on a low-precision grid may have
+    another default). Only a named recipe changes; --algo, a recipe file, --legacy-solver and a
+    given --propagate are the user's and stay."""
+    from ..algorithms.recipe import NAMED_RECIPES, choose_recipe
+    from .size_caps import check_recipe_sizes
+
+    if not source_defaults or o.algo or o.legacy_solver or (o.recipe and o.recipe not in NAMED_RECIPES):
+        return checked
+    choice = choose_recipe(checked.scheme, None, o.recipe, source_defaults=source_defaults, source_label=label)
+    if choice.source == checked.recipe.source:      # this scheme's named recipe is the same from this source
+        return checked
+    check_recipe_sizes(choice.recipe.algorithms, choice.source)
+    part = replace(checked.recipe, recipe=choice.recipe, source=choice.source,
+                   propagate=o.propagate if o.propagate is not None else choice.propagate)
+    return replace(checked, recipe=part)
 
 
 def command_flags(**options: Any) -> list[str]:

@@ -18,12 +18,23 @@ skeleton per kind serves every layer of that kind (V4-Flash: 43 layers, 4 kinds,
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from amct_ext.errors import AmctError, CheckpointError, QuantConfigError
+
+
+#: The default recipes from the release (issue 35.3), where they differ from the bf16 testbed's
+#: (amct_ext/algorithms/recipe.py DEFAULT_RECIPES). Chosen by that file's rule on the release testbed
+#: (tiny-trained-release: whole test split, mean over calibration seeds 0-2, one AMD CPU; runs in
+#: benchmarks/results/release-testbed-w8a8.json):
+#: - w8a8: gptq:sequential=false 302.844 against RTN 302.876 (hclip 302.864, smoothquant on the
+#:   exportable pairs 302.874); from bf16 weights RTN stays ahead (303.844 against GPTQ's 303.854).
+#:   Every gap is inside the seed spread (0.03 %); 16.8 s a V4-Flash layer (H200, RESULTS §2).
+RELEASE_DEFAULTS: dict[str, tuple[str, str]] = {"w8a8": ("gptq:sequential=false", "float")}
 
 
 def _kind(config, i: int) -> tuple[int, bool]:
@@ -53,6 +64,19 @@ class DeepseekV4PlanSpec:
 
     def n_layers(self, config) -> int:
         return int(config.n_layers)
+
+    # ------------------------------------------------------------------ the weights' source
+    def source_defaults(self, model_path: Path) -> tuple[str, dict[str, tuple[str, str]]]:
+        """(what the weights are, {built-in scheme: (algo, propagate)}): the default recipes that
+        differ for a released checkpoint (FP8 e4m3 blocks on the attention and shared expert, FP4
+        experts: ``quantization_config.quant_method`` "fp8"), else ("", {}). Reads config.json
+        only; an unreadable one gives ("", {}) here and is named by ``read_config`` in its turn."""
+        try:
+            cfg = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+            method = (cfg.get("quantization_config") or {}).get("quant_method")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+            return "", {}
+        return ("released FP8 / FP4 weights", dict(RELEASE_DEFAULTS)) if method == "fp8" else ("", {})
 
     # ------------------------------------------------------------------ meta skeletons
     def _representatives(self, config, layers: Sequence[int]) -> dict[tuple[int, bool], int]:
