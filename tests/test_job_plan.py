@@ -268,8 +268,14 @@ def test_the_library_plan_fills_the_models_defaults_and_refuses_unknown_names(tm
 
     job = plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model="tiny-trained", eval_windows=3, quiet=True))
     assert job.model.path == TRAINED_TINY and job.model.label == "tiny-trained"
-    assert (job.calibration.samples, job.calibration.seq_len, job.runtime.dtype, job.runtime.threads) == \
+    assert (job.calibration.n_samples, job.calibration.seq_len, job.runtime.dtype, job.runtime.threads) == \
         (16, 256, "fp32", 1)
+    # the plan holds the workflow's PtqConfig itself; the run takes a checked copy
+    from amct_ext.base import DEFAULT_EPOCHS, DEFAULT_LR, PtqConfig
+
+    assert type(job.calibration) is PtqConfig and (job.calibration.epochs, job.calibration.lr) == \
+        (DEFAULT_EPOCHS, DEFAULT_LR)
+    assert job.ptq_config() == job.calibration and job.ptq_config() is not job.calibration
     ev = job.evaluation
     assert ev.enabled and ev.config.max_windows == 3 and ev.config.batch_size == 8
     cli = plan_job(run_ptq.options_from_args(run_ptq.build_parser().parse_args(
@@ -280,6 +286,11 @@ def test_the_library_plan_fills_the_models_defaults_and_refuses_unknown_names(tm
         plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model="tiny-x"))
     with pytest.raises(ConfigError, match="--dtype fp16: must be one of bf16, fp32"):
         plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model="tiny-trained", dtype="fp16"))
+    # the PtqConfig could not hold None (a TypeError in its check): refused by the flag's name
+    with pytest.raises(ConfigError, match="--epochs None: must be an integer >= 0"):
+        plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model="tiny-trained", epochs=None))
+    with pytest.raises(ConfigError, match="--lr None: must be a positive number"):
+        plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model="tiny-trained", lr=None))
     # a folder alone names the model by its config.json model_type (V4's defaults for unnamed folders)
     by_path = plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model=None, model_path=str(TRAINED_TINY),
                                   calib_samples=2, seq_len=32))

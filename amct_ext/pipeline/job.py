@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from ..base import DEFAULT_EPOCHS, DEFAULT_LR, EvalConfig
+from ..base import DEFAULT_EPOCHS, DEFAULT_LR, EvalConfig, PtqConfig
 from ..errors import AmctError, ConfigError, DataError, QuantConfigError
 from ..io.output_space import probe_writable
 from .size_caps import check_calibration_memory, check_recipe_sizes
@@ -153,33 +153,14 @@ class SchemePart:
 
 @dataclass
 class RecipePart:
-    """``recipe`` None: the legacy learned-clip solver."""
+    """``recipe`` None: the legacy learned-clip solver (its --epochs / --lr are the plan's
+    ``calibration.epochs`` / ``.lr``: :meth:`PtqJob.algorithms`)."""
 
     recipe: Any
     propagate: str
     holdout: float
     guard: bool
     source: str                       # "--algo", a file, or "default|best for <scheme>"
-    epochs: int | None = None         # --epochs / --lr: the legacy solver's (and meta.json's solver part)
-    lr: float | None = None
-
-    def algorithms(self) -> Any:
-        """The recipe the run executes: ``recipe``, or (None) the pre-recipe solver, an
-        algorithm of the recipe now (learned_clip with --epochs / --lr)."""
-        if self.recipe is not None:
-            return self.recipe
-        from ..algorithms.recipe import parse_algo
-
-        return parse_algo(f"learned_clip:epochs={self.epochs}:lr={self.lr!r}", "--legacy-solver")
-
-
-@dataclass
-class CalibrationPart:
-    path: Path
-    samples: int
-    seq_len: int
-    batch_size: int
-    seed: int
 
 
 @dataclass
@@ -223,7 +204,9 @@ class PtqJob:
     checkpoint: CheckpointPart
     scheme: SchemePart
     recipe: RecipePart
-    calibration: CalibrationPart
+    # the workflow's own settings, held as built: the calibration windows (text, samples x seq_len,
+    # batch, seed) and --epochs / --lr (the legacy solver's, and meta.json's "solver" entries)
+    calibration: PtqConfig
     evaluation: EvaluationPart
     runtime: RuntimePart
     output: OutputPart
@@ -239,7 +222,7 @@ class PtqJob:
                  f"{self.scheme.scheme.name} on {','.join(self.scheme.targets)}, layers "
                  f"[{self.output.layers.start}, {self.output.layers.stop}) = {self.scheme.n_units} units",
                  f"plan: recipe {how}, propagate {r.propagate}, holdout {r.holdout:g}, guard "
-                 f"{'on' if r.guard else 'off'}; calibration {self.calibration.samples} x {self.calibration.seq_len}"
+                 f"{'on' if r.guard else 'off'}; calibration {self.calibration.n_samples} x {self.calibration.seq_len}"
                  + (f"; ppl {','.join(self.evaluation.modes) or '-'}+ptq" if self.evaluation.enabled else "")
                  + (f"; export {self.export.format}" if self.export else "")
                  + (" (resumed)" if self.output.resume else "")
@@ -253,23 +236,29 @@ class PtqJob:
 
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.runtime.dtype]
 
-    def ptq_config(self) -> Any:
-        """``base.PtqConfig``: calibration windows and the legacy solver's settings."""
-        from ..base import PtqConfig
-
-        c, r = self.calibration, self.recipe
-        cfg = PtqConfig(epochs=r.epochs, lr=r.lr, n_samples=c.samples, seq_len=c.seq_len, batch_size=c.batch_size,
-                        seed=c.seed, calib_path=c.path,
-                        eval_paths=(str(self.evaluation.config.data_path),))
+    def ptq_config(self) -> PtqConfig:
+        """``base.PtqConfig``: calibration windows and the legacy solver's settings, checked
+        here (where the run takes them) and a copy, so that the run's changes never reach the plan."""
+        cfg = replace(self.calibration)
         cfg.check()
         return cfg
+
+    def algorithms(self) -> Any:
+        """The recipe the run executes: ``recipe.recipe``, or (None) the pre-recipe solver, an
+        algorithm of the recipe now (learned_clip with --epochs / --lr)."""
+        if self.recipe.recipe is not None:
+            return self.recipe.recipe
+        from ..algorithms.recipe import parse_algo
+
+        c = self.calibration
+        return parse_algo(f"learned_clip:epochs={c.epochs}:lr={c.lr!r}", "--legacy-solver")
 
     def ptq_spec(self, calibration: Any) -> Any:
         """``ptq_spec.PtqSpec``: what the run computes (the recipe as this plan resolved it)."""
         from .ptq_spec import PtqSpec
 
         r = self.recipe
-        return PtqSpec(self.scheme.scheme, self.scheme.targets, calibration, recipe=r.algorithms(),
+        return PtqSpec(self.scheme.scheme, self.scheme.targets, calibration, recipe=self.algorithms(),
                        propagate=r.propagate, holdout=r.holdout, guard=r.guard).resolved()
 
     def eval_config(self) -> EvalConfig:
@@ -387,10 +376,13 @@ def check_request(opts: PtqOptions) -> _Inputs:
     eval_batch = _positive_int("--eval-batch-size", opts.eval_batch_size)
     if opts.eval_windows is not None:
         _positive_int("--eval-windows", opts.eval_windows)
-    # --epochs 0 is meaningful (learned_clip keeps its grid start: PtqConfig allows it)
-    if opts.epochs is not None and (not isinstance(opts.epochs, int) or isinstance(opts.epochs, bool) or opts.epochs < 0):
+    # --epochs 0 is meaningful (learned_clip keeps its grid start: PtqConfig allows it); None is
+    # refused here, by name, as the plan's PtqConfig could not hold it (a TypeError in its check)
+    if not isinstance(opts.epochs, int) or isinstance(opts.epochs, bool) or opts.epochs < 0:
         raise ConfigError(f"--epochs {opts.epochs}: must be an integer >= 0")
-    if opts.lr is not None and not (math.isfinite(opts.lr) and opts.lr > 0):
+    if opts.lr is None:
+        raise ConfigError("--lr None: must be a positive number")
+    if not (math.isfinite(opts.lr) and opts.lr > 0):
         raise ConfigError(f"--lr {opts.lr:g}: must be a positive number")
     cap = _memory_gb("--capture-memory-gb", opts.capture_memory_gb)
     hes = _memory_gb("--hessian-memory-gb", opts.hessian_memory_gb)
@@ -429,8 +421,7 @@ def check_request(opts: PtqOptions) -> _Inputs:
     if recipe is not None:   # a search grid of 10^12 candidates: refused before any work
         check_recipe_sizes(recipe.algorithms, where)
 
-    return _Inputs(scheme, list(targets), RecipePart(recipe, propagate, float(holdout), guard, source,
-                                                     epochs=opts.epochs, lr=opts.lr),
+    return _Inputs(scheme, list(targets), RecipePart(recipe, propagate, float(holdout), guard, source),
                    samples, batch, eval_batch, modes, cap, hes)
 
 
@@ -529,12 +520,16 @@ def build_job(opts: PtqOptions, spec: ModelPlanSpec, paths: ResolvedPaths, *, ch
     units = spec.check_scheme(config, scheme, targets, list(layers))
     _check_output_room(opts, model_path, spec, config, inp, layers, export, sum(units.values()))
 
+    calibration = PtqConfig(epochs=opts.epochs, lr=opts.lr, n_samples=inp.samples, seq_len=seq_len,
+                            batch_size=inp.batch, seed=opts.seed, calib_path=calib_path,
+                            eval_paths=(str(eval_path),))
+    calibration.check()   # check_request refused every value it would (by flag name): a guard, never first
     job = PtqJob(
         model=ModelPart(spec.name, model_path, config, n_layers, spec=spec, label=opts.model),
         checkpoint=CheckpointPart(keys=ck.get("keys", 0), shards=ck.get("shards", 0)),
         scheme=SchemePart(scheme, list(targets), units),
         recipe=inp.recipe,
-        calibration=CalibrationPart(calib_path, inp.samples, seq_len, inp.batch, opts.seed),
+        calibration=calibration,
         evaluation=EvaluationPart(bool(opts.eval_ppl), inp.modes, EvalConfig(
             seq_len=seq_len, max_windows=opts.eval_windows, first_window=opts.eval_first_window,
             batch_size=inp.eval_batch, data_path=eval_path, sharded=opts.sharded_eval)),

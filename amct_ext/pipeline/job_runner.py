@@ -204,7 +204,7 @@ class _JobRun:
             "scheme_fingerprint": self.spec.scheme.fingerprint(), "quant_target": list(self.spec.targets),
             "layers": [layers.start, layers.stop], "device": str(adapter.device), "dtype": job.runtime.dtype,
             "threads": torch.get_num_threads(),
-            "calibration": {"path": str(job.calibration.path), "samples": cfg.n_samples, "seq_len": cfg.seq_len,
+            "calibration": {"path": str(job.calibration.calib_path), "samples": cfg.n_samples, "seq_len": cfg.seq_len,
                             "epochs": cfg.epochs, "lr": cfg.lr, "seed": cfg.seed},
             "eval": None if not job.evaluation.enabled else {
                 "path": str(job.evaluation.config.data_path), "windows": int(self.windows.shape[0]),
@@ -266,7 +266,7 @@ class _JobRun:
 
 def job_recipe(job: PtqJob) -> Any:
     """The recipe the job runs (the legacy solver's learned_clip included)."""
-    return job.recipe.algorithms()
+    return job.algorithms()
 
 
 def export_after_run(job: PtqJob) -> dict[str, Any]:
