@@ -256,7 +256,7 @@ def main(argv=None) -> int:
                                dequantize_rest=True),
                     DeepseekV4PlanSpec(), ResolvedPaths(good, CALIB_DEFAULT, EVAL_DEFAULT))
     dt = time.perf_counter() - t
-    print(f"{dt:6.2f} s  valid plan (in-process, imports warm): {job.scheme.n_units} units", flush=True)
+    print(f"{dt:6.2f} s  valid plan (in-process, imports warm): {job.n_units} units", flush=True)
     rows.append({"refusal": "(none: the valid w4a16-g128 + compressed-tensors --dequantize-rest plan, in-process)",
                  "seconds": None, "in_process_s": round(dt, 2), "rc": 0, "one_line": True, "error": "", "command": "build_job(...)"})
     if args.json:

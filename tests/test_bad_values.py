@@ -213,7 +213,7 @@ def test_grid_at_the_cap_is_planned(tiny_ckpt, tmp_path):
     opts = PtqOptions(output_dir=str(tmp_path / "o"), algo="hclip:grid=1024", calib_samples=2, seq_len=32,
                       batch_size=1, eval_batch_size=1, dtype="bf16")
     paths = ResolvedPaths(tiny_ckpt, CALIB_DEFAULT)
-    assert build_job(opts, DeepseekV4PlanSpec(), paths).recipe.recipe.algorithms[0].grid == 1024
+    assert build_job(opts, DeepseekV4PlanSpec(), paths).spec.recipe.algorithms[0].grid == 1024
 
 
 def test_calibration_samples_beyond_host_memory(tiny, capsys):

@@ -102,8 +102,8 @@ def test_export_with_the_w3_pair_left_out_is_planned(tiny_ckpt, tmp_path):
                       calib_samples=2, seq_len=32, batch_size=1, eval_batch_size=1, dtype="bf16",
                       export="compressed-tensors")
     job = build_job(opts, DeepseekV4PlanSpec(), ResolvedPaths(tiny_ckpt, CALIB_DEFAULT, EVAL_DEFAULT))
-    assert job.recipe.recipe.algorithms[0].pairs == "attn_norm+q_norm+wo_a"
-    assert job.export.format == "compressed-tensors" and job.scheme.n_units == 40
+    assert job.spec.recipe.algorithms[0].pairs == "attn_norm+q_norm+wo_a"
+    assert job.export.format == "compressed-tensors" and job.n_units == 40
     assert not (tmp_path / "o").exists()          # the plan writes nothing
 
 
@@ -137,11 +137,11 @@ def test_recipe_file_holds_the_job_spec(tiny_ckpt, tmp_path):
                           batch_size=1, eval_batch_size=1, dtype="bf16", **kw)
 
     job = build_job(req(), DeepseekV4PlanSpec(), paths)
-    r = job.recipe
+    r = job.spec
     assert (r.recipe.names, r.propagate, r.holdout, r.guard) == (["clip", "gptq"], "quant", 0.4, False)
-    assert job.scheme.targets == ["attn-linear"] and job.scheme.n_units == 4
+    assert list(job.spec.targets) == ["attn-linear"] and job.n_units == 4
     # the same value on the command line is fine; a different one is refused, never one silently
-    assert build_job(req(holdout=0.4), DeepseekV4PlanSpec(), paths).recipe.holdout == 0.4
+    assert build_job(req(holdout=0.4), DeepseekV4PlanSpec(), paths).spec.holdout == 0.4
     with pytest.raises(ConfigError, match=r"--holdout 0.3 conflicts with holdout=0.4"):
         build_job(req(holdout=0.3), DeepseekV4PlanSpec(), paths)
     with pytest.raises(ConfigError, match=r"--quant-target attn-linear,moe conflicts"):
@@ -268,18 +268,30 @@ def test_the_library_plan_fills_the_models_defaults_and_refuses_unknown_names(tm
 
     job = plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model="tiny-trained", eval_windows=3, quiet=True))
     assert job.model.path == TRAINED_TINY and job.model.label == "tiny-trained"
-    assert (job.calibration.samples, job.calibration.seq_len, job.runtime.dtype, job.runtime.threads) == \
+    calibration = job.spec.calibration
+    assert (calibration.n_samples, calibration.seq_len, job.runtime.dtype, job.runtime.threads) == \
         (16, 256, "fp32", 1)
+    # the plan holds the workflow's PtqConfig itself; the run takes a checked copy
+    from amct_ext.base import DEFAULT_EPOCHS, DEFAULT_LR, PtqConfig
+
+    assert type(calibration) is PtqConfig and (calibration.epochs, calibration.lr) == (DEFAULT_EPOCHS, DEFAULT_LR)
+    assert job.ptq_config() == calibration and job.ptq_config() is not calibration
+    assert job.ptq_spec(job.ptq_config()) == job.spec and job.ptq_spec(job.ptq_config()) is not job.spec
     ev = job.evaluation
     assert ev.enabled and ev.config.max_windows == 3 and ev.config.batch_size == 8
     cli = plan_job(run_ptq.options_from_args(run_ptq.build_parser().parse_args(
         ["--model", "tiny-trained", "--eval-windows", "3", "--quiet", "--output-dir", str(tmp_path / "o")])))
-    assert (cli.calibration, cli.evaluation, cli.runtime, cli.output, cli.recipe.source) == \
-        (job.calibration, job.evaluation, job.runtime, job.output, job.recipe.source)
+    assert (cli.spec.calibration, cli.evaluation, cli.runtime, cli.output, cli.recipe_source) == \
+        (job.spec.calibration, job.evaluation, job.runtime, job.output, job.recipe_source)
     with pytest.raises(ConfigError, match="model 'tiny-x': no registered model binding names it"):
         plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model="tiny-x"))
     with pytest.raises(ConfigError, match="--dtype fp16: must be one of bf16, fp32"):
         plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model="tiny-trained", dtype="fp16"))
+    # the PtqConfig could not hold None (a TypeError in its check): refused by the flag's name
+    with pytest.raises(ConfigError, match="--epochs None: must be an integer >= 0"):
+        plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model="tiny-trained", epochs=None))
+    with pytest.raises(ConfigError, match="--lr None: must be a positive number"):
+        plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model="tiny-trained", lr=None))
     # a folder alone names the model by its config.json model_type (V4's defaults for unnamed folders)
     by_path = plan_job(PtqOptions(output_dir=str(tmp_path / "o"), model=None, model_path=str(TRAINED_TINY),
                                   calib_samples=2, seq_len=32))
@@ -386,16 +398,17 @@ def test_named_recipes_best_and_default(tiny_ckpt, tmp_path, monkeypatch):
     def plan(scheme, **kw):
         return build_job(PtqOptions(output_dir=str(tmp_path / "o"), scheme=scheme, calib_samples=2, seq_len=32,
                                     batch_size=1, eval_batch_size=1, dtype="bf16", **kw), DeepseekV4PlanSpec(),
-                         ResolvedPaths(tiny_ckpt, CALIB_DEFAULT, EVAL_DEFAULT)).recipe
+                         ResolvedPaths(tiny_ckpt, CALIB_DEFAULT, EVAL_DEFAULT))
 
-    best = plan("w4a16", recipe="best")
-    assert (best.recipe.names, best.propagate) == (["clip", "gptq"], "quant") and best.source.startswith("best")
+    job = plan("w4a16", recipe="best")
+    best = job.spec
+    assert (best.recipe.names, best.propagate) == (["clip", "gptq"], "quant") and job.recipe_source.startswith("best")
     d_algo, d_prop = rmod.DEFAULT_RECIPES["w4a16"]
-    default = plan("w4a16", recipe="default")
+    default = plan("w4a16", recipe="default").spec
     assert (default.recipe.settings(), default.propagate) == (rmod.parse_algo(d_algo).settings(), d_prop)
-    assert plan("w4a16").recipe.settings() == default.recipe.settings()
+    assert plan("w4a16").spec.recipe.settings() == default.recipe.settings()
     # no best entry: best is the default
-    assert plan("w8a8", recipe="best").recipe.settings() == rmod.parse_algo(rmod.DEFAULT_RECIPES["w8a8"][0]).settings()
+    assert plan("w8a8", recipe="best").spec.recipe.settings() == rmod.parse_algo(rmod.DEFAULT_RECIPES["w8a8"][0]).settings()
     # the library spec takes the same names
     spec = resolve_spec(load_scheme("w4a16"), "attn-linear,moe", PtqConfig(), recipe_file="best")
     assert spec.recipe.names == ["clip", "gptq"] and spec.propagate == "quant"
@@ -403,7 +416,7 @@ def test_named_recipes_best_and_default(tiny_ckpt, tmp_path, monkeypatch):
     f = tmp_path / "best"
     f.write_text(json.dumps(["rtn"]))
     monkeypatch.chdir(tmp_path)
-    assert plan("w4a16", recipe="./best").recipe.names == ["rtn"]
+    assert plan("w4a16", recipe="./best").spec.recipe.names == ["rtn"]
     with pytest.raises(ConfigError, match="not both"):
         plan("w4a16", recipe="best", algo="rtn")
     with pytest.raises(ConfigError, match="not a named recipe"):

@@ -68,11 +68,11 @@ def test_run_job_runs_the_plan_as_the_workflow_does(tiny_ckpt, tmp_path, one_thr
 
 
 def test_the_plan_derives_the_legacy_solver_and_the_runtime(tiny_ckpt, tmp_path):
-    """--legacy-solver: the plan's recipe part is None (the resume check's rule), the run's
+    """--legacy-solver: the plan marks it (the resume check skips its recipe), the run's
     recipe is learned_clip with the plan's epochs / lr; the memory budgets in bytes."""
     job = _plan(tiny_ckpt, tmp_path / "o", algo=None, legacy_solver=True, epochs=3, lr=0.01,
                 capture_memory_gb=0.5, hessian_memory_gb=2.0)
-    assert job.recipe.recipe is None
+    assert job.legacy_solver and job.recipe_source == "legacy"
     spec = job.ptq_spec(job.ptq_config())
     assert spec.recipe.names == ["learned_clip"]
     assert (spec.recipe.settings()[0]["epochs"], spec.recipe.settings()[0]["lr"]) == (3, 0.01)

@@ -3,8 +3,9 @@
 ``build_job(options, spec, paths)`` turns a :class:`PtqOptions` (what the user asked for: the
 flags of tools/run_ptq.py, by the same names, the model's defaults filled in) and the
 :class:`ResolvedPaths` of its model and texts into a :class:`PtqJob` -- small explicit parts for
-the model, checkpoint, scheme and targets, recipe, calibration, evaluation, runtime, output and
-export -- or raises one :class:`~amct_ext.errors.AmctError` naming the flag or file at fault.
+the model, checkpoint, evaluation, runtime, output and export, and the workflow's own resolved
+``PtqSpec`` (scheme, targets, recipe, calibration as a ``base.PtqConfig``) -- or raises one
+:class:`~amct_ext.errors.AmctError` naming the flag or file at fault.
 ``options.plan_job`` resolves the options and calls it; the options are the one "as asked"
 config, the plan the one checked config.
 No tensor data is read: the checkpoint is checked through its index, shapes through
@@ -29,14 +30,17 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
-from ..base import DEFAULT_EPOCHS, DEFAULT_LR, EvalConfig
+from ..base import DEFAULT_EPOCHS, DEFAULT_LR, EvalConfig, PtqConfig
 from ..errors import AmctError, ConfigError, DataError, QuantConfigError
 from ..io.output_space import probe_writable
 from .size_caps import check_calibration_memory, check_recipe_sizes
 from .text_files import check_utf8_text
 from .tokenizer_files import check_tokenizer
+
+if TYPE_CHECKING:
+    from .ptq_spec import PtqSpec
 
 DTYPES = ("bf16", "fp32")
 PPL_MODES = ("float", "rtn")
@@ -142,45 +146,25 @@ class CheckpointPart:
 
 
 @dataclass
-class SchemePart:
-    scheme: Any
-    targets: list[str]
-    units_per_layer: dict[int, int]
-
-    @property
-    def n_units(self) -> int:
-        return sum(self.units_per_layer.values())
-
-
-@dataclass
 class RecipePart:
-    """``recipe`` None: the legacy learned-clip solver."""
+    """The recipe as :func:`check_request` chose it, before the model is opened: what the resume
+    pre-check compares (``options.resume_check``) and what :func:`build_job` resolves into the
+    plan's ``PtqSpec``. ``recipe`` None: the legacy learned-clip solver."""
 
     recipe: Any
     propagate: str
     holdout: float
     guard: bool
     source: str                       # "--algo", a file, or "default|best for <scheme>"
-    epochs: int | None = None         # --epochs / --lr: the legacy solver's (and meta.json's solver part)
-    lr: float | None = None
 
-    def algorithms(self) -> Any:
+    def algorithms(self, cfg: PtqConfig) -> Any:
         """The recipe the run executes: ``recipe``, or (None) the pre-recipe solver, an
-        algorithm of the recipe now (learned_clip with --epochs / --lr)."""
+        algorithm of the recipe now (learned_clip with ``cfg``'s --epochs / --lr)."""
         if self.recipe is not None:
             return self.recipe
         from ..algorithms.recipe import parse_algo
 
-        return parse_algo(f"learned_clip:epochs={self.epochs}:lr={self.lr!r}", "--legacy-solver")
-
-
-@dataclass
-class CalibrationPart:
-    path: Path
-    samples: int
-    seq_len: int
-    batch_size: int
-    seed: int
+        return parse_algo(f"learned_clip:epochs={cfg.epochs}:lr={cfg.lr!r}", "--legacy-solver")
 
 
 @dataclass
@@ -222,9 +206,14 @@ class ExportPart:
 class PtqJob:
     model: ModelPart
     checkpoint: CheckpointPart
-    scheme: SchemePart
-    recipe: RecipePart
-    calibration: CalibrationPart
+    # what the run computes, the workflow's own PtqSpec resolved once in build_job: scheme, targets,
+    # the recipe (the legacy solver's learned_clip included), propagate, holdout, guard, and its
+    # calibration, a base.PtqConfig: the windows (text, samples x seq_len, batch, seed) and
+    # --epochs / --lr (the legacy solver's, and meta.json's "solver" entries), in that one place
+    spec: PtqSpec
+    recipe_source: str                # "--algo", a file, "default|best for <scheme>'s content", "legacy"
+    legacy_solver: bool               # the recipe is --legacy-solver's learned_clip
+    units_per_layer: dict[int, int]   # the targeted units of each layer of the range
     evaluation: EvaluationPart
     runtime: RuntimePart
     output: OutputPart
@@ -232,46 +221,43 @@ class PtqJob:
     ptq: bool = True
     seconds: float = 0.0
 
+    @property
+    def n_units(self) -> int:
+        return sum(self.units_per_layer.values())
+
     def describe(self) -> str:
         """Two lines for the log: what will run."""
-        r = self.recipe
-        how = "legacy learned clip" if r.recipe is None else f"{r.recipe} ({r.source})"
+        s, c = self.spec, self.spec.calibration
+        how = "legacy learned clip" if self.legacy_solver else f"{s.recipe} ({self.recipe_source})"
         lines = [f"plan: {self.model.name} {self.model.path} ({self.model.n_layers} layers), scheme "
-                 f"{self.scheme.scheme.name} on {','.join(self.scheme.targets)}, layers "
-                 f"[{self.output.layers.start}, {self.output.layers.stop}) = {self.scheme.n_units} units",
-                 f"plan: recipe {how}, propagate {r.propagate}, holdout {r.holdout:g}, guard "
-                 f"{'on' if r.guard else 'off'}; calibration {self.calibration.samples} x {self.calibration.seq_len}"
+                 f"{s.scheme.name} on {','.join(s.targets)}, layers "
+                 f"[{self.output.layers.start}, {self.output.layers.stop}) = {self.n_units} units",
+                 f"plan: recipe {how}, propagate {s.propagate}, holdout {s.holdout:g}, guard "
+                 f"{'on' if s.guard else 'off'}; calibration {c.n_samples} x {c.seq_len}"
                  + (f"; ppl {','.join(self.evaluation.modes) or '-'}+ptq" if self.evaluation.enabled else "")
                  + (f"; export {self.export.format}" if self.export else "")
                  + (" (resumed)" if self.output.resume else "")
                  + f"  [checked in {self.seconds:.1f} s]"]
         return "\n".join(lines)
 
-    # ---- the workflow's configs, derived from the plan here and nowhere else
+    # ---- what the run takes: the plan's own configs, checked, as copies (and the PtqRuntime made here)
     @property
     def torch_dtype(self) -> Any:
         import torch
 
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.runtime.dtype]
 
-    def ptq_config(self) -> Any:
-        """``base.PtqConfig``: calibration windows and the legacy solver's settings."""
-        from ..base import PtqConfig
-
-        c, r = self.calibration, self.recipe
-        cfg = PtqConfig(epochs=r.epochs, lr=r.lr, n_samples=c.samples, seq_len=c.seq_len, batch_size=c.batch_size,
-                        seed=c.seed, calib_path=c.path,
-                        eval_paths=(str(self.evaluation.config.data_path),))
+    def ptq_config(self) -> PtqConfig:
+        """``base.PtqConfig``: calibration windows and the legacy solver's settings, checked
+        here (where the run takes them) and a copy, so that the run's changes never reach the plan."""
+        cfg = replace(self.spec.calibration)
         cfg.check()
         return cfg
 
-    def ptq_spec(self, calibration: Any) -> Any:
-        """``ptq_spec.PtqSpec``: what the run computes (the recipe as this plan resolved it)."""
-        from .ptq_spec import PtqSpec
-
-        r = self.recipe
-        return PtqSpec(self.scheme.scheme, self.scheme.targets, calibration, recipe=r.algorithms(),
-                       propagate=r.propagate, holdout=r.holdout, guard=r.guard).resolved()
+    def ptq_spec(self, calibration: PtqConfig) -> PtqSpec:
+        """``ptq_spec.PtqSpec``: what the run computes, the plan's with ``calibration`` (the run's
+        copy, :meth:`ptq_config`), checked again where the run takes it."""
+        return replace(self.spec, calibration=calibration).resolved()
 
     def eval_config(self) -> EvalConfig:
         """``base.EvalConfig``: the perplexity windows, checked here (where the run takes them) and
@@ -388,10 +374,13 @@ def check_request(opts: PtqOptions) -> _Inputs:
     eval_batch = _positive_int("--eval-batch-size", opts.eval_batch_size)
     if opts.eval_windows is not None:
         _positive_int("--eval-windows", opts.eval_windows)
-    # --epochs 0 is meaningful (learned_clip keeps its grid start: PtqConfig allows it)
-    if opts.epochs is not None and (not isinstance(opts.epochs, int) or isinstance(opts.epochs, bool) or opts.epochs < 0):
+    # --epochs 0 is meaningful (learned_clip keeps its grid start: PtqConfig allows it); None is
+    # refused here, by name, as the plan's PtqConfig could not hold it (a TypeError in its check)
+    if not isinstance(opts.epochs, int) or isinstance(opts.epochs, bool) or opts.epochs < 0:
         raise ConfigError(f"--epochs {opts.epochs}: must be an integer >= 0")
-    if opts.lr is not None and not (math.isfinite(opts.lr) and opts.lr > 0):
+    if opts.lr is None:
+        raise ConfigError("--lr None: must be a positive number")
+    if not (math.isfinite(opts.lr) and opts.lr > 0):
         raise ConfigError(f"--lr {opts.lr:g}: must be a positive number")
     cap = _memory_gb("--capture-memory-gb", opts.capture_memory_gb)
     hes = _memory_gb("--hessian-memory-gb", opts.hessian_memory_gb)
@@ -430,8 +419,7 @@ def check_request(opts: PtqOptions) -> _Inputs:
     if recipe is not None:   # a search grid of 10^12 candidates: refused before any work
         check_recipe_sizes(recipe.algorithms, where)
 
-    return _Inputs(scheme, list(targets), RecipePart(recipe, propagate, float(holdout), guard, source,
-                                                     epochs=opts.epochs, lr=opts.lr),
+    return _Inputs(scheme, list(targets), RecipePart(recipe, propagate, float(holdout), guard, source),
                    samples, batch, eval_batch, modes, cap, hes)
 
 
@@ -530,12 +518,20 @@ def build_job(opts: PtqOptions, spec: ModelPlanSpec, paths: ResolvedPaths, *, ch
     units = spec.check_scheme(config, scheme, targets, list(layers))
     _check_output_room(opts, model_path, spec, config, inp, layers, export, sum(units.values()))
 
+    from .ptq_spec import PtqSpec
+
+    calibration = PtqConfig(epochs=opts.epochs, lr=opts.lr, n_samples=inp.samples, seq_len=seq_len,
+                            batch_size=inp.batch, seed=opts.seed, calib_path=calib_path,
+                            eval_paths=(str(eval_path),))
+    r = inp.recipe
+    # resolved() checks the calibration, targets, propagate and holdout again: check_request refused
+    # every value it would (by flag name), so this is a guard, never the first error
+    ptq = PtqSpec(scheme, targets, calibration, recipe=r.algorithms(calibration), propagate=r.propagate,
+                  holdout=r.holdout, guard=r.guard).resolved()
     job = PtqJob(
         model=ModelPart(spec.name, model_path, config, n_layers, spec=spec, label=opts.model),
         checkpoint=CheckpointPart(keys=ck.get("keys", 0), shards=ck.get("shards", 0)),
-        scheme=SchemePart(scheme, list(targets), units),
-        recipe=inp.recipe,
-        calibration=CalibrationPart(calib_path, inp.samples, seq_len, inp.batch, opts.seed),
+        spec=ptq, recipe_source=r.source, legacy_solver=r.recipe is None, units_per_layer=units,
         evaluation=EvaluationPart(bool(opts.eval_ppl), inp.modes, EvalConfig(
             seq_len=seq_len, max_windows=opts.eval_windows, first_window=opts.eval_first_window,
             batch_size=inp.eval_batch, data_path=eval_path, sharded=opts.sharded_eval)),

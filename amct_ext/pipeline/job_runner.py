@@ -37,7 +37,7 @@ def run_job(job: PtqJob, *, phases: Any = None, t_start: float | None = None) ->
     if job.runtime.threads:
         torch.set_num_threads(job.runtime.threads)
     if dist is not None:   # quantized predecessors make the layers sequential: refused under torchrun
-        distributed.check_propagate(job.recipe.propagate)
+        distributed.check_propagate(job.spec.propagate)
         dist = distributed.init(dist, job.runtime.device)   # each rank on the device of its LOCAL_RANK
         distributed.install_stop_handler(dist)
         distributed.start_watchdog(dist)
@@ -48,7 +48,7 @@ def run_job(job: PtqJob, *, phases: Any = None, t_start: float | None = None) ->
     # bars on a terminal; in a log file (not a TTY) plain lines instead (PtqProgress), no escape codes
     with job.model.spec.adapter(run.run_config(progress=not job.runtime.quiet and main_rank and interactive())) \
             as adapter:
-        check_seq_len(adapter, job.calibration.seq_len, "--seq-len")
+        check_seq_len(adapter, job.spec.calibration.seq_len, "--seq-len")
         run.layers = layer_range(adapter, job.output.layers.start, job.output.layers.stop)
         run.open(adapter)
         run.reference_perplexities(adapter)
@@ -146,7 +146,7 @@ class _JobRun:
         if self.main_rank:   # the run's range first: an interrupted run is then known to be incomplete
             pdir.mkdir(parents=True, exist_ok=True)
             write_layers_record(pdir, layers, stems)
-        progress = PtqProgress(job.scheme.units_per_layer,
+        progress = PtqProgress(job.units_per_layer,
                                enabled=self.main_rank and not job.runtime.quiet and not interactive(),
                                done_before=done_units(pdir, stems),
                                on_layer_done=lambda i: write_layers_record(pdir, layers, stems))
@@ -198,19 +198,20 @@ class _JobRun:
         from ..runtime import device as devmod
 
         job, cfg, layers, recipe = self.job, self.ptq_cfg, self.layers, job_recipe(self.job)
-        r = job.recipe
+        s = self.spec
         report = {
             "model": job.model.label, "model_path": str(job.model.path), "scheme": self.spec.scheme.name,
             "scheme_fingerprint": self.spec.scheme.fingerprint(), "quant_target": list(self.spec.targets),
             "layers": [layers.start, layers.stop], "device": str(adapter.device), "dtype": job.runtime.dtype,
             "threads": torch.get_num_threads(),
-            "calibration": {"path": str(job.calibration.path), "samples": cfg.n_samples, "seq_len": cfg.seq_len,
+            "calibration": {"path": str(cfg.calib_path), "samples": cfg.n_samples, "seq_len": cfg.seq_len,
                             "epochs": cfg.epochs, "lr": cfg.lr, "seed": cfg.seed},
             "eval": None if not job.evaluation.enabled else {
                 "path": str(job.evaluation.config.data_path), "windows": int(self.windows.shape[0]),
                 "first_window": self.eval_cfg.first_window, "seq_len": cfg.seq_len},
-            "recipe": None if recipe is None else {"algorithms": recipe.settings(), "propagate": r.propagate,
-                                                   "holdout": r.holdout, "guard": r.guard, "source": r.source},
+            "recipe": None if recipe is None else {"algorithms": recipe.settings(), "propagate": s.propagate,
+                                                   "holdout": s.holdout, "guard": s.guard,
+                                                   "source": job.recipe_source},
             "plan_seconds": job.seconds,
             "ptq_wall_s": self.ptq_wall,
             "ppl": self.ppl,
@@ -266,7 +267,7 @@ class _JobRun:
 
 def job_recipe(job: PtqJob) -> Any:
     """The recipe the job runs (the legacy solver's learned_clip included)."""
-    return job.recipe.algorithms()
+    return job.spec.recipe
 
 
 def export_after_run(job: PtqJob) -> dict[str, Any]:
