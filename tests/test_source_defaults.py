@@ -22,32 +22,32 @@ def test_release_w8a8_default_is_the_release_choice(tmp_path):
     algo, prop = RELEASE_DEFAULTS["w8a8"]
     assert (algo, prop) != named_recipe("w8a8")          # it differs from the bf16 testbed's default
     job = _plan(tmp_path, model="tiny-trained-release", scheme="w8a8")
-    assert job.recipe.recipe.settings() == parse_algo(algo).settings() and job.recipe.propagate == prop
-    assert job.recipe.source == "default for w8a8's content from released FP8 / FP4 weights"
+    assert job.spec.recipe.settings() == parse_algo(algo).settings() and job.spec.propagate == prop
+    assert job.recipe_source == "default for w8a8's content from released FP8 / FP4 weights"
     best = _plan(tmp_path, model="tiny-trained-release", scheme="w8a8", recipe="best")   # w8a8's best is its default
-    assert best.recipe.recipe.settings() == parse_algo(algo).settings()
+    assert best.spec.recipe.settings() == parse_algo(algo).settings()
 
 
 def test_bf16_weights_keep_the_table_default(tmp_path):
     job = _plan(tmp_path, model="tiny-trained", scheme="w8a8")
     d_algo, d_prop = named_recipe("w8a8")
-    assert job.recipe.recipe.settings() == parse_algo(d_algo).settings() and job.recipe.propagate == d_prop
-    assert job.recipe.source == "default for w8a8's content"
+    assert job.spec.recipe.settings() == parse_algo(d_algo).settings() and job.spec.propagate == d_prop
+    assert job.recipe_source == "default for w8a8's content"
 
 
 def test_what_the_user_gave_stays(tmp_path):
     job = _plan(tmp_path, model="tiny-trained-release", scheme="w8a8", algo="rtn")
-    assert job.recipe.recipe.settings() == parse_algo("rtn").settings() and job.recipe.source == "--algo"
+    assert job.spec.recipe.settings() == parse_algo("rtn").settings() and job.recipe_source == "--algo"
     job = _plan(tmp_path, model="tiny-trained-release", scheme="w8a8", propagate="quant")
-    assert job.recipe.recipe.settings() == parse_algo(RELEASE_DEFAULTS["w8a8"][0]).settings()
-    assert job.recipe.propagate == "quant"
+    assert job.spec.recipe.settings() == parse_algo(RELEASE_DEFAULTS["w8a8"][0]).settings()
+    assert job.spec.propagate == "quant"
 
 
 def test_schemes_without_a_release_choice_are_unchanged(tmp_path):
     job = _plan(tmp_path, model="tiny-trained-release", scheme="w4a16-g128")
     algo, prop = named_recipe("w4a16-g128")
-    assert job.recipe.recipe.settings() == parse_algo(algo).settings() and job.recipe.propagate == prop
-    assert job.recipe.source == "default for w4a16-g128's content"
+    assert job.spec.recipe.settings() == parse_algo(algo).settings() and job.spec.propagate == prop
+    assert job.recipe_source == "default for w4a16-g128's content"
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"quantization_config": 3}', '{"quantization_config": {"quant_method": "compressed-tensors"}}'])
