@@ -25,7 +25,7 @@ def test_the_rule_picks_each_sources_default():
                 for seed, v in runs.items():
                     assert v["scheme"] == "w8a8" and v["model"] == s.MODELS[m] and v["seed"] == int(seed)
                     assert (v["windows"], v["first_window"]) == ((1487, 0) if key == "whole" else (64, 64))
-                    assert v["algorithms"] == json.loads(json.dumps(parse_algo(rec["candidates"][c]["algo"]).settings()))
+                    assert v["recipe"] == json.loads(json.dumps(parse_algo(rec["candidates"][c]["algo"]).settings()))
     rel, bf = s.choice(rec, "rel"), s.choice(rec, "bf")
     assert _same(rec["candidates"][rel]["algo"], RELEASE_DEFAULTS["w8a8"][0])
     assert _same(rec["candidates"][bf]["algo"], named_recipe("w8a8")[0])
@@ -36,7 +36,7 @@ def test_release_table_cell_is_the_chosen_run():
     rec = json.loads(s.RECORD.read_text())
     cell = json.loads((RESULTS / "release-testbed.json").read_text())["w8a8-default"]
     chosen = rec["cells"]["rel"][s.choice(rec, "rel")]["whole"]["0"]
-    assert cell["ppl"] == chosen["ppl"] and cell["recipe"]["algorithms"] == chosen["algorithms"]
+    assert cell["ppl"] == chosen["ppl"] and cell["recipe"]["algorithms"] == chosen["recipe"]
 
 
 def test_results_page_carries_the_table():

@@ -22,6 +22,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from blockround_default_quality import run_view  # noqa: E402  (one reading of a run folder for every record)
+
 RECORD = REPO / "benchmarks" / "results" / "release-testbed-w8a8.json"
 #: candidate -> (--algo, exportable, capture + solve of a V4-Flash layer at w8a8 in s (None: not
 #: measured), its run in benchmarks/gpu). Smoothing the experts' w3 pair leaves a per-channel SwiGLU
@@ -47,16 +50,6 @@ ALIASES = {"dev-rel-rtn": "dev-tiny-trained-release-rtn",
            "dev-bf-smoothx": "dev-tiny-trained-smoothquant_pairs_attn_norm_q_norm_wo_a"}
 
 
-def _view(folder: Path) -> dict | None:
-    f = folder / "report.json"
-    if not f.is_file():
-        return None
-    r = json.loads(f.read_text())
-    return {"ppl": r["ppl"]["quant"], "model": r["model"], "scheme": r["scheme"], "windows": r["eval"]["windows"],
-            "first_window": r["eval"]["first_window"], "seed": r["calibration"]["seed"],
-            "algorithms": r["recipe"]["algorithms"], "propagate": r["recipe"]["propagate"]}
-
-
 def collect(runs: Path) -> dict:
     import platform
 
@@ -67,7 +60,7 @@ def collect(runs: Path) -> dict:
                                ("dev", [f"dev-{m}-{c}"])):
                 got = {}
                 for n in names:
-                    v = _view(runs / ALIASES.get(n, n))
+                    v = run_view(runs / ALIASES.get(n, n))
                     if v is not None:
                         got[str(v["seed"])] = v
                 if got:
