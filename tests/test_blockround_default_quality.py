@@ -91,3 +91,6 @@ def test_recompute_units_rerun_equals_the_record(rec):
         assert run["scheme"] == s and run["windows"] == 1487 and run["seed"] == 0
         assert run["recipe"] == before[s]["recipe"] and run["propagate"] == before[s]["propagate"], s
         assert run["ppl"] == before[s]["ppl"], s
+    results = " ".join((BENCH / "RESULTS.md").read_text().split())      # RESULTS §4 quotes both sides
+    for s, run in rerun["runs"].items():
+        assert f"{s} {before[s]['ppl']:.4f} / {run['ppl']:.4f}" in results, s

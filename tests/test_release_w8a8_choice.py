@@ -59,3 +59,14 @@ def test_real_size_times_are_results_rows():
         (row,) = [r for r in rows if f"`{folder}` {tag} |" in r]
         cells = [x.strip() for x in row.strip().strip("|").split("|")]
         assert cells[2] == f"{secs:.1f}" and "w8a8" in cells[1], (c, row)
+
+
+def test_results_index_quotes_before_and_after():
+    """RESULTS §3.1: w8a8's default from the release before (RTN) and after (the rule's choice), and
+    the bf16 default's figure, on the whole split."""
+    s = load_script("benchmarks/scripts/release_w8a8_choice.py")
+    rec = json.loads(s.RECORD.read_text())
+    rel, bf = s.means(rec, "rel"), s.means(rec, "bf")
+    text = " ".join((REPO / "benchmarks" / "RESULTS.md").read_text().split())
+    assert (f"before / after 2026-12-06: {rel['rtn']:.3f} / {rel[s.choice(rec, 'rel')]:.3f}, "
+            f"bf16 {bf[s.choice(rec, 'bf')]:.3f} unchanged") in text

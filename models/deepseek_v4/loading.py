@@ -141,7 +141,7 @@ def apply_exported_activations(block: Block, exported, layer_id: int) -> Block:
 
     quant_module.quantize_block(block, exported.scheme, exported.targets)
     quant_module.set_quant_enabled(block, True)
-    _float_leaves_unquantized(block, getattr(exported, "float_weights", frozenset()), layer_id)
+    _float_leaves_unquantized(block, exported.float_weights, layer_id)
     return block
 
 
