@@ -36,6 +36,51 @@ def timed(fn, dev, reps=10, warm=3) -> float:
     return statistics.median(D.elapsed_ms(fn, dev, repeats=reps, warmup=warm))
 
 
+def launch_sweep(w, spec, c, v16, up, dev) -> list[dict]:
+    """The fused forward and backward-with-step (float16 offsets) at each launch shape: the
+    times, and whether the results equal the shipped shape's (forward output, stepped offsets,
+    clip gradient) bit for bit."""
+    from amct_ext.runtime import fused_rounding as fr
+    from amct_ext.quant.leaf_stack import SignStep
+
+    shipped = fr._launch_shape
+
+    def results():
+        off = v16.detach().clone().requires_grad_(True)
+        cc = c.detach().clone().requires_grad_(True)
+        o = rounded_fake_quant(w, spec, cc, off, SignStep(0.0037))
+        o.backward(up)
+        return o.detach(), off.detach(), cc.grad
+
+    ref = results()
+    rows_out = []
+    step = SignStep(1e-9)
+    try:
+        for per_program in (1024, 2048, 4096, 8192):
+            for warps in (2, 4, 8):
+                def shape(group, _e=per_program, _w=warps):
+                    block = fr.triton.next_power_of_2(group)
+                    return block, max(1, min(64, _e // block)), _w
+                fr._launch_shape = shape
+
+                def fwd():
+                    with torch.no_grad():
+                        rounded_fake_quant(w, spec, c, v16)
+
+                def fwd_bwd():
+                    rounded_fake_quant(w, spec, c, v16, step).backward(up)
+                    c.grad = None
+                got = results()
+                row = {"elements": per_program, "warps": warps, "fwd_ms": timed(fwd, dev),
+                       "fwd_bwd_step16_ms": timed(fwd_bwd, dev),
+                       "equal": all(bool(torch.equal(x, y)) for x, y in zip(got, ref))}
+                print("sweep", row)
+                rows_out.append(row)
+    finally:
+        fr._launch_shape = shipped
+    return rows_out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -44,6 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=6144, help="routed rows of the chunk")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the fused kernels at other launch shapes (elements a program x warps)")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -117,6 +164,8 @@ def main(argv=None) -> int:
     res["fq_fwd_bwd_step16_ms"] = timed(fwd_bwd_step16, dev)
     res["fq_fwd_bwd_step16_floor_ms"] = n * (2 + 2 + 2 + 2 + 2 + 2 + 2) / res["copy_GBps"] / 1e6
     res["fq_torch_fwd_bwd_ms"] = timed(torch_fwd_bwd, dev, reps=3, warm=1)
+    if a.sweep:
+        res["sweep"] = launch_sweep(w, spec, c, v16, up, dev)
     del ref, out, up
 
     # grouped GEMM: w13-like [E, 2I, D] as [E, rows, cols], tokens spread unevenly

@@ -164,20 +164,23 @@ def test_keep_best_false_keeps_the_end_or_the_start():
 
 
 def test_recompute_gives_the_same_state():
-    """Activation checkpointing per unit (``recompute``, for a real-size layer's memory) changes
-    where the fake-quant intermediates live, not the numbers: the same offsets and clips."""
+    """Activation checkpointing per unit (``recompute``, for a real-size layer's memory) and the
+    samples copied a step ahead (``prefetch``) change where tensors live, not the numbers: the
+    same offsets and clips."""
     from models.deepseek_v4.quant_module import set_quant_enabled
 
     xs = _inputs(4, dtype=torch.float32)
     states = []
-    for recompute, units in ((False, False), (True, True), (True, False)):
+    for recompute, units, ahead in ((False, False, True), (True, True, True), (True, False, True),
+                                    (True, False, False)):
         m = _TwoUnits()
         with torch.no_grad():
             set_quant_enabled(m, False)
             ys = [m(x) for x in xs]
             set_quant_enabled(m, True)
         units = [make_ptq_unit("expert", f"layers.0.ffn.experts.{k}", 0, getattr(m, f"e{k}")) for k in (0, 1)]
-        BlockRound(iters=12, batch=2, fold_grid=False, recompute=recompute, recompute_units=units).apply_block(
+        BlockRound(iters=12, batch=2, fold_grid=False, recompute=recompute, recompute_units=units,
+                   prefetch=ahead).apply_block(
             BlockData(units=units, inputs=xs, states=[{}] * 4, targets=ys, forward=lambda x, st, m=m: m(x)))
         states.append({**_offsets(m.e0), **{f"e1.{k}": v for k, v in _offsets(m.e1).items()}})
         assert "forward" not in m.e0.__dict__ and "forward" not in m.e1.__dict__   # unpatched after
@@ -187,6 +190,36 @@ def test_recompute_gives_the_same_state():
             assert torch.equal(states[0][k][0], other[k][0]), k
             assert torch.equal(states[0][k][1], other[k][1]), k
     assert any(bool(v[0].any()) for v in states[0].values())
+
+
+def test_each_batch_is_fetched_one_batch_ahead_in_draw_order(monkeypatch):
+    """``prefetch``: batch t+1's copies are issued before batch t is handed to its step (so they
+    overlap it), every batch exactly once, in the order drawn; without it, each on demand."""
+    from amct_ext.algorithms import block_rounding as br
+
+    log = []
+
+    class Recorded:
+        def __init__(self, tensors, device):
+            self.tensors = list(tensors)
+            log.append(("fetch", [int(t[0]) for t in self.tensors]))
+
+        def get(self):
+            return self.tensors
+
+    monkeypatch.setattr(br.devmod, "CopiesAhead", Recorded)
+    xs = [torch.full((1,), float(k)) for k in range(6)]
+    data = BlockData(units=[], inputs=xs, states=[{}] * 6, targets=xs, forward=lambda x, st: x)
+    draws = [[4, 1], [0, 5], [2, 3]]
+    for ahead, expected in ((True, ["f0", "f1", "u0", "f2", "u1", "u2"]), (False, ["f0", "u0", "f1", "u1", "f2", "u2"])):
+        log.clear()
+        loss = br._LayerLoss(data, [], [], batch=2, ahead=ahead)
+        for ks, fetched in loss.batches(iter(draws)):
+            log.append(("use", ks))
+            assert [int(t[0]) for t in fetched.get()] == ks + ks      # inputs then targets of ks
+        names = [("f" if kind == "fetch" else "u") + str(draws.index(ks[:2] if kind == "fetch" else ks))
+                 for kind, ks in log]
+        assert names == expected, ahead
 
 
 def test_recipe_keeps_the_block_algorithm_last():

@@ -41,7 +41,9 @@ chunk's fake-quant weights come from one op (on CUDA one Triton kernel forward, 
 SignSGD step inside that backward (no gradient tensor, no separate passes over them). The same
 numbers as every expert run as its own module (tests/test_grouped_block_rounding.py, float64).
 ``offset_dtype=float16`` halves the largest state (a V4-Flash layer: 12.6 instead of 24.6 GiB).
-A V4-Flash layer: 0.46 s a step on one H200, 48.9 GiB device peak (RESULTS, block-rounding speed).
+Each step's samples are copied to the device during the step before, on a side stream
+(``prefetch``). A V4-Flash layer: 0.40 s a step on one H200, 51.4 GiB device peak (RESULTS,
+block-rounding speed).
 """
 from __future__ import annotations
 
@@ -94,7 +96,7 @@ def _recomputed(modules):
 
 
 #: BlockRound fields that move intermediates between memory and recomputation, never a number
-MEMORY_ONLY_SETTINGS = ("recompute", "recompute_units", "hold_gb", "chunk_gb")
+MEMORY_ONLY_SETTINGS = ("recompute", "recompute_units", "hold_gb", "chunk_gb", "prefetch")
 
 #: "STEP:PATH": a torch.profiler table of that step (0-based) written to PATH (benchmarks/)
 PROFILE_ENV = "AMCT_PROFILE_BLOCKROUND"
@@ -167,6 +169,9 @@ class BlockRound(Algorithm):
     #: the dtype of the routed experts' stacked offsets (float16: half the memory of a
     #: real-size layer's largest state; the per-leaf offsets of the other units stay float32)
     offset_dtype: Literal["float32", "float16"] = "float32"
+    #: each step's samples copied to the device during the step before, on a side stream (one
+    #: batch more on the device: 1 GiB on V4-Flash at batch 8; the same numbers)
+    prefetch: bool = True
 
     def settings(self) -> dict[str, Any]:
         # these change where intermediates live, not one number (test_block_rounding,
@@ -256,7 +261,7 @@ class BlockRound(Algorithm):
             p.requires_grad_(True)
         gen = torch.Generator().manual_seed(data.seed)
 
-        layer_loss = _LayerLoss(data, params, modules, self.batch)
+        layer_loss = _LayerLoss(data, params, modules, self.batch, ahead=self.prefetch)
         group_error, full_mse = layer_loss.group_error, layer_loss.full_mse
 
         # the SignSGD step of each parameter as soon as its gradient is complete (one backward a
@@ -294,13 +299,15 @@ class BlockRound(Algorithm):
             hooks = [p.register_post_accumulate_grad_hook(step) for p in params if id(p) not in stepped_inside]
             profile_step, profile_out = _profile_request()
             t_steps = time.perf_counter()
-            for t in range(self.iters):
+            # the steps' batches in draw order (a seeded permutation per epoch), each batch's
+            # copies to the device issued during the step before (``prefetch``)
+            draws = ([next(order) for _ in range(min(self.batch, n))] for _ in range(self.iters))
+            for t, (ks, fetched) in enumerate(layer_loss.batches(draws)):
                 lr_now[0] = sign_step.lr = lr0 * (1.0 - t / self.iters)
-                ks = [next(order) for _ in range(min(self.batch, n))]
                 with _maybe_profiled(t == profile_step, dev, profile_out), \
                         (_recomputed(modules) if (self.recompute and self.recompute_units)
                          else contextlib.nullcontext()):
-                    se, count = group_error(ks)
+                    se, count = group_error(ks, fetched)
                     # one backward for the batch: the mean over its elements
                     (se / count).backward()
                     del se
@@ -401,24 +408,45 @@ def _restore(params: list[torch.Tensor], best: list[torch.Tensor | None]) -> Non
 
 class _LayerLoss:
     """The layer's output error on the calibration samples: ``group_error(ks)`` (with autograd,
-    a step's batch) and ``full_mse()`` (every sample, the parameters frozen for the pass)."""
+    a step's batch) and ``full_mse()`` (every sample, the parameters frozen for the pass).
 
-    def __init__(self, data: BlockData, params: list[torch.Tensor], modules: list, batch: int):
-        self.data, self.params, self.modules, self.batch = data, params, modules, batch
+    ``ahead``: each batch's host -> device copies are issued one batch early, on a side stream
+    (``CopiesAhead``), so they overlap the batch before; the same tensors, the same numbers."""
 
-    def group_error(self, ks: list[int]) -> tuple[torch.Tensor, int]:
+    def __init__(self, data: BlockData, params: list[torch.Tensor], modules: list, batch: int, ahead: bool = True):
+        self.data, self.params, self.modules, self.batch, self.ahead = data, params, modules, batch, ahead
+
+    def fetch(self, ks: list[int]) -> devmod.CopiesAhead:
+        """Samples ``ks``' inputs then targets, their copies to the device issued now."""
+        data = self.data
+        return devmod.CopiesAhead([data.inputs[k] for k in ks] + [data.targets[k] for k in ks], data.device)
+
+    def batches(self, draws):
+        """(ks, fetched) for each ``ks`` of ``draws``, the next batch's copies issued before this
+        one is handed out (with ``ahead``)."""
+        draws = iter(draws)
+        cur = next(draws, None)
+        pending = self.fetch(cur) if (cur is not None and self.ahead) else None
+        while cur is not None:
+            nxt = next(draws, None)
+            following = self.fetch(nxt) if (nxt is not None and self.ahead) else None
+            yield cur, (pending if pending is not None else self.fetch(cur))
+            cur, pending = nxt, following
+
+    def group_error(self, ks: list[int], fetched: devmod.CopiesAhead | None = None) -> tuple[torch.Tensor, int]:
         """(sum of squared errors in fp32, elements) of samples ``ks``: one forward of them
         all where the model concatenates samples (``data.concat``), else one forward each."""
-        data, dev = self.data, self.data.device
+        data = self.data
         # each sample to the device first (pinned host -> device), joined there: a host-side
         # join of 8 V4-Flash windows is a 0.5 GB pageable copy a step (casebook i34-2)
-        joined = data.concat([data.inputs[k].to(dev, non_blocking=True) for k in ks],
-                             [data.states[k] for k in ks]) \
-            if (data.concat is not None and len(ks) > 1) else None
+        moved = (fetched if fetched is not None else self.fetch(ks)).get()
+        xs, ts = moved[:len(ks)], moved[len(ks):]
+        states = [data.states[k] for k in ks]
+        joined = data.concat(xs, states) if (data.concat is not None and len(ks) > 1) else None
         if joined is None:
-            errs = [self.group_error_of(data.inputs[k], data.states[k], data.targets[k]) for k in ks]
+            errs = [self.group_error_of(x, st, t) for x, st, t in zip(xs, states, ts)]
             return sum(e for e, _ in errs), sum(c for _, c in errs)
-        return self.group_error_of(*joined, torch.cat([data.targets[k].to(dev, non_blocking=True) for k in ks]))
+        return self.group_error_of(*joined, torch.cat(ts))
 
     def group_error_of(self, x, state, target) -> tuple[torch.Tensor, int]:
         out = output_tensor(self.data.forward(x, state))
@@ -436,8 +464,9 @@ class _LayerLoss:
             _invalidate(m)
         try:
             total, count = 0.0, 0
-            for k0 in range(0, n, self.batch):
-                se, c = self.group_error(list(range(k0, min(k0 + self.batch, n))))
+            draws = (list(range(k0, min(k0 + self.batch, n))) for k0 in range(0, n, self.batch))
+            for ks, fetched in self.batches(draws):
+                se, c = self.group_error(ks, fetched)
                 total += float(se.double().item())
                 count += c
         finally:

@@ -62,6 +62,9 @@ RUN_ORDER = [
     ("G3", H200B, "call8", "H200 (machine 6); the default, fourth run"),
     ("R2", H200B, "call8", "H200 (machine 6); `recompute_units=true`, fifth run"),
     ("G4", H200B, "call8", "H200 (machine 6); the default, sixth run"),
+    ("N40", H100, "call9", "H100 (machine 7), 40 steps, second run; each step's samples copied during the step before (`prefetch`, the default since)"),
+    ("O40", H100, "call9", "H100 (machine 7), 40 steps; the same with `prefetch=false` (samples copied on the computing stream, as before)"),
+    ("H4", H100, "call9", "H100 (machine 7), 40 steps; `prefetch` and 4 GiB of expert chunks held (`hold_gb=4`)"),
 ]
 #: the default at w4a16-g128 (BLOCKROUND_DEFAULT): runs in a machine's first run (cold page cache)
 #: and warm runs (the checkpoint read before); the headline is the median of the warm runs; w4a8's
