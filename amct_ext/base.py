@@ -562,6 +562,13 @@ class BaseModel(abc.ABC):
 
         return LayerCost(float_s=1.0, solve_s=1.0 if targets else 0.0)
 
+    def target_weight_count(self, layer_idx: int, target: str) -> int | None:
+        """At least how many weights of layer ``layer_idx`` linear target ``target`` ('moe',
+        'attn-linear', ...) quantizes, from the config alone (no weights read); None: unknown.
+        A run refuses with it, before any layer, a block stage whose weights and learnable state
+        alone exceed the device (``BlockStage.check_device_memory``). Default: unknown."""
+        return None
+
     def unit_device(self, block: nn.Module, unit: PtqUnit) -> torch.device:
         """The device holding ``unit`` of ``block`` (where its solve runs when the layer is
         sharded). Default: the device of its first parameter, else the compute device."""

@@ -314,6 +314,45 @@ def test_refused_before_any_layer_where_it_cannot_run(tmp_path, calib_text):
                               part=LayerSlice(start=(1, Stream(x, [{}]))))
 
 
+def test_a_block_stage_larger_than_the_device_is_refused_before_any_layer(tmp_path, calib_text, monkeypatch):
+    """The experts' weights (counted from the config) and their offsets alone over the device's
+    memory: one ConfigError naming the layer, the sizes and the way out, before the calibration
+    stream is embedded; at the bound's edge (and without a known device size) the run is not refused.
+    The bound is the V4-Pro case: 25.4 G expert weights, 94.7 GiB in bf16 with float16 offsets."""
+    from amct_ext.errors import ConfigError as CE
+    from amct_ext.pipeline import workflow
+    from amct_ext.pipeline.workflow import run_blockwise_ptq
+    from models.deepseek_v4.cost import v4_target_weight_count
+
+    with _adapter(TINY) as a:
+        n = sum(v4_target_weight_count(a.config, 0, "moe") for _ in (0,))
+        per = 4 + 2                               # fp32 weights (the tiny run) + float16 offsets
+        assert n == a.config.n_routed_experts * 3 * a.config.dim * a.config.moe_inter_dim + 3 * a.config.dim * \
+            a.config.moe_inter_dim * a.config.n_shared_experts
+
+        def embed(*args, **kwargs):
+            raise AssertionError("embedded before the refusal")
+
+        monkeypatch.setattr(workflow, "embed_stream", embed)
+        for total in (n * per - 1, n * per // 2):
+            monkeypatch.setattr(workflow.devmod, "total_memory_bytes", lambda dev=None, _t=total: _t)
+            with pytest.raises(CE, match=r"layer 0's block stage \('blockround'\) holds at least .* GiB .*"
+                                         r"--algo hclip,gptq:sequential=false"):
+                run_blockwise_ptq(a, _spec(calib_text, "hclip,blockround:offset_dtype=float16", "quant"),
+                                  tmp_path / "r", layers=range(0, 2))
+        stage = workflow.BlockStage(parse_algo("blockround:offset_dtype=float16").block_algorithm, "quant", 0)
+        spec = _spec(calib_text, "blockround", "quant").resolved()
+        for total in (n * per, None):
+            monkeypatch.setattr(workflow.devmod, "total_memory_bytes", lambda dev=None, _t=total: _t)
+            stage.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 2))     # not refused
+        # float32 offsets hold 2 bytes more a weight; attention-only targets count nothing here
+        monkeypatch.setattr(workflow.devmod, "total_memory_bytes", lambda dev=None: n * per)
+        stage32 = workflow.BlockStage(parse_algo("blockround").block_algorithm, "quant", 0)
+        with pytest.raises(CE, match="block stage"):
+            stage32.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 1))
+        stage32.check_device_memory(a, "r", spec.scheme, ("attn-linear",), range(0, 1))
+
+
 def test_a_tiny_run_saves_every_unit_and_its_params_give_back_its_ppl(tmp_path, calib_text, wiki_test_raw):
     from amct_ext.base import EvalConfig
     from amct_ext.pipeline.workflow import PARAMS_DIR, evaluate_blockwise, load_eval_windows, run_blockwise_ptq
@@ -361,3 +400,20 @@ def test_v4_samples_concatenate_into_one_block_call(calib_text):
         assert a.concat_samples(stream.hidden, [{**stream.state[0], "other": 1}] + stream.state[1:]) is None
         short = [stream.hidden[0], stream.hidden[1][:, :8]]
         assert a.concat_samples(short, stream.state[:2]) is None
+
+
+@pytest.mark.parametrize("name, weights_g, gib", [("flash", 6.47, 24.1), ("pro", 25.43, 94.7)])
+def test_the_released_configs_expert_counts(tmp_path, name, weights_g, gib):
+    """The figures casebook i34-6 quotes: the experts' weights of a V4-Flash / V4-Pro layer from the
+    shipped official config.json, and what blockround (bf16, float16 offsets) holds for them at least."""
+    import shutil
+
+    from models.deepseek_v4.cost import v4_target_weight_count
+    from models.deepseek_v4.loading import load_config
+    from tests.conftest import CONFIGS
+
+    shutil.copy(CONFIGS / f"deepseek-v4-{name}.config.json", tmp_path / "config.json")
+    n = v4_target_weight_count(load_config(tmp_path), 0, "moe")
+    assert round(n / 1e9, 2) == weights_g
+    assert round(n * BlockRound(offset_dtype="float16").block_bytes_per_weight(2) / 2 ** 30, 1) == gib
+    assert v4_target_weight_count(load_config(tmp_path), 0, "attn-linear") == 0

@@ -223,6 +223,12 @@ class Algorithm(abc.ABC):
         than the float layer's output on the inputs the run feeds it. Default False."""
         return False
 
+    def block_bytes_per_weight(self, weight_bytes: int) -> int:
+        """A block-level algorithm: the device bytes it holds at once for each integer weight it
+        tunes, at least (the weight in ``weight_bytes`` plus its learnable state); the workflow
+        refuses a layer whose total exceeds the device before any layer runs. Default: the weight."""
+        return weight_bytes
+
     def apply_block(self, data: BlockData) -> dict[str, dict[str, Any]]:
         """A block-level algorithm on one layer: edits the units' leaves in place; returns
         {unit name: stats}. Only called where ``solves_block``."""

@@ -207,6 +207,11 @@ class BlockRound(Algorithm):
     def float_model_targets(self, propagate: str) -> bool:
         return self.target == "float_model" and propagate == "quant"
 
+    def block_bytes_per_weight(self, weight_bytes: int) -> int:
+        # every tuned weight and its rounding offset live on the device together for the whole
+        # stage (the clips, one a group, are left out: a lower bound)
+        return weight_bytes + (2 if self.offset_dtype == "float16" else 4)
+
     def apply(self, unit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
         raise ConfigError("blockround tunes a whole layer: it runs through the workflow's block stage, "
                           "not on a single unit")

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..base import BaseModel
 from ..errors import ConfigError
+from ..quant.schemes import CACHE_TARGET
 from ..runtime import device as devmod
 from .ptq_units import UnitResult
 from .stream import Stream
@@ -47,6 +48,29 @@ class BlockStage:
             raise ConfigError(f"recipe {recipe} with propagate=quant: {algo.name!r} (target=float_model) "
                               "needs the float model's stream, which a torchrun rank's hand-off does not carry; "
                               f"use {algo.name}:target=float_layer, or propagate=float")
+
+    def check_device_memory(self, adapter: BaseModel, recipe: Any, scheme: Any, targets: Sequence[str],
+                            layers: Sequence[int]) -> None:
+        """Refuse, before any layer runs, a block stage that cannot fit the device: the weights it
+        tunes (integer weight formats of ``targets``, counted by the adapter from the config) and
+        their learnable state alone exceed the device's memory (a V4-Pro layer's experts: 25 G
+        weights, 94 GiB with float16 offsets). A lower bound: a layer under it may still run out."""
+        algo = self.algo
+        total = devmod.total_memory_bytes(adapter.device)
+        if algo is None or total is None:
+            return
+        tuned = [t for t in targets if t != CACHE_TARGET and (w := scheme.target(t).weight) is not None
+                 and w.format == "int"]
+        per = algo.block_bytes_per_weight(torch.empty((), dtype=adapter.run.dtype).element_size())
+        for i in layers:
+            counts = [adapter.target_weight_count(i, t) for t in tuned]
+            n = sum(c for c in counts if c)
+            if n * per > total:
+                raise ConfigError(
+                    f"recipe {recipe}: layer {i}'s block stage ({algo.name!r}) holds at least {n * per / 2 ** 30:.1f} GiB "
+                    f"on {adapter.device} ({n / 1e9:.1f} G weights of {', '.join(tuned)} at {per} bytes each, "
+                    f"weight and learnable state) and the device has {total / 2 ** 30:.1f} GiB; use a recipe without a "
+                    "block stage for this model (e.g. --algo hclip,gptq:sequential=false --propagate float)")
 
     def start(self, calib: Stream) -> None:
         self.fcalib = calib if self.float_stream else None   # the float model's stream (same as calib until layer 1)

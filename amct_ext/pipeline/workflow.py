@@ -555,6 +555,7 @@ class _PtqRun:
         stage = BlockStage(block_algo, spec.propagate, cfg.seed)
         stage.check(recipe, runtime.sharded, start is not None)
         layers = layers if layers is not None else layer_range(adapter)
+        stage.check_device_memory(adapter, recipe, spec.scheme, spec.targets, layers)
         if calib_windows is None:
             calib_windows = load_calib_windows(adapter, cfg)
         pdir = prepare_params_dir(adapter, output_dir, spec, calib_windows=calib_windows)

@@ -279,6 +279,12 @@ class DeepseekV4Adapter(BaseModel):
 
         return v4_layer_cost(self.config, layer_idx, targets, n_tokens, epochs)
 
+    def target_weight_count(self, layer_idx: int, target: str) -> int:
+        """The experts' weights for 'moe' (``cost.v4_target_weight_count``, a meta build)."""
+        from .cost import v4_target_weight_count
+
+        return v4_target_weight_count(self.config, layer_idx, target)
+
     def iter_ptq_units(self, block: Block, layer_idx: int, targets: Sequence[str]) -> Iterator[PtqUnit]:
         return quant_module.iter_block_ptq_units(block, layer_idx, list(self.parse_targets(targets)))
 

@@ -52,6 +52,16 @@ def _v4_param_counts(config: Any, layer_idx: int) -> tuple[int, int, int, int]:
     return _COUNTS[key]
 
 
+def v4_target_weight_count(config: Any, layer_idx: int, target: str) -> int:
+    """At least how many weights of layer ``layer_idx`` ``target`` quantizes: 'moe' counts the
+    routed and shared experts' projections (a V4-Pro layer: 25.4 G routed); the attention's
+    targets count 0 (a lower bound: its projections are a few percent of a layer)."""
+    if target != "moe":
+        return 0
+    _, expert, shared, _ = _v4_param_counts(config, layer_idx)
+    return int(config.n_routed_experts) * expert + shared
+
+
 def v4_layer_cost(config: Any, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int,
                   rates: CostRates = CostRates()) -> LayerCost:
     """The cost of DeepSeek-V4 layer ``layer_idx`` from its shapes (a meta build, no memory):
