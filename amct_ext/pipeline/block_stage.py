@@ -56,8 +56,8 @@ class BlockStage:
         their learnable state alone exceed the device's memory (a V4-Pro layer's experts: 25 G
         weights, 94 GiB with float16 offsets). A lower bound: a layer under it may still run out."""
         algo = self.algo
-        total = devmod.total_memory_bytes(adapter.device)
-        if algo is None or total is None:
+        total = None if algo is None else devmod.total_memory_bytes(adapter.device)
+        if total is None:
             return
         tuned = [t for t in targets if t != CACHE_TARGET and (w := scheme.target(t).weight) is not None
                  and w.format == "int"]

@@ -54,12 +54,19 @@ def _v4_param_counts(config: Any, layer_idx: int) -> tuple[int, int, int, int]:
 
 def v4_target_weight_count(config: Any, layer_idx: int, target: str) -> int:
     """At least how many weights of layer ``layer_idx`` ``target`` quantizes: 'moe' counts the
-    routed and shared experts' projections (a V4-Pro layer: 25.4 G routed); the attention's
-    targets count 0 (a lower bound: its projections are a few percent of a layer)."""
+    routed and shared experts' projections (a V4-Pro layer: 25.4 G routed; every V4 layer has the
+    same experts, so one meta-built expert of each width, not the layer); the attention's targets
+    count 0 (a lower bound: its projections are a few percent of a layer)."""
     if target != "moe":
         return 0
-    _, expert, shared, _ = _v4_param_counts(config, layer_idx)
-    return int(config.n_routed_experts) * expert + shared
+    from .modeling import Expert
+
+    with torch.device("meta"):
+        def width(inter: int) -> int:
+            return _param_count(Expert(config.dim, inter, config.swiglu_limit, torch.bfloat16))
+
+        shared = width(config.n_shared_experts * config.moe_inter_dim) if config.n_shared_experts else 0
+        return int(config.n_routed_experts) * width(config.moe_inter_dim) + shared
 
 
 def v4_layer_cost(config: Any, layer_idx: int, targets: Sequence[str], n_tokens: int, epochs: int,
