@@ -51,6 +51,7 @@ def interpreted_checks() -> dict:
                 assert got.shape == ref.shape
                 errors[f"{layer}-{i}"] = (got - ref).abs().max().item()
     errors.update(_hc_checks())
+    errors.update(_hc_grad_checks())
     errors.update(_index_checks())
     errors.update(_swiglu_checks())
     errors.update(_fq_checks())
@@ -211,6 +212,95 @@ def _hc_checks() -> dict:
     return res
 
 
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def _hc_grad_checks() -> dict:
+    """(child process) the hc mixes under autograd (fused_hc._HcPre / _HcPost) against autograd
+    through modeling's torch expressions, fp32: values and every input gradient, as the largest
+    error relative to the largest reference entry; then a whole block, fused hc against torch hc."""
+    from models.deepseek_v4 import fused_hc
+    from models.deepseek_v4.modeling import hc_post, hc_pre, hc_weights_torch
+
+    g = torch.Generator().manual_seed(5)
+    res = {}
+    hc, dim, iters, eps, norm_eps = 4, 100, 20, 1e-6, 1e-6               # D not a multiple of the blocks
+    x = torch.randn(2, 7, hc, dim, generator=g)
+    fn = torch.randn((2 + hc) * hc, hc * dim, generator=g) * 0.05
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + hc) * hc, generator=g) * 0.5
+    cot = [torch.randn(2, 7, dim, generator=g), torch.randn(2, 7, hc, generator=g),
+           torch.randn(2, 7, hc, hc, generator=g)]
+    outs, grads = [], []
+    for fused in (False, True):
+        xi = x.clone().requires_grad_(True)
+        if fused:
+            o = fused_hc.hc_pre_fused(xi, fn, scale, base, hc, iters, eps, norm_eps, None, hc_weights_torch)
+        else:
+            o = hc_pre(xi, fn, scale, base, hc, iters, eps, norm_eps)   # CPU: the torch path
+        sum((a * b).sum() for a, b in zip(o, cot)).backward()
+        outs.append(o)
+        grads.append(xi.grad)
+    res["hc-pre-out"] = max(_rel(a, b) for a, b in zip(outs[1], outs[0]))
+    res["hc-pre-grad-x"] = _rel(grads[1], grads[0])
+    ins = [torch.randn(2, 7, dim, generator=g), torch.randn(2, 7, hc, dim, generator=g),
+           torch.rand(2, 7, hc, generator=g) * 2, torch.rand(2, 7, hc, hc, generator=g)]
+    cot = torch.randn(2, 7, hc, dim, generator=g)
+    outs, grads = [], []
+    for fn_post in (hc_post, fused_hc.hc_post_fused):
+        leaves = [t.clone().requires_grad_(True) for t in ins]
+        o = fn_post(*leaves)
+        (o * cot).sum().backward()
+        outs.append(o)
+        grads.append([t.grad for t in leaves])
+    res["hc-post-out"] = _rel(outs[1], outs[0])
+    for name, a, b in zip(("y", "res", "post", "comb"), grads[1], grads[0]):
+        res[f"hc-post-grad-{name}"] = _rel(a, b)
+    res.update(_hc_block_grad_checks())
+    return res
+
+
+def _hc_block_grad_checks() -> dict:
+    """(child process) one tiny block's forward and backward with the fused hc ends against the
+    torch ones: the gradient of its input and of one attention and one expert weight. The hc
+    parameters are frozen, as in block-wise rounding."""
+    block = random_tiny_model(0, dtype=torch.float32).layers[0]
+    for p in block.parameters():
+        p.requires_grad_(False)
+    named = dict(block.named_parameters())
+    tuned = [n for n in named if named[n].dim() == 2 and n.startswith("attn.")][:1] + \
+        [n for n in named if named[n].dim() >= 2 and n.startswith("ffn.") and "gate" not in n][:1]
+    for n in tuned:
+        named[n].requires_grad_(True)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 9, block.hc_mult, named["ffn_norm.weight"].shape[0], generator=g)
+    ids = torch.randint(0, 100, (2, 9), generator=g)
+    cot = torch.randn(x.shape, generator=g)
+    torch_way = modeling._use_fused_hc
+    fused_calls = []
+
+    def fused_anywhere(x, *frozen):  # the kernels on CPU tensors (the interpreter)
+        fused_calls.append(not any(p.requires_grad for p in frozen))
+        return fused_calls[-1]
+
+    results = []
+    try:
+        for use in (torch_way, fused_anywhere):
+            modeling._use_fused_hc = use
+            xi = x.clone().requires_grad_(True)
+            out = block(xi, 0, ids)
+            gx, *gw = torch.autograd.grad((out * cot).sum(), [xi] + [named[n] for n in tuned])
+            results.append((out.detach(), gx, gw))
+    finally:
+        modeling._use_fused_hc = torch_way
+    (o0, gx0, gw0), (o1, gx1, gw1) = results
+    out = {"hc-block-out": _rel(o1, o0), "hc-block-grad-x": _rel(gx1, gx0)}
+    out.update({f"hc-block-grad-{n}": _rel(a, b) for n, a, b in zip(tuned, gw1, gw0)})
+    out["hc-block-tuned"] = tuned
+    out["hc-block-fused-calls"] = sum(fused_calls)
+    return out
+
+
 def _inputs(attn, bsz, seqlen, seed):
     g = torch.Generator().manual_seed(seed)
     h, dh = attn.n_heads, attn.head_dim
@@ -271,6 +361,26 @@ def test_combine_kernel_is_bit_identical(interpreted_errors):
 
 def test_hc_weights_kernel_equals_torch(interpreted_errors):
     assert interpreted_errors["hc-weights"] < 1e-5
+
+
+HC_GRAD_CASES = ["pre-out", "pre-grad-x", "post-out", "post-grad-y", "post-grad-res", "post-grad-post",
+                 "post-grad-comb", "block-out", "block-grad-x"]
+
+
+@pytest.mark.parametrize("case", HC_GRAD_CASES)
+def test_hc_mixes_under_autograd_equal_torch(interpreted_errors, case):
+    """fused_hc's autograd Functions give torch's values and gradients (fp32, 20 Sinkhorn steps)."""
+    assert interpreted_errors[f"hc-{case}"] < 2e-6
+
+
+def test_a_block_tunes_through_the_fused_hc_ends(interpreted_errors):
+    """A block under autograd takes the fused hc at all four ends (two hc_pre, two hc_post), and an
+    attention and an expert weight get torch's gradients through them."""
+    assert interpreted_errors["hc-block-fused-calls"] == 4
+    tuned = interpreted_errors["hc-block-tuned"]
+    assert [n.split(".")[0] for n in tuned] == ["attn", "ffn"]
+    for name in tuned:
+        assert interpreted_errors[f"hc-block-grad-{name}"] < 2e-6
 
 
 @pytest.mark.parametrize("name", ["pre", "post"])

@@ -1,4 +1,4 @@
-"""The hyper-connection mixes and weights as Triton kernels (CUDA, inference only).
+"""The hyper-connection mixes and weights as Triton kernels (CUDA), with their backward.
 
 Both ends of a V4 sub-layer mix the hc copies of the residual stream with per-token weights:
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from amct_ext.runtime.device import device_guard
+from amct_ext.runtime.exact_gemm import linear_fp32
 from amct_ext.runtime.triton_support import triton, tl  # noqa: F401  (None without Triton)
 
 
@@ -120,3 +121,137 @@ def hc_mix(rows: torch.Tensor, weights: torch.Tensor, y: torch.Tensor | None = N
         _hc_mix_kernel[grid](rows, weights, y, y_weights, out, dim, K=n_k, J=n_j, HAS_Y=has_y, BLOCK_D=block_d,
                              num_warps=4)
     return out
+
+
+# ------------------------------------------------------------------ the mixes under autograd
+# Block-wise rounding differentiates through both hc ends of each sub-layer. On torch's path that
+# is a chain of broadcasts over fp32 copies of the [B, S, hc, D] stream (0.5 GiB in bf16 at
+# 8 x 2048 tokens of V4-Flash) in the forward and again in the backward. The two Functions below
+# run the forward through the kernels above and give each its backward: per-token dot products
+# (hc_dots), the mixes again with transposed weights, and one pass for hc_pre's input gradient.
+
+if triton is not None:
+
+    @triton.jit
+    def _hc_dots_kernel(a_ptr, b_ptr, out_ptr, D, K: tl.constexpr, J: tl.constexpr, BLOCK_D: tl.constexpr):
+        """out[t, k, j] = sum_d a[t, k, d] * b[t, j, d] in fp32 (one program a token)."""
+        t = tl.program_id(0).to(tl.int64)
+        ks = tl.arange(0, K)
+        js = tl.arange(0, J)
+        acc = tl.zeros([K, J], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs = d0 + tl.arange(0, BLOCK_D)
+            mask = (offs < D)[None, :]
+            a = tl.load(a_ptr + (t * K + ks[:, None]) * D + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + (t * J + js[:, None]) * D + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += tl.sum(a[:, None, :] * b[None, :, :], axis=2)
+        tl.store(out_ptr + (t * K + ks[:, None]) * J + js[None, :], acc)
+
+    @triton.jit
+    def _hc_pre_grad_kernel(x_ptr, gy_ptr, pre_ptr, g_lin_ptr, c_ptr, out_ptr, D,
+                            K: tl.constexpr, BLOCK_D: tl.constexpr):
+        """out[t, k] = pre[t, k] * gy[t] + g_lin[t, k] + c[t] * x[t, k], fp32 math, out's dtype."""
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask = offs < D
+        gy = tl.load(gy_ptr + t * D + offs, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(c_ptr + t)
+        for k in tl.static_range(K):
+            at = (t * K + k) * D + offs
+            x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            acc = tl.load(pre_ptr + t * K + k) * gy + tl.load(g_lin_ptr + at, mask=mask, other=0.0) + c * x
+            tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def hc_dots(a: torch.Tensor, b: torch.Tensor, block_d: int = 256) -> torch.Tensor:
+    """a [..., K, D], b [..., J, D] -> [..., K, J] fp32: every row of a against every row of b,
+    per token. K and J are powers of two (hc = 4, or 1)."""
+    if triton is None:
+        raise RuntimeError("hc_dots needs Triton")
+    *lead, n_k, dim = a.shape
+    n_j = b.shape[-2]
+    a, b = a.contiguous(), b.contiguous()
+    tokens = a[..., 0, 0].numel()
+    out = torch.empty(*lead, n_k, n_j, dtype=torch.float32, device=a.device)
+    with device_guard(a.device):
+        _hc_dots_kernel[(tokens,)](a, b, out, dim, K=n_k, J=n_j, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def _hc_pre_input_grad(x: torch.Tensor, g_y: torch.Tensor, pre: torch.Tensor, g_lin: torch.Tensor,
+                       c: torch.Tensor, block_d: int = 1024) -> torch.Tensor:
+    """hc_pre's gradient for x [..., K, D]: the combine's pre * g_y, plus the mix's g_lin (fp32,
+    x's shape) and its norm's c * x; one pass, rounded once to x's dtype."""
+    *lead, n_k, dim = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    tokens = x[..., 0, 0].numel()
+    with device_guard(x.device):
+        _hc_pre_grad_kernel[(tokens, triton.cdiv(dim, block_d))](
+            x.contiguous(), g_y.contiguous(), pre.float().contiguous(), g_lin.contiguous(), c.float().contiguous(),
+            out, dim, K=n_k, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+class _HcPre(torch.autograd.Function):
+    """hc_pre through the kernels, differentiable in x (the hc parameters are frozen: the caller
+    keeps them out, modeling._use_fused_hc)."""
+
+    @staticmethod
+    def forward(ctx, x, fn, scale, base, hc_mult, sinkhorn_iters, hc_eps, norm_eps, fn_split, weights_torch):
+        flat = x.flatten(-2)                                              # [..., hc*D]
+        # mean of squares inside one reduction, no fp32 copy of the stream
+        mean_sq = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.float32).square() / flat.shape[-1]
+        rstd = torch.rsqrt(mean_sq + norm_eps)
+        lin = linear_fp32(flat, fn, fn_split)
+        pre, post, comb = hc_weights(lin * rstd, scale, base, hc_mult, sinkhorn_iters, hc_eps)
+        ctx.save_for_backward(x, fn, scale, base, lin, rstd, pre)
+        ctx.consts = (hc_mult, sinkhorn_iters, hc_eps, weights_torch)
+        return hc_mix(x, pre.unsqueeze(-1)).squeeze(-2), post, comb
+
+    @staticmethod
+    def backward(ctx, g_y, g_post, g_comb):
+        x, fn, scale, base, lin, rstd, pre = ctx.saved_tensors
+        hc_mult, sinkhorn_iters, hc_eps, weights_torch = ctx.consts
+        g_pre = hc_dots(x, g_y.unsqueeze(-2)).squeeze(-1)                 # [..., hc]: sum_d g_y * x[k]
+        # the weights are a few dozen floats a token: their backward is torch's, on a recomputation
+        with torch.enable_grad():
+            mix = (lin * rstd).detach().requires_grad_(True)
+            outs = weights_torch(mix, scale, base, hc_mult, sinkhorn_iters, hc_eps)
+            (g_mix,) = torch.autograd.grad(outs, (mix,), (g_pre, g_post, g_comb))
+        # mix = lin * rstd with lin = flat @ fn^T and rstd = (mean(flat^2) + eps)^-1/2, so
+        # d/dflat = rstd * (g_mix @ fn) - rstd^3 / N * (g_mix . lin) * flat
+        c = -(g_mix * lin).sum(-1) * rstd.squeeze(-1).pow(3) / (x.shape[-2] * x.shape[-1])
+        g_lin = torch.matmul(g_mix * rstd, fn.float()).view(x.shape)
+        g_x = _hc_pre_input_grad(x, g_y, pre, g_lin, c)
+        return g_x, None, None, None, None, None, None, None, None, None
+
+
+class _HcPost(torch.autograd.Function):
+    """hc_post through the kernel, differentiable in all four inputs."""
+
+    @staticmethod
+    def forward(ctx, y, res, post, comb):
+        ctx.save_for_backward(y, res, post, comb)
+        return hc_mix(res, comb, y, post)
+
+    @staticmethod
+    def backward(ctx, g):
+        y, res, post, comb = ctx.saved_tensors
+        need_y, need_res, need_post, need_comb = ctx.needs_input_grad
+        g = g.contiguous()
+        g_y = hc_mix(g, post.unsqueeze(-1)).squeeze(-2).to(y.dtype) if need_y else None
+        g_res = hc_mix(g, comb.transpose(-1, -2)).to(res.dtype) if need_res else None
+        g_post = hc_dots(g, y.unsqueeze(-2)).squeeze(-1) if need_post else None      # [..., hc]
+        g_comb = hc_dots(res, g) if need_comb else None                               # [..., k, j]
+        return g_y, g_res, g_post, g_comb
+
+
+def hc_pre_fused(x, fn, scale, base, hc_mult, sinkhorn_iters, hc_eps, norm_eps, fn_split, weights_torch):
+    """modeling.hc_pre on the kernels: (y, post, comb); autograd reaches x. ``weights_torch`` is
+    modeling's torch definition of the weights, used for their backward."""
+    return _HcPre.apply(x, fn, scale, base, hc_mult, sinkhorn_iters, hc_eps, norm_eps, fn_split, weights_torch)
+
+
+def hc_post_fused(y, res, post, comb):
+    """modeling.hc_post on the kernel; autograd reaches all four inputs."""
+    return _HcPost.apply(y, res, post, comb)

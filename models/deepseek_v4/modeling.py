@@ -31,7 +31,7 @@ from amct_ext.runtime.exact_gemm import SplitWeightCache, linear_fp32, matmul_fp
 
 from .configuration import DeepseekV4Config
 from .fused_attention import fused_index_score, fused_sparse_attention
-from .fused_hc import hc_mix, hc_weights
+from .fused_hc import hc_post_fused, hc_pre_fused
 from .fused_moe import clamped_swiglu, combine_rows, grouped_gemm, grouped_gemm_suited
 from .fused_norm_rope import rms_norm, rope_inplace
 
@@ -793,16 +793,20 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
            sinkhorn_iters: int, hc_eps: float, norm_eps: float, fn_split: SplitWeightCache | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, S, hc, D] -> (y [B, S, D] in x's dtype, post [B, S, hc], comb [B, S, hc, hc]); fp32 math."""
-    fused = _use_fused_hc(x)
+    if _use_fused_hc(x, fn, scale, base):
+        return hc_pre_fused(x, fn, scale, base, hc_mult, sinkhorn_iters, hc_eps, norm_eps, fn_split, hc_weights_torch)
     flat = x.flatten(-2)                                                  # [B, S, hc*D]
-    if fused:  # mean of squares inside one reduction, no fp32 copy of the stream
-        mean_sq = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.float32).square() / flat.shape[-1]
-    else:
-        mean_sq = flat.float().square().mean(-1, keepdim=True)
+    mean_sq = flat.float().square().mean(-1, keepdim=True)
     mix = linear_fp32(flat, fn, fn_split) * torch.rsqrt(mean_sq + norm_eps)
-    if fused:
-        pre, post, comb = hc_weights(mix, scale, base, hc_mult, sinkhorn_iters, hc_eps)
-        return hc_mix(x, pre.unsqueeze(-1)).squeeze(-2), post, comb
+    pre, post, comb = hc_weights_torch(mix, scale, base, hc_mult, sinkhorn_iters, hc_eps)
+    y = (pre.unsqueeze(-1) * x.float()).sum(dim=2)
+    return y.to(x.dtype), post, comb
+
+
+def hc_weights_torch(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
+                     sinkhorn_iters: int, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-token weights from the normalised mix [..., (2 + hc) * hc] fp32: (pre [..., hc],
+    post [..., hc], comb [..., hc, hc], a Sinkhorn-balanced doubly stochastic mix)."""
     pre, post, comb = mix.split([hc_mult, hc_mult, hc_mult * hc_mult], dim=-1)
     pre = torch.sigmoid(pre * scale[0] + base[:hc_mult]) + hc_eps
     post = 2 * torch.sigmoid(post * scale[1] + base[hc_mult:2 * hc_mult])
@@ -812,23 +816,23 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)              # row sums
         comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    y = (pre.unsqueeze(-1) * x.float()).sum(dim=2)
-    return y.to(x.dtype), post, comb
+    return pre, post, comb
 
 
 def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out[:, :, j] = post[j] * y + sum_k comb[k, j] * res[:, :, k]; fp32 math, res's dtype out."""
-    if _use_fused_hc(res, y):
-        return hc_mix(res, comb, y, post)
+    if _use_fused_hc(res):
+        return hc_post_fused(y, res, post, comb)
     out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.einsum("bskj,bskd->bsjd", comb, res.float())
     return out.to(res.dtype)
 
 
-def _use_fused_hc(*tensors: torch.Tensor) -> bool:
-    """The Triton hc mixes (fused_hc.py): CUDA with Triton, no autograd through them."""
-    if not fused_kernels_enabled(tensors[0].device):
+def _use_fused_hc(x: torch.Tensor, *frozen: torch.Tensor) -> bool:
+    """The Triton hc mixes (fused_hc.py) on CUDA with Triton. They carry their own backward for
+    the stream's tensors; ``frozen`` (hc_pre's parameters) must not need a gradient."""
+    if not fused_kernels_enabled(x.device):
         return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    return not (torch.is_grad_enabled() and any(p.requires_grad for p in frozen))
 
 
 # ----------------------------------------------------------------------------------------- Block
