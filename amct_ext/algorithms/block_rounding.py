@@ -114,18 +114,22 @@ def _profile_request() -> tuple[int, str | None]:
 
 @contextlib.contextmanager
 def _maybe_profiled(on: bool, dev, path: str | None):
-    """One step under torch.profiler, its kernel table written to ``path`` (device time first)."""
+    """One step under torch.profiler, its kernel table written to ``path`` (device time first),
+    then the same ops split by input shape (which tensors the time goes to)."""
     if not on:
         yield
         return
     from torch.profiler import profile
 
     devmod.synchronize(dev)
-    with profile(activities=devmod.profiler_activities(dev), record_shapes=False) as prof:
+    with profile(activities=devmod.profiler_activities(dev), record_shapes=True) as prof:
         yield
         devmod.synchronize(dev)
     sort = "self_device_time_total" if dev.type != "cpu" else "self_cpu_time_total"
-    Path(path).write_text(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90))
+    by_op = prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
+    by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=80,
+                                                                  max_name_column_width=60, max_shapes_column_width=90)
+    Path(path).write_text(by_op + "\n\nby input shape\n" + by_shape)
 
 
 @register
