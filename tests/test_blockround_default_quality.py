@@ -112,3 +112,20 @@ def test_prefetch_rerun_equals_the_record(rec):
     quote = results.split("prefetch and the launch shape", 1)[1]
     for s, run in rerun["runs"].items():
         assert f"{s} {before[s]['ppl']:.4f} / {run['ppl']:.4f}" in quote, s
+
+
+def test_hc_autograd_rerun_equals_the_record(rec):
+    """The hc ends' own backward on the kernels (CUDA only) changes no CPU number: the whole-split
+    reruns of the five block-rounding defaults after it equal the records from before, to the last
+    digit; RESULTS quotes both sides."""
+    rerun = json.loads((BENCH / "quality" / "hc_autograd_rerun.json").read_text())
+    before = json.loads((BENCH / "quality" / "prefetch_rerun.json").read_text())["runs"]
+    assert sorted(rerun["runs"]) == sorted(before)
+    for s, run in rerun["runs"].items():
+        assert (run["scheme"], run["windows"], run["first_window"], run["seed"]) == (s, 1487, 0, 0)
+        assert run["recipe"] == before[s]["recipe"] and run["propagate"] == before[s]["propagate"], s
+        assert run["ppl"] == before[s]["ppl"], s
+    results = " ".join((BENCH / "RESULTS.md").read_text().split())
+    quote = results.split("the hc ends' own backward", 1)[1]
+    for s, run in rerun["runs"].items():
+        assert f"{s} {before[s]['ppl']:.4f} / {run['ppl']:.4f}" in quote, s
