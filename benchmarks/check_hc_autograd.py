@@ -5,7 +5,7 @@
 
 Block-wise rounding differentiates through hc_post (after attention) and hc_pre + hc_post (around
 the experts) of V4-Flash's stream, [8, 2048, 4, 4096] bf16. This times forward + backward of
-that chain (median of 10 after 3 warm-ups, device events) on torch's path and on the fused
+that chain (median of 10 after 3 warm-ups, device events) and its memory peak above the inputs on torch's path and on the fused
 Functions (models/deepseek_v4/fused_hc.py), and measures both against the same chain in fp64:
 the relative Frobenius error of the output and of each gradient. The fused path must be no less
 accurate than torch's (``--check`` exits 1 otherwise).
@@ -60,7 +60,13 @@ def run(dev, fused: bool, inputs, cot, dtype, reps, f=chain):
             gy, gres = torch.autograd.grad(out, leaves[:2], cot.to(dtype))
             return out, gy, gres
         ms = statistics.median(D.elapsed_ms(once, dev, repeats=reps, warmup=3)) if reps else None
-        return once(), ms
+        D.synchronize(dev)
+        D.reset_peak_memory(dev)
+        base = D.memory_allocated(dev)
+        got = once()
+        D.synchronize(dev)
+        extra = (D.peak_memory_bytes(dev) - base) / 2 ** 30
+        return got, (ms, extra)
     finally:
         modeling._use_fused_hc = torch_way
 
@@ -89,9 +95,9 @@ def main(argv=None) -> int:
     ref, _ = run(dev, False, bf, cot.to(torch.bfloat16).double(), torch.float64, 0, chain_fp64)
     report = {"shape": [b, s, hc, dim], "device": str(dev)}
     for name, fused in (("torch", False), ("fused", True)):
-        got, ms = run(dev, fused, inputs, cot, torch.bfloat16, a.reps)
+        got, (ms, extra_gib) = run(dev, fused, inputs, cot, torch.bfloat16, a.reps)
         err = {k: ((x.double() - r).norm() / r.norm()).item() for k, x, r in zip(("out", "grad_y", "grad_res"), got, ref)}
-        report[name] = {"ms": ms, "rel_fro_vs_fp64": err}
+        report[name] = {"ms": ms, "peak_above_inputs_gib": extra_gib, "rel_fro_vs_fp64": err}
         del got
         D.empty_cache(dev)
     report["speedup"] = report["torch"]["ms"] / report["fused"]["ms"]
