@@ -76,9 +76,15 @@ def test_peer_or_rerun_runs_the_peer_only_inside_its_venv(monkeypatch):
 
 
 def _fake_venv(tmp_path) -> Path:
+    """A venv folder whose python runs this interpreter. A wrapper, not a symlink: a symlink to a
+    venv's python (itself a symlink to the base interpreter, as ``python -m venv`` makes it from
+    /usr/bin/python3) has no pyvenv.cfg beside it, so Python resolves it to the base interpreter,
+    without this venv's packages (casebook fresh-clone-and-reliability, F-peer-probe)."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
+    py = venv / "bin" / "python"
+    py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    py.chmod(0o755)
     return venv
 
 
