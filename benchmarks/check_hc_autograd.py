@@ -54,8 +54,7 @@ def run(dev, fused: bool, inputs, cot, dtype, reps, f=chain):
         modeling._use_fused_hc = lambda x, *frozen: False
     try:
         def once():
-            leaves = [t.detach().to(dtype).requires_grad_(True) if t.is_floating_point() and i in (0, 1) else t
-                      for i, t in enumerate(inputs)]
+            leaves = [t.detach().to(dtype).requires_grad_(True) for t in inputs[:2]]  # y after attention, the stream
             out = f(leaves[0], leaves[1], *inputs[2:4], torch.tanh, *inputs[4:])
             gy, gres = torch.autograd.grad(out, leaves[:2], cot.to(dtype))
             return out, gy, gres

@@ -96,36 +96,33 @@ def test_recompute_units_rerun_equals_the_record(rec):
         assert f"{s} {before[s]['ppl']:.4f} / {run['ppl']:.4f}" in results, s
 
 
-def test_prefetch_rerun_equals_the_record(rec):
-    """``prefetch`` (each step's samples copied a step ahead, the default since 2026-12-06) and the
-    fused kernels' launch shape (CUDA only) change no CPU number: the whole-split reruns of the five
-    block-rounding defaults after them equal the records from before, to the last digit; RESULTS
-    quotes both sides."""
-    rerun = json.loads((BENCH / "quality" / "prefetch_rerun.json").read_text())
-    before = json.loads((BENCH / "quality" / "recompute_units_rerun.json").read_text())["runs"]
+def _assert_rerun_equals(rerun_file: str, before_file: str, quoted_after: str) -> None:
+    """A whole-split rerun record of the five block-rounding defaults equals the record before to
+    the last digit (same scheme, windows, seed, recipe); RESULTS quotes both sides after the
+    phrase ``quoted_after``."""
+    rerun = json.loads((BENCH / "quality" / rerun_file).read_text())
+    before = json.loads((BENCH / "quality" / before_file).read_text())["runs"]
     assert sorted(rerun["runs"]) == sorted(before)
     for s, run in rerun["runs"].items():
         assert (run["scheme"], run["windows"], run["first_window"], run["seed"]) == (s, 1487, 0, 0)
         assert run["recipe"] == before[s]["recipe"] and run["propagate"] == before[s]["propagate"], s
         assert run["ppl"] == before[s]["ppl"], s
     results = " ".join((BENCH / "RESULTS.md").read_text().split())
-    quote = results.split("prefetch and the launch shape", 1)[1]
+    quote = results.split(quoted_after, 1)[1]
     for s, run in rerun["runs"].items():
         assert f"{s} {before[s]['ppl']:.4f} / {run['ppl']:.4f}" in quote, s
+
+
+def test_prefetch_rerun_equals_the_record(rec):
+    """``prefetch`` (each step's samples copied a step ahead, the default since 2026-12-06) and the
+    fused kernels' launch shape (CUDA only) change no CPU number: the whole-split reruns of the five
+    block-rounding defaults after them equal the records from before, to the last digit; RESULTS
+    quotes both sides."""
+    _assert_rerun_equals("prefetch_rerun.json", "recompute_units_rerun.json", "prefetch and the launch shape")
 
 
 def test_hc_autograd_rerun_equals_the_record(rec):
     """The hc ends' own backward on the kernels (CUDA only) changes no CPU number: the whole-split
     reruns of the five block-rounding defaults after it equal the records from before, to the last
     digit; RESULTS quotes both sides."""
-    rerun = json.loads((BENCH / "quality" / "hc_autograd_rerun.json").read_text())
-    before = json.loads((BENCH / "quality" / "prefetch_rerun.json").read_text())["runs"]
-    assert sorted(rerun["runs"]) == sorted(before)
-    for s, run in rerun["runs"].items():
-        assert (run["scheme"], run["windows"], run["first_window"], run["seed"]) == (s, 1487, 0, 0)
-        assert run["recipe"] == before[s]["recipe"] and run["propagate"] == before[s]["propagate"], s
-        assert run["ppl"] == before[s]["ppl"], s
-    results = " ".join((BENCH / "RESULTS.md").read_text().split())
-    quote = results.split("the hc ends' own backward", 1)[1]
-    for s, run in rerun["runs"].items():
-        assert f"{s} {before[s]['ppl']:.4f} / {run['ppl']:.4f}" in quote, s
+    _assert_rerun_equals("hc_autograd_rerun.json", "prefetch_rerun.json", "the hc ends' own backward")

@@ -61,7 +61,7 @@ class BlockStage:
             return
         tuned = [t for t in targets if t != CACHE_TARGET and (w := scheme.target(t).weight) is not None
                  and w.format == "int"]
-        per = algo.block_bytes_per_weight(torch.empty((), dtype=adapter.run.dtype).element_size())
+        per = algo.block_bytes_per_weight(adapter.run.dtype.itemsize)
         for i in layers:
             counts = [adapter.target_weight_count(i, t) for t in tuned]
             n = sum(c for c in counts if c)
