@@ -126,3 +126,11 @@ def test_hc_autograd_rerun_equals_the_record(rec):
     reruns of the five block-rounding defaults after it equal the records from before, to the last
     digit; RESULTS quotes both sides."""
     _assert_rerun_equals("hc_autograd_rerun.json", "prefetch_rerun.json", "the hc ends' own backward")
+
+
+def test_banded_attention_rerun_equals_the_record_on_its_host(rec):
+    """The sparse attention's own backward (CUDA only) changes no CPU number: the whole-split reruns
+    of the five block-rounding defaults after it equal main's before it on the same host, to the last
+    digit (an earlier host of the same class gave other digits, casebook i34-12); RESULTS quotes both
+    sides."""
+    _assert_rerun_equals("banded_attention_rerun.json", "banded_attention_before.json", "the attention's own backward")

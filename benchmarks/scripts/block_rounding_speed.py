@@ -2,7 +2,7 @@
 """Block-wise rounding at real size: one V4-Flash ratio-4 layer (and one V4-Pro layer) on one
 H200, every run the main job's own path (bench_ptq -> run_ptq) at 128 x 2048 calibration, each
 run whole (no projection). Renders the table of benchmarks/results/block-rounding.md §1 (RESULTS §2 quotes its summary) from the
-run folders benchmarks/gpu/h200_2026-12-04_blockround/call*/ and h100_2026-12-06_blockround/call*/
+run folders benchmarks/gpu/{h200_2026-12-04,h100_2026-12-06,h200_2026-12-06,h100_2026-12-07}_blockround/call*/
 (benchmarks/scripts/h200_block_rounding.sh), and the default's medians over its repeats.
 
     python benchmarks/scripts/block_rounding_speed.py [--check-results]
@@ -31,6 +31,7 @@ DOC = REPO / "benchmarks" / "results" / "block-rounding.md"
 BEGIN, END = "<!-- block-rounding-speed:begin -->", "<!-- block-rounding-speed:end -->"
 H200, H100 = "h200_2026-12-04_blockround", "h100_2026-12-06_blockround"
 H200B = "h200_2026-12-06_blockround"
+H100C = "h100_2026-12-07_blockround"
 #: (tag, card folder under benchmarks/gpu, call folder, what it is)
 RUN_ORDER = [
     ("hbr200", H200, "call1", "H200; before: per-step SignSGD hook, float32 offsets"),
@@ -65,6 +66,9 @@ RUN_ORDER = [
     ("N40", H100, "call9", "H100 (machine 7), 40 steps, second run; each step's samples copied during the step before (`prefetch`, the default since)"),
     ("O40", H100, "call9", "H100 (machine 7), 40 steps; the same with `prefetch=false` (samples copied on the computing stream, as before)"),
     ("H4", H100, "call9", "H100 (machine 7), 40 steps; `prefetch` and 4 GiB of expert chunks held (`hold_gb=4`)"),
+    ("H1", H100C, "call1", "H100 (machine 8), first run; the default with the hc ends' own backward (casebook i34-10), prefetch and the kernels' launch shape"),
+    ("N1", H100C, "call2", "H100 (machine 8), second run; the same code before the hc ends' backward (968e83e: prefetch and launch shape)"),
+    ("PH", H100C, "call3", "H100 (machine 8), 20 steps, third run; step 6 profiled (`call3/prof_PH.txt`)"),
 ]
 #: the default at w4a16-g128 (BLOCKROUND_DEFAULT): runs in a machine's first run (cold page cache)
 #: and warm runs (the checkpoint read before); the headline is the median of the warm runs; w4a8's
@@ -75,6 +79,8 @@ W4A8_WARM_RUNS = ("W8BR2", "W8BR3")
 NOW_FIRST_RUNS = ("G1",)
 NOW_WARM_RUNS = ("G2", "G3", "G4")
 NOW_BEFORE_RUNS = ("R1", "R2")
+#: 2026-12-07, one H100 lease: the hc ends' own backward (machine's first run) and the code before it
+HC_RUN, HC_BEFORE_RUN = "H1", "N1"
 DEFAULT_FIRST_RUNS = ("D100", "E1", "E5")
 DEFAULT_WARM_RUNS = ("D100b", "E2", "E3", "E4", "E6")
 #: runs measured before the stream-leak fix (casebook i34-8): over the host bound
@@ -156,7 +162,8 @@ def default_summary(rs: list[dict]) -> dict:
             "now_device_gib": stat(NOW_WARM_RUNS + NOW_FIRST_RUNS, "device_gib"),
             "now_before_capture_solve_s": stat(NOW_BEFORE_RUNS, "capture_solve_s"),
             "now_before_step_s": stat(NOW_BEFORE_RUNS, "step_s"),
-            "now_before_device_gib": stat(NOW_BEFORE_RUNS, "device_gib")}
+            "now_before_device_gib": stat(NOW_BEFORE_RUNS, "device_gib"),
+            "hc": by[HC_RUN], "hc_before": by[HC_BEFORE_RUN]}
 
 
 def render_summary(sm: dict) -> str:
@@ -172,7 +179,11 @@ def render_summary(sm: dict) -> str:
             "Before the knob, on the H100, median (min - max): capture + solve "
             f"{f(sm['warm_capture_solve_s'], '.1f')} s warm, {f(sm['first_capture_solve_s'], '.1f')} s in a "
             f"machine's first run; one step {f(sm['step_s'], '.3f')} s. At w4a8: "
-            f"{f(sm['w4a8_warm_capture_solve_s'], '.1f')} s warm.")
+            f"{f(sm['w4a8_warm_capture_solve_s'], '.1f')} s warm. "
+            f"On one H100 (2026-12-07, one lease), with the hc ends' own backward: a step {sm['hc']['step_s']:.3f} s, "
+            f"capture + solve {sm['hc']['capture_solve_s']:.1f} s (the machine's first run), device peak "
+            f"{sm['hc']['device_gib']:.1f} GiB; the code before it, warm: {sm['hc_before']['step_s']:.3f} s, "
+            f"{sm['hc_before']['capture_solve_s']:.1f} s, {sm['hc_before']['device_gib']:.1f} GiB.")
 
 
 def main(argv=None) -> int:

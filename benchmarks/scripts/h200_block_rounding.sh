@@ -10,6 +10,8 @@
 #   kernels             benchmarks/check_block_rounding_kernels.py (fused fake-quant, grouped GEMM)
 #   hc                  benchmarks/check_hc_autograd.py --check (the hc ends under autograd: time,
 #                       memory, accuracy against fp64, torch's path against the fused Functions)
+#   attn                benchmarks/check_banded_attention.py --check (the sparse attention under
+#                       autograd: time, memory, accuracy against fp64, plain ops against BandedAttention)
 #   ckpt | ckpt-pro     the synthetic checkpoint (V4-Flash 3 layers | V4-Pro 3 layers)
 #   rm-flash            delete the V4-Flash checkpoint (disk: 64 GiB hold Flash or Pro, not both with runs)
 #   run@TAG@SCHEME@ALGO[@LIMIT[@MODEL]]   one bench_ptq run of layer 2, ALGO passed as --algo
@@ -70,6 +72,9 @@ for st in ${*:-env kernels ckpt}; do
     hc) $PY benchmarks/check_hc_autograd.py --device cuda --json "$RES/hc_autograd.json" --check \
             > "$RES/hc_autograd.log" 2>&1; echo "rc=$?" | tee -a "$RES/summary.txt"
         grep -E '"ms"|peak|speedup|accurate' "$RES/hc_autograd.log" | tee -a "$RES/summary.txt";;
+    attn) $PY benchmarks/check_banded_attention.py --device cuda --json "$RES/banded_attention.json" --check \
+              > "$RES/banded_attention.log" 2>&1; echo "rc=$?" | tee -a "$RES/summary.txt"
+          grep -E '"ms"|peak|speedup|accurate|bit_for_bit|grad_|"out"' "$RES/banded_attention.log" | tee -a "$RES/summary.txt";;
     ckpt) ckpt v4-flash "$W/flash";;
     ckpt-pro) ckpt v4-pro "$W/pro";;
     rm-flash) rm -rf "$W/flash";;

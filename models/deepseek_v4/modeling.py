@@ -29,6 +29,7 @@ from torch import nn
 from amct_ext.runtime.device import fast_paths_enabled, fp32_out_gemm_supported, fused_kernels_enabled, has_python_hooks
 from amct_ext.runtime.exact_gemm import SplitWeightCache, linear_fp32, matmul_fp32
 
+from .banded_attention import BandedAttention, banded_attention
 from .configuration import DeepseekV4Config
 from .fused_attention import fused_index_score, fused_sparse_attention
 from .fused_hc import hc_post_fused, hc_pre_fused
@@ -502,7 +503,8 @@ class Attention(nn.Module):
         Query blocks of W tokens attend to the 2W keys of their own and the previous block (a banded
         window without an S x S score matrix); compressed entries are scored densely and masked.
         The single shared KV head lets the heads fold into the rows of plain batched GEMMs:
-        [B, nb, W*H, Dh] @ [B, nb, Dh, 2W] -- no per-head copy of the keys."""
+        [B, nb, W*H, Dh] @ [B, nb, Dh, 2W] -- no per-head copy of the keys. The softmax and the two
+        products: ``banded_attention.banded_attention``."""
         bsz, seqlen, n_heads, dh = q.shape
         w = self.window
         n_blocks = -(-seqlen // w)
@@ -518,42 +520,26 @@ class Attention(nn.Module):
         first = band & (j >= w)                                         # block 0 has no predecessor
         win_allowed = torch.cat((first.unsqueeze(0), band.expand(n_blocks - 1, w, 2 * w)))
         win_allowed = win_allowed.view(1, n_blocks, w, 1, 2 * w)
-
-        # one softmax over [window | compressed | sink], computed per part: no concatenated copy of
-        # the logits, and (without autograd) in-place fp32 ops, one S x H x Nc buffer per part
-        inplace = not torch.is_grad_enabled()
-
-        def scaled_masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-            if inplace:
-                return logits.mul_(self.softmax_scale).masked_fill_(~allowed, float("-inf"))
-            return (logits * self.softmax_scale).masked_fill(~allowed, float("-inf"))
-
-        def exp_shifted(logits: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
-            return logits.sub_(peak).exp_() if inplace else torch.exp(logits - peak)
-
-        def normalized(e: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
-            return (e.div_(denom) if inplace else e / denom).to(q.dtype)
-
-        win = scaled_masked(self.qk_matmul(qb, keys).float().view(bsz, n_blocks, w, n_heads, 2 * w), win_allowed)
-        sink = self.attn_sink.float().view(1, 1, 1, n_heads, 1)
-        peak = torch.maximum(win.amax(dim=-1, keepdim=True), sink)
-        comp = None
         if comp_kv is not None and comp_kv.shape[1] > 0:
-            n_entries = comp_kv.shape[1]
-            comp = self.qk_matmul(qb.view(bsz, n_blocks * w * n_heads, dh), comp_kv).float()
-            allowed = F.pad(comp_allowed, (0, 0, 0, pad)).view(bsz, n_blocks, w, 1, n_entries)
-            comp = scaled_masked(comp.view(bsz, n_blocks, w, n_heads, n_entries), allowed)
-            peak = torch.maximum(peak, comp.amax(dim=-1, keepdim=True))
-        win = exp_shifted(win, peak)
-        denom = win.sum(dim=-1, keepdim=True) + torch.exp(sink - peak)
-        if comp is not None:
-            comp = exp_shifted(comp, peak)
-            denom = denom + comp.sum(dim=-1, keepdim=True)
-        out = self.pv_matmul(normalized(win, denom).view(bsz, n_blocks, w * n_heads, 2 * w), keys)  # [B,nb,W*H,Dh]
-        if comp is not None:
-            comp_probs = normalized(comp, denom).view(bsz, n_blocks * w * n_heads, -1)
-            out = out + self.pv_matmul(comp_probs, comp_kv).view(bsz, n_blocks, w * n_heads, dh)
+            comp_allowed = F.pad(comp_allowed, (0, 0, 0, pad)).view(bsz, n_blocks, w, 1, comp_kv.shape[1])
+
+        if self._use_banded_backward(q, kv, comp_kv):
+            out = BandedAttention.apply(qb, keys, comp_kv, win_allowed, comp_allowed, self.attn_sink,
+                                        self.softmax_scale)
+        else:
+            out = banded_attention(qb, keys, win_allowed, self.attn_sink, self.softmax_scale, comp_kv, comp_allowed,
+                                   qk=self.qk_matmul, pv=self.pv_matmul, inplace=not torch.is_grad_enabled())
         return out.view(bsz, n_blocks * w, n_heads, dh)[:, :seqlen]
+
+    def _use_banded_backward(self, q: torch.Tensor, kv: torch.Tensor, comp_kv: torch.Tensor | None) -> bool:
+        """``BandedAttention`` (its own backward, recomputing the probabilities) under autograd on
+        the fast-path devices, with plain qk / pv products and a frozen sink; the CPU and NPU keep
+        autograd through the plain ops (the same function; the tiny table's numbers unchanged)."""
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, kv, comp_kv))):
+            return False
+        if not fast_paths_enabled(q.device) or self.attn_sink.requires_grad:
+            return False
+        return _plain(self.qk_matmul, Matmul) and _plain(self.pv_matmul, Matmul)
 
 
 # ------------------------------------------------------------------------------------------- MoE
