@@ -99,3 +99,38 @@ def test_not_taken_where_it_would_be_wrong(monkeypatch):
     with pytest.raises(ValueError, match="sink must be frozen"):
         BandedAttention.apply(torch.zeros(1, 1, 2, 16, requires_grad=True), torch.zeros(1, 1, 4, 16), None,
                               torch.ones(1, 1, 2, 1, 4, dtype=torch.bool), None, torch.zeros(1, requires_grad=True), 1.0)
+
+
+def test_a_block_tunes_through_the_banded_attention(monkeypatch):
+    """A whole decoder block (ratio 4: window, indexer picks, compressor) under autograd, its sink
+    frozen as in the block stage: the attention takes ``BandedAttention``, and every attention
+    weight's gradient equals autograd's through the plain ops. The block's fp32 islands (compressor,
+    hc ends) keep fp32 even in a float64 model, so the bound is fp32's (2e-6 relative, as the hc ends'
+    block test), not the 1e-12 of the attention alone above."""
+    model = random_tiny_model(0, dtype=torch.float64)
+    block = model.layers[1]
+    assert block.attn.ratio == 4
+    block.attn.attn_sink.requires_grad_(False)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 37, block.hc_mult, model.config.dim, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, model.config.vocab_size, (2, 37), generator=g)
+    cot = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    calls = []
+    real_apply = BandedAttention.apply
+
+    def counted(*args):
+        calls.append(1)
+        return real_apply(*args)
+
+    grads = {}
+    for banded in (False, True):
+        block.zero_grad(set_to_none=True)
+        with monkeypatch.context() as m:
+            m.setattr(modeling, "fast_paths_enabled", lambda device: banded)
+            m.setattr(BandedAttention, "apply", counted)
+            (block(x, input_ids=ids) * cot).sum().backward()
+        grads[banded] = {n: p.grad.clone() for n, p in block.attn.named_parameters() if p.grad is not None}
+    assert len(calls) == 1
+    assert sorted(grads[True]) == sorted(grads[False]) and "wq_b.weight" in grads[True] and "wkv.weight" in grads[True]
+    for name, r in grads[False].items():
+        assert (grads[True][name] - r).abs().max().item() <= 2e-6 * r.abs().max().item(), name
