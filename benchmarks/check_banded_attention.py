@@ -8,7 +8,7 @@ A block-rounding step differentiates through the attention of a V4-Flash ratio-4
 forward + backward (median of --reps after 3 warm-ups, device events) and the memory peak above
 the inputs of autograd through the plain torch ops and of ``BandedAttention`` (its own backward,
 models/deepseek_v4/banded_attention.py), and measures both against the plain path in float64 on
-the same bf16-rounded inputs (at --accuracy-batch, for memory): the relative Frobenius error of the
+the same rounded inputs (at --accuracy-batch, for memory): the relative Frobenius error of the
 output and of each gradient. ``--check`` exits 1 unless the forward is the plain path's to the
 bit and every gradient of the Function is within 1.05 x the plain path's error (+ 1e-4).
 """
@@ -64,23 +64,26 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs=2, default=(8, 2048), metavar=("B", "S"))
     ap.add_argument("--accuracy-batch", type=int, default=1)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the operands' dtype (float32: a CPU's smoke run; its bf16 GEMMs are very slow)")
     ap.add_argument("--json")
     ap.add_argument("--check", action="store_true")
     a = ap.parse_args(argv)
     dev = D.resolve_device(a.device)
     config = DeepseekV4Config.from_dict(C.flash_config_dict(a.config)[0])
-    attn = modeling.Attention(config, a.layer, torch.bfloat16).to(dev)
+    dtype = getattr(torch, a.dtype)
+    attn = modeling.Attention(config, a.layer, dtype).to(dev)
     b, s = a.tokens
     q, kv, comp_kv, comp_idx, sink = attention_inputs(attn, b, s, config.index_topk, dev)
     with torch.no_grad():
         attn.attn_sink.copy_(sink)
     attn.attn_sink.requires_grad_(False)
     cot = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dev)
-    inputs = [t.to(torch.bfloat16) for t in (q, kv, comp_kv)] + [comp_idx]
-    report = {"shape_q": list(q.shape), "ratio": attn.ratio, "device": str(dev)}
+    inputs = [t.to(dtype) for t in (q, kv, comp_kv)] + [comp_idx]
+    report = {"shape_q": list(q.shape), "ratio": attn.ratio, "dtype": a.dtype, "device": str(dev)}
     outs = {}
     for name, banded in (("plain", False), ("banded", True)):
-        got, (ms, extra) = run(attn, inputs, cot, torch.bfloat16, banded, a.reps)
+        got, (ms, extra) = run(attn, inputs, cot, dtype, banded, a.reps)
         report[name] = {"ms": ms, "peak_above_inputs_gib": extra}
         outs[name] = got[0]
         del got
@@ -94,11 +97,11 @@ def main(argv=None) -> int:
     small = [t[:k] for t in inputs[:3]] + [None if comp_idx is None else comp_idx[:k]]
     attn.double()
     ref_all, _ = run(attn, [t.double() for t in small[:3]] + [small[3]], cot[:k].double(), torch.float64, False, 0)
-    attn.bfloat16()
+    attn.to(dtype)
     attn.attn_sink.data = attn.attn_sink.data.float()
     ok = report["forward_bit_for_bit"]
     for name, banded in (("plain", False), ("banded", True)):
-        got, _ = run(attn, small, cot[:k], torch.bfloat16, banded, 0)
+        got, _ = run(attn, small, cot[:k], dtype, banded, 0)
         err = {n: ((x.double() - r).norm() / r.norm()).item()
                for n, x, r in zip(("out", "grad_q", "grad_kv", "grad_comp_kv"), got, ref_all)}
         report[name]["rel_fro_vs_fp64"] = err

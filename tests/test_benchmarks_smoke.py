@@ -125,3 +125,21 @@ def test_bench_autoround_experts_smoke(tmp_path, capsys):
     assert res["agreement"]["offsets_equal_fraction"] > 0.99
     assert res["agreement"]["loss_gain_median"] > 0.2      # offsets really learned (not all RTN)
     assert res["agreement"]["loss_after_rel_diff_max"] < 1e-3
+
+
+def test_check_banded_attention_smoke(tmp_path, capsys):
+    """On CPU at a short sequence of V4-Flash's attention, in fp32 (a CPU's bf16 GEMMs take minutes
+    here): the script times both paths, finds the
+    Function's forward equal to the plain path's to the bit and its gradients no less accurate
+    against float64, and exits 0 under --check."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    check = importlib.import_module("check_banded_attention")
+    out = tmp_path / "banded.json"
+    rc = check.main(["--device", "cpu", "--tokens", "1", "256", "--reps", "1", "--dtype", "float32", "--check", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    res = json.loads(out.read_text())
+    assert res["forward_bit_for_bit"] and res["banded_no_less_accurate"] and res["ratio"] == 4
+    assert set(res["banded"]["rel_fro_vs_fp64"]) == {"out", "grad_q", "grad_kv", "grad_comp_kv"}
+    assert all(0 < e < 1e-5 for e in res["banded"]["rel_fro_vs_fp64"].values())
