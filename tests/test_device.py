@@ -182,3 +182,22 @@ def test_graphed_forward_is_eager_where_it_cannot_replay(monkeypatch):
     s1 = D.GraphedForward._signature(x, {"input_ids": torch.zeros(2, 4, dtype=torch.long)})
     s2 = D.GraphedForward._signature(x[:1], {"input_ids": torch.zeros(1, 4, dtype=torch.long)})
     assert s1 != s2 and s1 == D.GraphedForward._signature(x.clone(), {"input_ids": torch.ones(2, 4, dtype=torch.long)})
+
+
+def test_cpu_peak_is_the_process_own_not_its_parents():
+    """A child started by a process holding 1.5 GB reports its own peak, not the parent's: Linux's
+    ``ru_maxrss`` keeps the parent's high-water mark across fork + exec (casebook F-maxrss), so a
+    small job launched from pytest or a benchmark driver read as large as its launcher."""
+    import subprocess
+    import sys
+
+    held = bytearray(1536 * 2 ** 20)
+    for i in range(0, len(held), 4096):      # touch every page: resident in this process
+        held[i] = 1
+    code = ("import sys; sys.path.insert(0, %r); from amct_ext.runtime import device as D; "
+            "print(D.peak_memory_bytes('cpu'))" % str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    child_peak = int(out.stdout.strip().splitlines()[-1])
+    assert 0 < child_peak < len(held) / 2, child_peak
+    del held

@@ -19,17 +19,18 @@ from tests.conftest import CONFIGS, REPO
 def test_full_skeleton_is_free_and_fast(name, params_b):
     """Built in a fresh process: < 10 s, < 2 GB peak RSS, every parameter and buffer on meta."""
     code = textwrap.dedent(f"""
-        import json, resource, sys, time
+        import json, sys, time
         sys.path.insert(0, {str(REPO)!r})
         from models.deepseek_v4 import DeepseekV4Config
         from models.deepseek_v4.loading import build_skeleton
+        from amct_ext.runtime.device import own_peak_rss_bytes
         cfg = DeepseekV4Config.from_pretrained({str(CONFIGS / f"deepseek-v4-{name}.config.json")!r})
         t = time.perf_counter()
         m = build_skeleton(cfg)
         dt = time.perf_counter() - t
         print(json.dumps({{
             "seconds": dt,
-            "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+            "rss_gb": own_peak_rss_bytes() / 1e9,
             "params_b": sum(p.numel() for p in m.parameters()) / 1e9,
             "all_meta": all(p.is_meta for p in m.parameters()) and all(b.is_meta for b in m.buffers()),
             "n_layers": len(m.layers),

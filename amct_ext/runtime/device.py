@@ -346,13 +346,30 @@ def _rss_scale() -> int:
 def peak_memory_bytes(device: str | torch.device | None = None) -> int:
     """Peak allocated bytes on ``device`` since the last ``reset_peak_memory``.
 
-    On cpu: the PROCESS-WIDE peak resident set size in bytes (``resource.getrusage``), i.e. all
+    On cpu: the PROCESS-WIDE peak resident set size in bytes (``own_peak_rss_bytes``), i.e. all
     memory of this process (Python, libraries, every tensor) since it started -- not only tensors,
     and not resettable. Use it as an upper bound, not as an allocator statistic.
     """
     dev = _as_device(device)
     if dev.type in ("npu", "cuda"):
         return int(_accel_module(dev.type).max_memory_allocated(dev))
+    return own_peak_rss_bytes()
+
+
+def own_peak_rss_bytes() -> int:
+    """This process's peak resident set since it started, in bytes.
+
+    Linux: ``VmHWM`` of /proc/self/status, the high-water mark of the process's own address space.
+    Not ``ru_maxrss``: on Linux that keeps the parent's peak across fork + exec, so a small job
+    started by a large process (pytest, a benchmark driver) reported the parent's memory (casebook
+    F-maxrss). Elsewhere (no /proc): ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024          # kB
+    except (OSError, ValueError, IndexError):
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * _rss_scale()
 
 
