@@ -15,8 +15,6 @@ bit and every gradient of the Function is within 1.05 x the plain path's error (
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -44,14 +42,8 @@ def run(attn, inputs, cot, dtype, banded: bool, reps: int):
             grads = torch.autograd.grad(out, leaves, cot.to(dtype))
             return (out, *grads)
 
-        dev = q.device
-        ms = statistics.median(D.elapsed_ms(once, dev, repeats=reps, warmup=3)) if reps else None
-        D.synchronize(dev)
-        D.reset_peak_memory(dev)
-        base = D.memory_allocated(dev)
-        got = once()
-        D.synchronize(dev)
-        return got, (ms, (D.peak_memory_bytes(dev) - base) / 2 ** 30)
+        got, ms, extra = C.timed_once_with_peak(once, q.device, reps)
+        return got, (ms, extra)
     finally:
         modeling.fast_paths_enabled = chosen
 
@@ -102,16 +94,11 @@ def main(argv=None) -> int:
     ok = report["forward_bit_for_bit"]
     for name, banded in (("plain", False), ("banded", True)):
         got, _ = run(attn, small, cot[:k], dtype, banded, 0)
-        err = {n: ((x.double() - r).norm() / r.norm()).item()
-               for n, x, r in zip(("out", "grad_q", "grad_kv", "grad_comp_kv"), got, ref_all)}
-        report[name]["rel_fro_vs_fp64"] = err
+        report[name]["rel_fro_vs_fp64"] = C.rel_fro_each(("out", "grad_q", "grad_kv", "grad_comp_kv"), got, ref_all)
     for n, e in report["banded"]["rel_fro_vs_fp64"].items():
         ok = ok and e <= 1.05 * report["plain"]["rel_fro_vs_fp64"][n] + 1e-4
     report["banded_no_less_accurate"] = ok
-    print(json.dumps(report, indent=1))
-    if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=1))
-    return 0 if ok or not a.check else 1
+    return C.finish_check(report, a.json, ok, a.check)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,15 @@ accurate than torch's (``--check`` exits 1 otherwise).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import common as C  # noqa: E402
 from amct_ext.runtime import device as D  # noqa: E402
 import models.deepseek_v4.modeling as modeling  # noqa: E402
 
@@ -58,13 +58,7 @@ def run(dev, fused: bool, inputs, cot, dtype, reps, f=chain):
             out = f(leaves[0], leaves[1], *inputs[2:4], torch.tanh, *inputs[4:])
             gy, gres = torch.autograd.grad(out, leaves[:2], cot.to(dtype))
             return out, gy, gres
-        ms = statistics.median(D.elapsed_ms(once, dev, repeats=reps, warmup=3)) if reps else None
-        D.synchronize(dev)
-        D.reset_peak_memory(dev)
-        base = D.memory_allocated(dev)
-        got = once()
-        D.synchronize(dev)
-        extra = (D.peak_memory_bytes(dev) - base) / 2 ** 30
+        got, ms, extra = C.timed_once_with_peak(once, dev, reps)
         return got, (ms, extra)
     finally:
         modeling._use_fused_hc = torch_way
@@ -95,7 +89,7 @@ def main(argv=None) -> int:
     report = {"shape": [b, s, hc, dim], "device": str(dev)}
     for name, fused in (("torch", False), ("fused", True)):
         got, (ms, extra_gib) = run(dev, fused, inputs, cot, torch.bfloat16, a.reps)
-        err = {k: ((x.double() - r).norm() / r.norm()).item() for k, x, r in zip(("out", "grad_y", "grad_res"), got, ref)}
+        err = C.rel_fro_each(("out", "grad_y", "grad_res"), got, ref)
         report[name] = {"ms": ms, "peak_above_inputs_gib": extra_gib, "rel_fro_vs_fp64": err}
         del got
         D.empty_cache(dev)
@@ -103,10 +97,7 @@ def main(argv=None) -> int:
     ok = all(report["fused"]["rel_fro_vs_fp64"][k] <= report["torch"]["rel_fro_vs_fp64"][k] * 1.05
              for k in report["fused"]["rel_fro_vs_fp64"])
     report["fused_no_less_accurate"] = ok
-    print(json.dumps(report, indent=1))
-    if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=1))
-    return 0 if ok or not a.check else 1
+    return C.finish_check(report, a.json, ok, a.check)
 
 
 if __name__ == "__main__":

@@ -388,6 +388,28 @@ def peak_extra(fn: Callable[[], Any], device: torch.device) -> dict[str, Any]:
             "memory_note": "process RSS (cpu)" if device.type == "cpu" else "allocator"}
 
 
+def timed_once_with_peak(fn: Callable[[], Any], device: torch.device, repeats: int,
+                         warmup: int = 3) -> tuple[Any, float | None, float]:
+    """(``fn()``'s result, median ms over ``repeats`` after ``warmup`` (None when ``repeats`` is 0),
+    GiB of its peak above the memory resident before it): the autograd checks' measurement."""
+    ms = time_fn(fn, device, repeats, warmup)["median_ms"] if repeats else None
+    got = []
+    mem = peak_extra(lambda: got.append(fn()), device)
+    return got[0], ms, mem["extra_peak_bytes"] / 2 ** 30
+
+
+def rel_fro_each(names, got, refs) -> dict[str, float]:
+    """Relative Frobenius error of each tensor of ``got`` against ``refs`` (fp64), by name."""
+    return {n: ((x.double() - r).norm() / r.norm()).item() for n, x, r in zip(names, got, refs)}
+
+
+def finish_check(report: dict[str, Any], path: str | None, ok: bool, check: bool) -> int:
+    """Print the report, write it (atomically) to ``path``; exit status 1 only for a failed --check."""
+    print(json.dumps(report, indent=1))
+    write_json(path, report)
+    return 0 if ok or not check else 1
+
+
 def matmul_rate(device: torch.device, n: int, repeats: int = 10) -> dict[str, Any]:
     """bf16 [n,n] @ [n,n] on random data (never zeros): FLOP/s of the library matmul."""
     gen = torch.Generator(device=device)
