@@ -134,3 +134,11 @@ def test_banded_attention_rerun_equals_the_record_on_its_host(rec):
     digit (an earlier host of the same class gave other digits, casebook i34-12); RESULTS quotes both
     sides."""
     _assert_rerun_equals("banded_attention_rerun.json", "banded_attention_before.json", "the attention's own backward")
+
+
+def test_slot_combine_rerun_equals_the_record_on_its_host(rec):
+    """The routed experts' combine with its own backward (``fused_moe.SlotCombine``: on the CPU the
+    same forward ops, a backward of one gather) changes no CPU number: the whole-split reruns of the
+    five block-rounding defaults after it equal main's before it on the same host, to the last digit;
+    RESULTS quotes both sides."""
+    _assert_rerun_equals("slot_combine_rerun.json", "slot_combine_before.json", "the routed experts' combine")

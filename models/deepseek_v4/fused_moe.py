@@ -1,4 +1,5 @@
-"""V4's clamped SwiGLU and the routed-expert combine as Triton kernels (CUDA, inference only).
+"""V4's clamped SwiGLU and the routed-expert combine as Triton kernels (CUDA), and the combine
+with its own backward (``SlotCombine``: block-wise rounding's stacked experts; any device).
 
 Between the two expert GEMMs, ``Expert.forward`` / ``MoE.route_grouped`` compute, per row,
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from amct_ext.runtime.device import device_guard
+from amct_ext.runtime.device import device_guard, fused_kernels_enabled
 from amct_ext.runtime.triton_support import triton, tl  # noqa: F401  (None without Triton)
 
 
@@ -69,6 +70,41 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor, block: int = 1024) -> torc
     with device_guard(y.device):
         _combine_kernel[(n, triton.cdiv(dim, block))](y, rows, out, dim, K=k, BLOCK=block, num_warps=4)
     return out
+
+
+class SlotCombine(torch.autograd.Function):
+    """``out[t] = sum_j y[rows[t, j]]`` in fp32, j in order (what ``combine_rows`` computes), with
+    its own backward: every row of ``y`` belongs to exactly one token, so ``grad_y[r]`` is that
+    token's ``grad_out`` in y's dtype -- one gather. The same numbers as autograd through the k
+    gathers and adds, which instead fills a zero [T, D] per gather, scatters into it and adds the k
+    of them (a V4-Flash step: ~15 ms of a 0.38 s step on an H100, results/block-rounding.md PH).
+
+    ``token_of_row [T]``: the token of each row of ``y`` (``rows``' inverse). The forward runs
+    ``combine_rows`` where the Triton kernels run, else the torch gathers in the same order."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, rows: torch.Tensor, token_of_row: torch.Tensor, fused: bool) -> torch.Tensor:
+        ctx.save_for_backward(token_of_row)
+        ctx.y_dtype = y.dtype
+        if fused:
+            return combine_rows(y, rows)
+        out = y[rows[:, 0]].float()
+        for j in range(1, rows.shape[1]):
+            out = out + y[rows[:, j]].float()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (token_of_row,) = ctx.saved_tensors
+        # fp32 -> y's dtype once per row: what the cast in ``y[...].float()`` does to each gradient
+        return grad_out[token_of_row].to(ctx.y_dtype), None, None, None
+
+
+def combine_slots(y: torch.Tensor, rows: torch.Tensor, token_of_row: torch.Tensor) -> torch.Tensor:
+    """``SlotCombine`` under autograd (y [T, D] sorted slots, rows [N, k] -> [N, D] fp32), the
+    Triton combine in the forward where the project's kernels run on y's device."""
+    fused = triton is not None and y.dtype != torch.float64 and fused_kernels_enabled(y.device)
+    return SlotCombine.apply(y, rows, token_of_row, fused)
 
 
 def clamped_swiglu(h: torch.Tensor, limit: float, weights: torch.Tensor | None = None,

@@ -49,6 +49,7 @@ from amct_ext.runtime.grouped_linear import grouped_linear
 from amct_ext.quant.schemes import QuantScheme, TensorSpec, parse_targets
 
 from .modeling import Attention, Block, Compressor, Expert, Indexer, Matmul, MoE, _grouped_mm_supported
+from .fused_moe import combine_slots
 
 ATTN_TARGETS = ("attn-linear", "attn-linear-all", "attn-cache")
 
@@ -751,7 +752,8 @@ class QuantV4MoE(MoE):
         slots = indices.flatten()
         order = slots.argsort(stable=True)
         counts = torch.bincount(slots, minlength=self.n_routed_experts).tolist()   # one host sync
-        xs = self.experts[0].w1.input_quantizer(flat[order // indices.shape[1]])
+        token_of_row = order // indices.shape[1]
+        xs = self.experts[0].w1.input_quantizer(flat[token_of_row])
         slot_weights = weights.flatten()[order].unsqueeze(-1)
         ys, start = [], 0
         for k, (e0, e1) in enumerate(s13.bounds):
@@ -769,10 +771,8 @@ class QuantV4MoE(MoE):
         rank = torch.empty_like(order)
         rank[order] = torch.arange(order.numel(), device=order.device)
         rows = rank.view(-1, indices.shape[1]).sort(dim=1).values             # [N, k], expert order
-        out = y[rows[:, 0]].float()
-        for j in range(1, rows.shape[1]):
-            out = out + y[rows[:, j]].float()      # fp32 sums, as route and route_grouped
-        return out
+        # fp32 sums in expert order, as route and route_grouped; its own backward (one gather)
+        return combine_slots(y, rows, token_of_row)
 
     def _stacked_chunk(self, k: int, counts: list[int], x: torch.Tensor, slot_weights: torch.Tensor) -> torch.Tensor:
         """Chunk k's experts on their rows ``x`` (sorted, ``counts`` per expert): Expert.forward's math."""
