@@ -34,7 +34,9 @@ setup(
         # triton: the CUDA fast paths' kernels; the CPU tests run them under Triton's interpreter
         # compressed-tensors: the export tests' independent check (its compressors decompress our
         # exported weights, its config model parses our quantization_config)
-        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "triton>=3.2,<4; platform_system == 'Linux'",
+        # pytest-xdist: the README's suite runs on two workers (one core each: 8 min instead of 13
+        # on a slow 2-core host; casebook F-suite-time)
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3", "matplotlib", "triton>=3.2,<4; platform_system == 'Linux'",
                  "compressed-tensors>=0.20"],
     },
 )

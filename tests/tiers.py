@@ -1,4 +1,4 @@
-"""Test tiers. The whole suite is `python -m pytest -q tests` (README); the FAST tier is
+"""Test tiers. The whole suite is `python -m pytest -q -n 2 tests` (README); the FAST tier is
 `python -m pytest -q -m fast tests`: unit-level test files (number formats, quantizers, schemes,
 codecs, solvers on small matrices, static checks of the tree and of the evidence) that build no
 checkpoint, start no process and run no job, >= 100 tests in under a minute on 2 busy cores
