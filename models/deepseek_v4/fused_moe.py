@@ -103,8 +103,8 @@ class SlotCombine(torch.autograd.Function):
 def combine_slots(y: torch.Tensor, rows: torch.Tensor, token_of_row: torch.Tensor) -> torch.Tensor:
     """``SlotCombine`` under autograd (y [T, D] sorted slots, rows [N, k] -> [N, D] fp32), the
     Triton combine in the forward where the project's kernels run on y's device."""
-    fused = triton is not None and y.dtype != torch.float64 and fused_kernels_enabled(y.device)
-    return SlotCombine.apply(y, rows, token_of_row, fused)
+    # fused_kernels_enabled: CUDA with Triton importable (so combine_rows is defined)
+    return SlotCombine.apply(y, rows, token_of_row, y.dtype != torch.float64 and fused_kernels_enabled(y.device))
 
 
 def clamped_swiglu(h: torch.Tensor, limit: float, weights: torch.Tensor | None = None,
