@@ -98,6 +98,30 @@ def _parse_expected(spec: Any, name: str) -> tuple[tuple[int, ...], torch.dtype 
                           f"or (shape, dtype)")
 
 
+def _cast(key: str, name: str, t: torch.Tensor, want_dtype: torch.dtype | None,
+          target_dtype: TargetDtype | None, dtype: torch.dtype) -> torch.Tensor:
+    """A decoded tensor in the dtype the caller wants (``load_prefix``'s rules, in order)."""
+    if t.dtype.is_floating_point:
+        target = want_dtype
+        if target is None and target_dtype is not None:
+            target = target_dtype(name, t.dtype)
+        return t.to(target or dtype)
+    if want_dtype is not None and want_dtype != t.dtype:
+        if want_dtype.is_floating_point:
+            raise CheckpointError(f"tensor {key!r}: stored as integer {t.dtype} but the model expects {want_dtype}")
+        return t.to(want_dtype)
+    return t
+
+
+def _copy_into(key: str, t: torch.Tensor, dest: torch.Tensor) -> None:
+    """``load_prefix(into=...)``: the decoded tensor into the caller's destination."""
+    if tuple(dest.shape) != tuple(t.shape) or dest.dtype != t.dtype:
+        raise CheckpointError(f"tensor {key!r}: decodes to {list(t.shape)} {t.dtype}, but the "
+                              f"destination given for it is {list(dest.shape)} {dest.dtype}")
+    with torch.no_grad():       # a Parameter's view: the copy is not a computation
+        dest.copy_(t)
+
+
 class CheckpointReader:
     """Read-only view of a checkpoint folder (index + shards) or a single ``.safetensors`` file.
 
@@ -263,7 +287,8 @@ class CheckpointReader:
                     target_dtype: TargetDtype | None = None,
                     strip_prefix: bool = True, strict: bool = True,
                     skip_prefixes: Sequence[str] = DEFAULT_SKIP,
-                    check_finite: bool = True) -> LoadResult:
+                    check_finite: bool = True,
+                    into: Mapping[str, torch.Tensor] | None = None) -> LoadResult:
         """Fetch every tensor under ``prefix`` as compute tensors.
 
         Storage handling (key ``X.weight`` with companion ``X.scale``):
@@ -289,6 +314,12 @@ class CheckpointReader:
 
         ``check_finite``: a NaN / Inf in any returned floating tensor raises CheckpointError
         naming the key and its shard (one device reduction per tensor, one host read per call).
+
+        ``into``: name -> a tensor allocated by the caller (of the expected shape and dtype) that
+        the decoded tensor is copied into; it is listed in ``loaded`` but not returned in
+        ``tensors``, and its decoded copy is freed before the next key is read. A model that
+        stacks tensors (a MoE's experts) loads them into their stack this way: one copy of them
+        at the peak, not the decoded tensors and the stack side by side.
         """
         result = LoadResult()
         rel = (lambda k: k[len(prefix):]) if strip_prefix else (lambda k: k)
@@ -350,22 +381,19 @@ class CheckpointReader:
             # weight) would change what every later load of that key returns (casebook/smoothing-rounding.md-1, i15b-1)
             # (an exported tensor is decoded into fresh memory: nothing to check)
             mapped = self._is_mapped(k, t) if t.device.type == "cpu" and k not in exported else None
-            if t.dtype.is_floating_point:
-                target = want_dtype
-                if target is None and target_dtype is not None:
-                    target = target_dtype(name, t.dtype)
-                t = t.to(target or dtype)
-            elif want_dtype is not None and want_dtype != t.dtype:
-                if want_dtype.is_floating_point:
-                    raise CheckpointError(f"tensor {k!r}: stored as integer {t.dtype} but the model "
-                                          f"expects {want_dtype}")
-                t = t.to(want_dtype)
-            if mapped is not None and _shares_memory(t, mapped):
-                t = t.clone()
-            result.tensors[name] = t
+            t = _cast(k, name, t, want_dtype, target_dtype, dtype)
+            dest = into.get(name) if into else None
+            if dest is not None:
+                _copy_into(k, t, dest)
+            else:
+                if mapped is not None and _shares_memory(t, mapped):
+                    t = t.clone()
+                result.tensors[name] = t
+            del t
             result.loaded.append(name)
         if check_finite:
-            self.check_finite({k: result.tensors[rel(k)] for k in tensors_keys})
+            self.check_finite({k: into[rel(k)] if into and rel(k) in into else result.tensors[rel(k)]
+                               for k in tensors_keys})
         return result
 
     def check_finite(self, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,11 +72,14 @@ def materialize_derived_buffers(module: nn.Module, device: torch.device | str) -
             sub.materialize(device)
 
 
-def _assign(module: nn.Module, tensors: dict[str, torch.Tensor], what: str, partial: bool = False) -> None:
+def _assign(module: nn.Module, tensors: dict[str, torch.Tensor], what: str, partial: bool = False,
+            filled: Collection[str] = ()) -> None:
+    """``tensors`` become ``module``'s parameters and buffers; ``filled``: names already loaded
+    into the module's own tensors (``load_prefix(into=...)``), not missing."""
     result = module.load_state_dict(tensors, strict=False, assign=True)
-    missing = [] if partial else result.missing_keys
+    missing = [] if partial else [k for k in result.missing_keys if k not in filled]
     if missing or result.unexpected_keys:  # the reader already accounted; this is a bug guard
-        raise CheckpointError(f"{what}: missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
+        raise CheckpointError(f"{what}: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
 
 
 def load_block(reader: CheckpointReader, config: DeepseekV4Config, layer_id: int,
@@ -85,16 +89,17 @@ def load_block(reader: CheckpointReader, config: DeepseekV4Config, layer_id: int
 
     ``check_finite``: NaN / Inf in a decoded tensor is an error naming it and its shard
     (``CheckpointReader.load_prefix``); False only for benchmarks measuring that check.
-    ``pack_experts=False`` skips the grouped-GEMM stacking (a second copy of the expert weights
-    while it is built): for callers that never run the layer's forward (the export)."""
+    ``pack_experts``: the routed experts are decoded straight into the grouped-GEMM stacks
+    (``MoE.packed_slots``), one copy of them at the build's peak; False leaves them as separate
+    tensors (for callers that never run the layer's forward: the export)."""
     block = empty_block(config, layer_id, dtype)
     prefix = f"layers.{layer_id}."
-    result = reader.load_prefix(prefix, block.state_dict(), device=device, dtype=dtype, check_finite=check_finite)
-    _assign(block, result.tensors, f"layer {layer_id}")
+    expected = block.state_dict()
+    into = {f"ffn.{k}": v for k, v in block.ffn.packed_slots(device).items()} if pack_experts else {}
+    result = reader.load_prefix(prefix, expected, device=device, dtype=dtype, check_finite=check_finite, into=into)
+    _assign(block, result.tensors, f"layer {layer_id}", filled=into)
     materialize_derived_buffers(block, device)
     assert_materialized(block, f"layer {layer_id}")
-    if pack_experts:
-        block.ffn.pack_experts()  # grouped-GEMM expert path (one copy of the expert weights, as views)
     return block.eval(), [prefix + k for k in result.loaded] + [prefix + k for k in result.unexpected]
 
 
