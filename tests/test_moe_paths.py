@@ -134,3 +134,68 @@ def test_grouped_path_never_syncs_with_the_host(monkeypatch):
             x = torch.randn(2, 40, block.ffn.dim)
             assert block.ffn._can_group(x.reshape(-1, block.ffn.dim))
             block.ffn(x, ids)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quant_experts_a_chunk_at_a_time_give_the_same_numbers(scheme, dtype, monkeypatch):
+    """Where the experts' fake-quant stacks exceed the device budget (a V4-Pro layer: 47 GiB
+    beside 53 GiB of weights; casebook i34-15) they are made a chunk of experts at a time, every
+    forward, and dropped: the same numbers as the whole stacks and the per-expert loop, the whole
+    stacks never built, and per-expert statistics (the Hessian observer) the same."""
+    from models.deepseek_v4 import quant_module as qm
+
+    model = random_tiny_model(0, dtype=dtype)
+    ids = torch.randint(2, 512, (2, 70), generator=torch.Generator().manual_seed(4))
+    x = model.embed_tokens(ids)
+    block = model.layers[3]
+    block.ffn.pack_experts()
+    q = quantize_block(copy.deepcopy(block), load_scheme(scheme), ["moe"])
+    q.eval()
+    with torch.no_grad():
+        whole = q(x, 0, ids)
+        assert q.ffn.grouped_chunks() is None
+        per_expert = (3 * 64 * q.ffn.experts[0].w2.weight.shape[1]) * q.ffn.experts[0].w1.weight.element_size()
+        monkeypatch.setattr(type(q.ffn), "stack_budget_bytes", lambda self, device: 3 * per_expert)
+        monkeypatch.setattr(type(q.ffn), "CHUNK_BYTES", 3 * per_expert)
+        sizes = []
+        make = qm._fake_quant_stacks
+        monkeypatch.setattr(qm, "_fake_quant_stacks", lambda experts: sizes.append(len(experts)) or make(experts))
+        q.ffn._plan = None
+        assert q.ffn._can_group(x.view(-1, 64))
+        chunked = q(x, 0, ids)
+        assert q.ffn._plan[4] is None and sizes and max(sizes) == 3       # never all 8 experts at once
+        assert len(q.ffn.grouped_chunks()) == 3                             # 3 + 3 + 2 experts
+        q.ffn._can_group = lambda flat: False
+        loop = q(x, 0, ids)
+    assert torch.equal(chunked, whole)
+    assert torch.equal(chunked, loop)
+
+
+def test_the_hessian_observer_sees_the_same_rows_when_chunked(monkeypatch):
+    model = random_tiny_model(0, dtype=torch.float32)
+    ids = torch.randint(2, 512, (2, 70), generator=torch.Generator().manual_seed(5))
+    block = model.layers[3]
+    block.ffn.pack_experts()
+    q = quantize_block(copy.deepcopy(block), load_scheme("w4a16"), ["moe"]).eval()
+    flat = model.embed_tokens(ids).mean(2).reshape(-1, 64)
+
+    def observed():
+        seen = []
+        q.ffn.row_observer = lambda rows, proj, counts: seen.append((proj, rows.clone(), counts.clone()))
+        q.ffn._plan = None
+        with torch.no_grad():
+            out = q.ffn(flat, ids.reshape(-1))
+        del q.ffn.row_observer
+        return out, seen
+
+    whole, seen_whole = observed()
+    per_expert = 3 * 64 * q.ffn.experts[0].w2.weight.shape[1] * 4
+    monkeypatch.setattr(type(q.ffn), "stack_budget_bytes", lambda self, device: 2 * per_expert)
+    monkeypatch.setattr(type(q.ffn), "CHUNK_BYTES", 2 * per_expert)
+    chunked, seen_chunked = observed()
+    assert q.ffn.grouped_chunks() is not None
+    assert torch.equal(whole, chunked)
+    assert [p for p, _, _ in seen_whole] == [p for p, _, _ in seen_chunked] == ["w1", "w2"]
+    for (_, a, ca), (_, b, cb) in zip(seen_whole, seen_chunked):
+        assert torch.equal(a, b) and torch.equal(ca, cb)

@@ -726,10 +726,8 @@ class MoE(nn.Module):
         return current == self._packed[2]
 
     def route_grouped(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """Same math as ``route`` + ``Expert.forward``, as two grouped GEMMs over sorted slots."""
-        w13, w2 = self.grouped_weights()
-        inter = w2.shape[-1]
-        limit = self.experts[0].swiglu_limit
+        """Same math as ``route`` + ``Expert.forward``, as two grouped GEMMs over sorted slots
+        (chunk by chunk of experts where the weights come a chunk at a time: ``grouped_chunks``)."""
         slots = indices.flatten()
         order = slots.argsort(stable=True)
         # rows per expert by scatter-add: on CUDA torch.bincount reads the largest index back to
@@ -745,9 +743,35 @@ class MoE(nn.Module):
         if observer is not None:
             observer(xs, "w1", counts)
         xs = self.grouped_rows(xs, "w1")
-        fused = fused_kernels_enabled(flat.device) and not (torch.is_grad_enabled() and (
-            xs.requires_grad or w13.requires_grad or w2.requires_grad))
         slot_weights = weights.flatten()[order]
+        chunks = self.grouped_chunks()
+        if chunks is None:
+            w13, w2 = self.grouped_weights()
+            y = self._grouped_experts(xs, w13, w2, offsets, slot_weights, observer, counts)
+        else:
+            y = self._grouped_experts_chunked(chunks, xs, offsets, slot_weights, observer, counts)
+        # each token sums its k rows in expert order, as ``route`` does -- by gathering them, not
+        # by index_add_ (atomics on CUDA: an arbitrary order, and slower)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=order.device)
+        rows = rank.view(-1, indices.shape[1]).sort(dim=1).values             # [N, k], expert order
+        if fused_kernels_enabled(flat.device) and not (torch.is_grad_enabled() and y.requires_grad):
+            return combine_rows(y, rows)                                        # one pass, same sums
+        out = y[rows[:, 0]].float()
+        for j in range(1, rows.shape[1]):
+            out += y[rows[:, j]]
+        return out
+
+    def _grouped_experts(self, xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
+                         slot_weights: torch.Tensor, observer, counts: torch.Tensor,
+                         hidden: list | None = None) -> torch.Tensor:
+        """The experts ``w13`` / ``w2`` on their sorted rows ``xs`` (``offsets``: cumulative rows
+        per expert) -> [rows, D]. ``hidden``: collects the w2 input rows instead of observing them
+        here (the chunked path observes them whole)."""
+        inter = w2.shape[-1]
+        limit = self.experts[0].swiglu_limit
+        fused = fused_kernels_enabled(xs.device) and not (torch.is_grad_enabled() and (
+            xs.requires_grad or w13.requires_grad or w2.requires_grad))
         triton_gemm = fused and xs.dtype == w13.dtype == w2.dtype == torch.bfloat16 and \
             grouped_gemm_suited(xs.shape[0], w13.shape[0])
         if triton_gemm:  # both projections, the clamp and SwiGLU in one kernel: [T, I]
@@ -761,30 +785,45 @@ class MoE(nn.Module):
                 if limit > 0:
                     up = up.clamp(-limit, limit)
                     gate = gate.clamp(max=limit)
-                h = (F.silu(gate) * up * slot_weights.unsqueeze(-1)).to(flat.dtype)
-        if observer is not None:
+                h = (F.silu(gate) * up * slot_weights.unsqueeze(-1)).to(xs.dtype)
+        if hidden is not None:
+            hidden.append(h)
+        elif observer is not None:
             observer(h, "w2", counts)
         h = self.grouped_rows(h, "w2")
         if triton_gemm:
-            y = grouped_gemm(h, w2, offsets)                                    # [T, D], sorted slots
-        else:
-            y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)
-        # each token sums its k rows in expert order, as ``route`` does -- by gathering them, not
-        # by index_add_ (atomics on CUDA: an arbitrary order, and slower)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.numel(), device=order.device)
-        rows = rank.view(-1, indices.shape[1]).sort(dim=1).values             # [N, k], expert order
-        if fused:
-            return combine_rows(y, rows)                                        # one pass, same sums
-        out = y[rows[:, 0]].float()
-        for j in range(1, rows.shape[1]):
-            out += y[rows[:, j]]
-        return out
+            return grouped_gemm(h, w2, offsets)                                 # [T, D], sorted slots
+        return torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)
+
+    def _grouped_experts_chunked(self, chunks, xs: torch.Tensor, offsets: torch.Tensor, slot_weights: torch.Tensor,
+                                 observer, counts: torch.Tensor) -> torch.Tensor:
+        """:meth:`_grouped_experts` a chunk of experts at a time, each chunk's weights made for it
+        and dropped after it (``grouped_chunks``); the same per-row math. One host read of the
+        counts (the chunks' row ranges)."""
+        ends = offsets.tolist()
+        ys, hidden = [], ([] if observer is not None else None)
+        for e0, e1, weights_of in chunks:
+            r0, r1 = (ends[e0 - 1] if e0 else 0), ends[e1 - 1]
+            if r1 == r0:
+                continue
+            w13, w2 = weights_of()
+            local = (offsets[e0:e1] - r0).to(torch.int32)
+            ys.append(self._grouped_experts(xs[r0:r1], w13, w2, local, slot_weights[r0:r1], None, None, hidden))
+            del w13, w2
+        if hidden is not None:
+            observer(torch.cat(hidden), "w2", counts)
+        return torch.cat(ys) if ys else xs.new_zeros(0, self.dim)
 
     # hooks of the grouped path (a quantization wrapper swaps in fake-quant weights / inputs)
     def grouped_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, D], w2 [E, D, I]) used by the grouped GEMMs."""
         return self._packed[0], self._packed[1]
+
+    def grouped_chunks(self):
+        """None: the grouped GEMMs run once over :meth:`grouped_weights`. Else a list of
+        (first expert, end expert, a function making that chunk's (w13, w2)), in expert order:
+        for weights made on the fly that do not fit all at once (a wrapper's fake-quant stacks)."""
+        return None
 
     def grouped_rows(self, rows: torch.Tensor, projection: str) -> torch.Tensor:
         """The input rows of ``projection`` ('w1' covers w1 and w3) as the experts see them."""

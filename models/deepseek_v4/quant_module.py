@@ -45,6 +45,7 @@ from amct_ext.quant.quant_linear import (QuantGatedMLP, QuantizedMatmul, QuantLi
                                          load_weight_codes, replaced_weight_params)
 from amct_ext.quant.leaf_stack import LeafStack, SignStep, StackMember, chunk_bounds, held_chunks, stack_leaves
 from amct_ext.quant.quantizers import ActivationQuantizer, WeightQuantizer
+from amct_ext.runtime import device as devmod
 from amct_ext.runtime.grouped_linear import grouped_linear
 from amct_ext.quant.schemes import QuantScheme, TensorSpec, parse_targets
 
@@ -619,7 +620,8 @@ class QuantV4MoE(MoE):
         return q
 
     def _current_plan(self, flat: torch.Tensor) -> tuple:
-        """(generation, experts list, quantized?, groupable?, stacks or None)."""
+        """(generation, experts list, quantized?, groupable?, stacks or None, smoothed?, chunks or
+        None: the expert ranges the fake-quant weights are made in when the stacks do not fit)."""
         plan = self._plan
         if plan is not None and plan[0] == QuantLinear.generation and plan[1] is self.experts:
             return plan
@@ -627,7 +629,7 @@ class QuantV4MoE(MoE):
         quantized = any(getattr(e, "quantized", False) for e in experts)
         # per-channel up limits (w3 -> w2 smoothing): the grouped kernels clamp with one scalar
         smoothed = any(getattr(e, "up_limit", None) is not None for e in experts)
-        stacks, groupable = None, False
+        stacks, groupable, chunks = None, False, None
         if quantized and not smoothed and all(isinstance(e, QuantV4Expert) and e.quantized for e in experts):
             w = experts[0].w1.weight
             groupable = _grouped_mm_supported(w) and all(
@@ -636,23 +638,53 @@ class QuantV4MoE(MoE):
                 for e in experts for proj in ("w1", "w3", "w2"))
             groupable = groupable and experts[0].w1.input_quantizer.spec == experts[0].w3.input_quantizer.spec
             if groupable:
-                stacks = _fake_quant_stacks(experts)
-        self._plan = (QuantLinear.generation, self.experts, quantized, groupable, stacks, smoothed)
+                chunks = self._fake_quant_chunks(experts)
+                stacks = _fake_quant_stacks(experts) if chunks is None else None
+        self._plan = (QuantLinear.generation, self.experts, quantized, groupable, stacks, smoothed, chunks)
         return self._plan
+
+    #: the share of the device's memory the experts' fake-quant stacks may take at once; above it
+    #: they are made a chunk of experts at a time, every forward (a V4-Pro layer's are 47 GiB
+    #: beside its 53 GiB of weights). None on the CPU (no device budget)
+    STACK_SHARE = 0.25
+    #: a chunk's fake-quant weights (bytes) where the stacks do not fit
+    CHUNK_BYTES = 2 << 30
+
+    def _fake_quant_chunks(self, experts) -> list[tuple[int, int]] | None:
+        """None where the fake-quant stacks of all experts fit ``stack_budget_bytes`` (made once
+        and kept), else the expert ranges of the chunks they are made in."""
+        w1, w2 = experts[0].w1.weight, experts[0].w2.weight
+        per_expert = (2 * w1.numel() + w2.numel()) * w1.element_size()
+        budget = self.stack_budget_bytes(w1.device)
+        if budget is None or per_expert * len(experts) <= budget:
+            return None
+        return chunk_bounds(len(experts), per_expert, min(self.CHUNK_BYTES, budget))
+
+    def stack_budget_bytes(self, device: torch.device) -> int | None:
+        total = devmod.total_memory_bytes(device)
+        return None if total is None else int(total * self.STACK_SHARE)
 
     def _can_group_quant(self, flat: torch.Tensor) -> bool:
         if not self.grouped:
             return False
-        _, _, quantized, groupable, stacks, smoothed = self._current_plan(flat)
+        _, _, quantized, groupable, stacks, smoothed, _ = self._current_plan(flat)
         if not quantized:
             return not smoothed and super()._can_group(flat)
         if torch.is_grad_enabled():
             return False  # the stacked fake-quant weights are detached: gradients need the loop
-        return groupable and stacks[0].device == flat.device
+        where = stacks[0].device if stacks is not None else self.experts[0].w1.weight.device
+        return groupable and where == flat.device
 
     def grouped_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         plan = self._plan
         return plan[4] if plan is not None and plan[2] else super().grouped_weights()
+
+    def grouped_chunks(self):
+        plan = self._plan
+        if plan is None or not plan[2] or plan[6] is None:
+            return None
+        experts = list(self.experts)
+        return [(e0, e1, functools.partial(_fake_quant_stacks, experts[e0:e1])) for e0, e1 in plan[6]]
 
     def grouped_rows(self, rows: torch.Tensor, projection: str) -> torch.Tensor:
         plan = self._plan
