@@ -22,7 +22,8 @@ def test_results_quote_the_rendered_table():
 def test_the_default_within_the_layer_budget():
     """The default (100 steps, float16 offsets): capture + solve <= 90 s in a warm run (median 72.7 s
     of five at w4a16-g128, 74.4 s at w3a16-g128, 82.8 s of two at w4a8), 87.9 s (median of three) in a
-    machine's first (one of the three, 96.5 s, over); device peak under 60 GiB; the step above its 0.35-s target."""
+    machine's first (one of the three, 96.5 s, over); device peak under 60 GiB; the step above its 0.35-s target
+    in every run before the levers of the second 2026-12-07 lease (the next test)."""
     speed = load_script("benchmarks/scripts/block_rounding_speed.py")
     rows = {r["tag"]: r for r in speed.rows()}
     from amct_ext.algorithms.recipe import BLOCKROUND_DEFAULT
@@ -34,7 +35,9 @@ def test_the_default_within_the_layer_budget():
     assert round(rows["D100b"]["capture_solve_s"], 1) == 75.3 and round(rows["D100w3"]["capture_solve_s"], 1) == 74.4
     assert round(rows["D100"]["capture_solve_s"], 1) == 96.5
     assert max(rows[t]["capture_solve_s"] for t in ("D100b", "D100w3")) <= 90 < rows["D100"]["capture_solve_s"]
-    assert min(r["step_s"] for r in rows.values() if r.get("step_s")) > 0.35
+    # every run before the attention's and the combine's own backwards was over the 0.35-s target
+    levers = (speed.LEVERS_RUN,)
+    assert min(r["step_s"] for t, r in rows.items() if r.get("step_s") and t not in levers) > 0.35
     for tag in ("E1", "E2", "E3", "E4", "E5", "E6", "W8BR", "W8BR2", "W8BR3"):
         r = rows[tag]
         assert r["algo"] == BLOCKROUND_DEFAULT and r["steps"] == 100 and r["device_gib"] < 60, tag
@@ -103,3 +106,44 @@ def test_the_hc_lease_quotes_hold_in_its_runs_and_its_check():
     assert (f"{check['torch']['ms']:.1f} -> {check['fused']['ms']:.1f} ms" in text
             and f"{before['step_s']:.3f} -> {hc['step_s']:.3f} s" in text
             and f"MSE at step 100 {mse['N1']:.8f} -> {mse['H1']:.8f}" in text)
+
+
+def test_the_levers_lease_quotes_hold_in_its_runs():
+    """2026-12-07, a second H100 lease: the default with the sparse attention's and the experts'
+    combine's own backwards and the build into the stacks (B1, e2e65f3, the machine's first run)
+    against main before them (N2, 2a7c30f, warm): the step under 0.35 s with them and over it
+    without, the device peak lower, the forward unchanged (the same start MSE), the build's peak
+    at the layer's size; a V4-Pro layer's build and capture under 60 GiB and its propagate out of
+    memory at the whole fake-quant stacks (before casebook i34-15); RESULTS quotes the figures."""
+    import re
+    from pathlib import Path
+
+    speed = load_script("benchmarks/scripts/block_rounding_speed.py")
+    rows = {r["tag"]: r for r in speed.rows()}
+    from amct_ext.algorithms.recipe import BLOCKROUND_DEFAULT
+
+    now, before = rows[speed.LEVERS_RUN], rows[speed.LEVERS_BEFORE_RUN]
+    for r in (now, before):
+        assert r["algo"] == BLOCKROUND_DEFAULT and r["steps"] == 100 and r["scheme"] == "w4a16-g128"
+        assert r["capture_solve_s"] <= 90 and r["host_anon_gib"] <= 12.3 + 16
+    assert now["step_s"] <= 0.35 < before["step_s"]
+    assert now["device_gib"] < before["device_gib"] < 60
+    folder = speed.GPU / speed.H100D / "call1"
+    logs = {t: (folder / f"{t}.log").read_text() for t in ("B1", "N2", "PR")}
+
+    def first(pattern, text):
+        return float(re.search(pattern, text).group(1))
+
+    start = {t: first(r"start MSE ([0-9.]+)", logs[t]) for t in ("B1", "N2")}
+    end = {t: float(re.findall(r"MSE ([0-9.]+) \(", logs[t])[-1]) for t in ("B1", "N2")}
+    assert start["B1"] == start["N2"]                       # the forward is unchanged
+    build = {t: first(r"layer 2 build: [0-9.]+ s, device peak ([0-9.]+) GiB", logs[t]) for t in logs}
+    assert build["B1"] < 16 < 27 < build["N2"]              # 15.4 against 27.3 (the stacks beside the load)
+    assert build["PR"] < 60 and first(r"layer 2 capture: [0-9.]+ s, device peak ([0-9.]+) GiB", logs["PR"]) < 60
+    assert "--model v4-pro" in logs["PR"] and "Tried to allocate 31.50 GiB" in logs["PR"]
+    assert "_fake_quant_stacks" in logs["PR"]
+    text = " ".join((Path(speed.REPO) / "benchmarks" / "RESULTS.md").read_text().split())
+    assert (f"a step {before['step_s']:.3f} -> **{now['step_s']:.3f} s**" in text
+            and f"device peak {before['device_gib']:.1f} -> {now['device_gib']:.1f} GiB" in text
+            and f"MSE at step 100 {end['N2']:.8f} -> {end['B1']:.8f}" in text
+            and f"V4-Pro 100.6 -> {build['PR']:.1f} GiB" in text)

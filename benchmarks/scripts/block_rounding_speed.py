@@ -2,7 +2,7 @@
 """Block-wise rounding at real size: one V4-Flash ratio-4 layer (and one V4-Pro layer) on one
 H200, every run the main job's own path (bench_ptq -> run_ptq) at 128 x 2048 calibration, each
 run whole (no projection). Renders the table of benchmarks/results/block-rounding.md §1 (RESULTS §2 quotes its summary) from the
-run folders benchmarks/gpu/{h200_2026-12-04,h100_2026-12-06,h200_2026-12-06,h100_2026-12-07}_blockround/call*/
+run folders benchmarks/gpu/{h200_2026-12-04,h100_2026-12-06,h200_2026-12-06,h100_2026-12-07,h100_2026-12-07b}_blockround/call*/
 (benchmarks/scripts/h200_block_rounding.sh), and the default's medians over its repeats.
 
     python benchmarks/scripts/block_rounding_speed.py [--check-results]
@@ -32,6 +32,7 @@ BEGIN, END = "<!-- block-rounding-speed:begin -->", "<!-- block-rounding-speed:e
 H200, H100 = "h200_2026-12-04_blockround", "h100_2026-12-06_blockround"
 H200B = "h200_2026-12-06_blockround"
 H100C = "h100_2026-12-07_blockround"
+H100D = "h100_2026-12-07b_blockround"
 #: (tag, card folder under benchmarks/gpu, call folder, what it is)
 RUN_ORDER = [
     ("hbr200", H200, "call1", "H200; before: per-step SignSGD hook, float32 offsets"),
@@ -69,6 +70,8 @@ RUN_ORDER = [
     ("H1", H100C, "call1", "H100 (machine 8), first run; the default with the hc ends' own backward (casebook i34-10), prefetch and the kernels' launch shape"),
     ("N1", H100C, "call2", "H100 (machine 8), second run; the same code before the hc ends' backward (968e83e: prefetch and launch shape)"),
     ("PH", H100C, "call3", "H100 (machine 8), 20 steps, third run; step 6 profiled (`call3/prof_PH.txt`)"),
+    ("B1", H100D, "call1", "H100 (machine 9), first run; e2e65f3: the sparse attention's and the experts' combine's own backwards, the build decoding into the stacks"),
+    ("N2", H100D, "call1", "H100 (machine 9), second run; the same lease's baseline, main before those three (2a7c30f)"),
 ]
 #: the default at w4a16-g128 (BLOCKROUND_DEFAULT): runs in a machine's first run (cold page cache)
 #: and warm runs (the checkpoint read before); the headline is the median of the warm runs; w4a8's
@@ -81,6 +84,9 @@ NOW_WARM_RUNS = ("G2", "G3", "G4")
 NOW_BEFORE_RUNS = ("R1", "R2")
 #: 2026-12-07, one H100 lease: the hc ends' own backward (machine's first run) and the code before it
 HC_RUN, HC_BEFORE_RUN = "H1", "N1"
+#: 2026-12-07, a second H100 lease: the attention's and the combine's backwards and the build into
+#: the stacks (machine's first run) against main before them (its second run)
+LEVERS_RUN, LEVERS_BEFORE_RUN = "B1", "N2"
 DEFAULT_FIRST_RUNS = ("D100", "E1", "E5")
 DEFAULT_WARM_RUNS = ("D100b", "E2", "E3", "E4", "E6")
 #: runs measured before the stream-leak fix (casebook i34-8): over the host bound
@@ -163,7 +169,8 @@ def default_summary(rs: list[dict]) -> dict:
             "now_before_capture_solve_s": stat(NOW_BEFORE_RUNS, "capture_solve_s"),
             "now_before_step_s": stat(NOW_BEFORE_RUNS, "step_s"),
             "now_before_device_gib": stat(NOW_BEFORE_RUNS, "device_gib"),
-            "hc": by[HC_RUN], "hc_before": by[HC_BEFORE_RUN]}
+            "hc": by[HC_RUN], "hc_before": by[HC_BEFORE_RUN],
+            "levers": by[LEVERS_RUN], "levers_before": by[LEVERS_BEFORE_RUN]}
 
 
 def render_summary(sm: dict) -> str:
@@ -191,6 +198,16 @@ def render_hc_lease(sm: dict) -> str:
             f"{sm['hc_before']['capture_solve_s']:.1f} s, {sm['hc_before']['device_gib']:.1f} GiB.")
 
 
+def render_levers_lease(sm: dict) -> str:
+    """The second 2026-12-07 H100 lease: below the table in results/block-rounding.md only."""
+    a, b = sm["levers"], sm["levers_before"]
+    return (f"On one H100 (2026-12-07, a second lease), with the sparse attention's and the experts' combine's own "
+            f"backwards: a step {a['step_s']:.3f} s, capture + solve {a['capture_solve_s']:.1f} s (the machine's first "
+            f"run), block stage {a['block_s']:.1f} s, device peak {a['device_gib']:.1f} GiB; main before them (2a7c30f), "
+            f"warm: {b['step_s']:.3f} s, {b['capture_solve_s']:.1f} s, block stage {b['block_s']:.1f} s, "
+            f"{b['device_gib']:.1f} GiB.")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check-results", action="store_true")
@@ -198,7 +215,7 @@ def main(argv=None) -> int:
     rs = rows()
     sm = default_summary(rs)
     summary = render_summary(sm)
-    table = render(rs) + "\n\n" + summary + " " + render_hc_lease(sm)
+    table = render(rs) + "\n\n" + summary + " " + render_hc_lease(sm) + " " + render_levers_lease(sm)
     if not a.check_results:
         print(table)
         return 0
