@@ -142,8 +142,13 @@ def test_the_levers_lease_quotes_hold_in_its_runs():
     assert build["PR"] < 60 and first(r"layer 2 capture: [0-9.]+ s, device peak ([0-9.]+) GiB", logs["PR"]) < 60
     assert "--model v4-pro" in logs["PR"] and "Tried to allocate 31.50 GiB" in logs["PR"]
     assert "_fake_quant_stacks" in logs["PR"]
+    pr3 = (speed.GPU / speed.H100D / "call3" / "PR3.log").read_text()     # after casebook i34-15
+    propagate = re.search(r"layer 2 propagate: ([0-9.]+) s, device peak ([0-9.]+) GiB.*KeyboardInterrupt", pr3)
+    assert propagate and float(propagate.group(2)) < 60 and "_grouped_experts_chunked" in pr3
     text = " ".join((Path(speed.REPO) / "benchmarks" / "RESULTS.md").read_text().split())
     assert (f"a step {before['step_s']:.3f} -> **{now['step_s']:.3f} s**" in text
             and f"device peak {before['device_gib']:.1f} -> {now['device_gib']:.1f} GiB" in text
             and f"MSE at step 100 {end['N2']:.8f} -> {end['B1']:.8f}" in text
-            and f"V4-Pro 100.6 -> {build['PR']:.1f} GiB" in text)
+            and f"V4-Pro 100.6 -> {build['PR']:.1f} GiB" in text
+            and f"propagate peak {float(propagate.group(2)):.1f} GiB" in text
+            and f"cut unfinished after {float(propagate.group(1)):.0f} s" in text)
