@@ -33,6 +33,11 @@ mkdir -p "$OUT" "$W" "$RES"
 export PYTHONPATH=$REPO PYTHONUNBUFFERED=1
 T0=$(date +%s)
 say() { echo "[$(date +%T) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/summary.txt"; }
+# everything so far to $OUT: after every run, not only at the end, so a call cut by the device
+# tool's limit still returns the runs it finished (casebook i34-16)
+publish() {
+  tar czf "$OUT/results.tgz" -C "$RES" . && cp "$RES/summary.txt" "$OUT/" && { cp "$RES"/prof_*.txt "$OUT/" 2>/dev/null; true; }
+}
 
 ckpt() {  # like out
   [ -f "$2/model.safetensors.index.json" ] && return 0
@@ -59,6 +64,7 @@ run() {   # tag scheme algo [limit] [model]
   grep -E "blockround|^\[phase\] layer 2 (capture|solve|build|propagate)|^error|Error|BOUND|projection v4-flash" \
       "$RES/$tag.log" | grep -v "steps, " | tail -14 | tee -a "$RES/summary.txt"
   grep -E "steps, " "$RES/$tag.log" | tail -2 | tee -a "$RES/summary.txt"
+  publish
 }
 
 for st in ${*:-env kernels ckpt}; do
@@ -83,5 +89,5 @@ for st in ${*:-env kernels ckpt}; do
   esac
 done
 say "done"
-tar czf "$OUT/results.tgz" -C "$RES" . && cp "$RES/summary.txt" "$OUT/" && cp "$RES"/prof_*.txt "$OUT/" 2>/dev/null
+publish
 true
