@@ -142,3 +142,12 @@ def test_slot_combine_rerun_equals_the_record_on_its_host(rec):
     five block-rounding defaults after it equal main's before it on the same host, to the last digit;
     RESULTS quotes both sides."""
     _assert_rerun_equals("slot_combine_rerun.json", "slot_combine_before.json", "the routed experts' combine")
+
+
+def test_build_stacks_rerun_equals_the_record_on_its_host(rec):
+    """A layer's build decoding its experts into the grouped-GEMM stacks (casebook i34-14) and the
+    quantized MoE's chunked fake-quant path (i34-15, never taken on the CPU) change no CPU number:
+    the whole-split reruns of the five block-rounding defaults after them equal main's before them
+    on the same host, to the last digit; RESULTS quotes both sides."""
+    _assert_rerun_equals("build_stacks_rerun.json", "build_stacks_before.json", "holds its experts once")
+
