@@ -57,17 +57,21 @@ def test_gradients_never_take_the_grouped_path():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
 
 
+def _quantized_layer3(dtype, scheme: str, seed: int):
+    """(ids, embedded x, layer 3 of a random tiny model packed and quantized at ``scheme``)."""
+    model = random_tiny_model(0, dtype=dtype)
+    ids = torch.randint(2, 512, (2, 70), generator=torch.Generator().manual_seed(seed))
+    block = model.layers[3]
+    block.ffn.pack_experts()
+    return ids, model.embed_tokens(ids), quantize_block(copy.deepcopy(block), load_scheme(scheme), ["moe"])
+
+
 @pytest.mark.parametrize("scheme", ["w8a8", "fp8", "mxfp4", "mxfp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_fake_quant_equals_per_expert_loop(scheme, dtype):
     """Per-token input scales depend on the row alone, so quantizing all sorted rows at once and
     running the stacked fake-quant weights gives exactly the per-expert loop's result."""
-    model = random_tiny_model(0, dtype=dtype)
-    ids = torch.randint(2, 512, (2, 70), generator=torch.Generator().manual_seed(2))
-    x = model.embed_tokens(ids)
-    block = model.layers[3]
-    block.ffn.pack_experts()
-    q = quantize_block(copy.deepcopy(block), load_scheme(scheme), ["moe"])
+    ids, x, q = _quantized_layer3(dtype, scheme, 2)
     with torch.no_grad():
         assert q.ffn._can_group(x.view(-1, 64))
         grouped = q(x, 0, ids)
@@ -145,12 +149,7 @@ def test_fake_quant_experts_a_chunk_at_a_time_give_the_same_numbers(scheme, dtyp
     stacks never built, and per-expert statistics (the Hessian observer) the same."""
     from models.deepseek_v4 import quant_module as qm
 
-    model = random_tiny_model(0, dtype=dtype)
-    ids = torch.randint(2, 512, (2, 70), generator=torch.Generator().manual_seed(4))
-    x = model.embed_tokens(ids)
-    block = model.layers[3]
-    block.ffn.pack_experts()
-    q = quantize_block(copy.deepcopy(block), load_scheme(scheme), ["moe"])
+    ids, x, q = _quantized_layer3(dtype, scheme, 4)
     q.eval()
     with torch.no_grad():
         whole = q(x, 0, ids)
@@ -173,12 +172,9 @@ def test_fake_quant_experts_a_chunk_at_a_time_give_the_same_numbers(scheme, dtyp
 
 
 def test_the_hessian_observer_sees_the_same_rows_when_chunked(monkeypatch):
-    model = random_tiny_model(0, dtype=torch.float32)
-    ids = torch.randint(2, 512, (2, 70), generator=torch.Generator().manual_seed(5))
-    block = model.layers[3]
-    block.ffn.pack_experts()
-    q = quantize_block(copy.deepcopy(block), load_scheme("w4a16"), ["moe"]).eval()
-    flat = model.embed_tokens(ids).mean(2).reshape(-1, 64)
+    ids, x, q = _quantized_layer3(torch.float32, "w4a16", 5)
+    q.eval()
+    flat = x.mean(2).reshape(-1, 64)
 
     def observed():
         seen = []
