@@ -799,7 +799,8 @@ class MoE(nn.Module):
                                  observer, counts: torch.Tensor) -> torch.Tensor:
         """:meth:`_grouped_experts` a chunk of experts at a time, each chunk's weights made for it
         and dropped after it (``grouped_chunks``); the same per-row math. One host read of the
-        counts (the chunks' row ranges)."""
+        counts (the chunks' row ranges): a CUDA-graph capture of such a layer fails on it and the
+        replay wrapper runs it eagerly (``runtime.device``), as for any forward that syncs."""
         ends = offsets.tolist()
         ys, hidden = [], ([] if observer is not None else None)
         for e0, e1, weights_of in chunks:
