@@ -72,6 +72,14 @@ def combine_rows(y: torch.Tensor, rows: torch.Tensor, block: int = 1024) -> torc
     return out
 
 
+def slot_rows(order: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, k]: each token's rows in the expert-sorted slots (``order``: the stable argsort of the
+    flattened [N, k] expert indices), in expert order -- the order ``route`` sums them in."""
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return rank.view(-1, k).sort(dim=1).values
+
+
 class SlotCombine(torch.autograd.Function):
     """``out[t] = sum_j y[rows[t, j]]`` in fp32, j in order (what ``combine_rows`` computes), with
     its own backward: every row of ``y`` belongs to exactly one token, so ``grad_y[r]`` is that

@@ -34,7 +34,7 @@ from .banded_attention import BandedAttention, banded_attention
 from .configuration import DeepseekV4Config
 from .fused_attention import fused_index_score, fused_sparse_attention
 from .fused_hc import hc_post_fused, hc_pre_fused
-from .fused_moe import clamped_swiglu, combine_rows, grouped_gemm, grouped_gemm_suited
+from .fused_moe import clamped_swiglu, combine_slots, grouped_gemm, grouped_gemm_suited, slot_rows
 from .fused_norm_rope import rms_norm, rope_inplace
 
 
@@ -751,16 +751,8 @@ class MoE(nn.Module):
         else:
             y = self._grouped_experts_chunked(chunks, xs, offsets, slot_weights, observer, counts)
         # each token sums its k rows in expert order, as ``route`` does -- by gathering them, not
-        # by index_add_ (atomics on CUDA: an arbitrary order, and slower)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.numel(), device=order.device)
-        rows = rank.view(-1, indices.shape[1]).sort(dim=1).values             # [N, k], expert order
-        if fused_kernels_enabled(flat.device) and not (torch.is_grad_enabled() and y.requires_grad):
-            return combine_rows(y, rows)                                        # one pass, same sums
-        out = y[rows[:, 0]].float()
-        for j in range(1, rows.shape[1]):
-            out += y[rows[:, j]]
-        return out
+        # by index_add_ (atomics on CUDA: an arbitrary order, and slower); one Triton pass on CUDA
+        return combine_slots(y, slot_rows(order, indices.shape[1]), tok)
 
     def _grouped_experts(self, xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
                          slot_weights: torch.Tensor, observer, counts: torch.Tensor,
@@ -841,8 +833,7 @@ def _grouped_mm_supported_for(shape: Sequence[int], dtype: torch.dtype, device: 
     if not hasattr(torch, "_grouped_mm"):
         return False
     ok_dtype = dtype == torch.bfloat16 or (device.type == "cpu" and dtype == torch.float32)
-    item = torch.empty((), dtype=dtype).element_size()
-    aligned = all((n * item) % 16 == 0 for n in shape)
+    aligned = all((n * dtype.itemsize) % 16 == 0 for n in shape)
     return device.type in ("cpu", "cuda") and ok_dtype and aligned
 
 

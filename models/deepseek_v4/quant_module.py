@@ -50,7 +50,7 @@ from amct_ext.runtime.grouped_linear import grouped_linear
 from amct_ext.quant.schemes import QuantScheme, TensorSpec, parse_targets
 
 from .modeling import Attention, Block, Compressor, Expert, Indexer, Matmul, MoE, _grouped_mm_supported
-from .fused_moe import combine_slots
+from .fused_moe import combine_slots, slot_rows
 
 ATTN_TARGETS = ("attn-linear", "attn-linear-all", "attn-cache")
 
@@ -800,11 +800,8 @@ class QuantV4MoE(MoE):
                 ys.append(run(rows, rw))
             start += n
         y = torch.cat(ys)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.numel(), device=order.device)
-        rows = rank.view(-1, indices.shape[1]).sort(dim=1).values             # [N, k], expert order
         # fp32 sums in expert order, as route and route_grouped; its own backward (one gather)
-        return combine_slots(y, rows, token_of_row)
+        return combine_slots(y, slot_rows(order, indices.shape[1]), token_of_row)
 
     def _stacked_chunk(self, k: int, counts: list[int], x: torch.Tensor, slot_weights: torch.Tensor) -> torch.Tensor:
         """Chunk k's experts on their rows ``x`` (sorted, ``counts`` per expert): Expert.forward's math."""
