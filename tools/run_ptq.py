@@ -180,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="device memory for one capture pass's Hessians (recipes that replay no calls: rtn, "
                          "hclip, gptq); a layer needing more is captured in several passes "
                          "(default: 35%% of the accelerator's memory, no limit on cpu)")
+    rt.add_argument("--device-memory-gb", type=float, default=None,
+                    help="use at most this much of the accelerator (GiB): every memory budget (Hessian "
+                         "passes, fake-quant chunks, blockround's turns) is planned against it and the "
+                         "allocator refuses more; e.g. 60 to run on a larger card as a 64-GB Ascend 910B "
+                         "would (default: the whole device)")
     rt.add_argument("--boundary", choices=("recompute", "send"), default="recompute",
                     help="under torchrun: how a rank gets the float inputs of its first layer (recompute the "
                          "layers before it, or receive them from the previous rank); same results")

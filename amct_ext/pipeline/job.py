@@ -110,6 +110,7 @@ class PtqOptions:
     sharded_ptq: bool = False
     capture_memory_gb: float | None = None
     hessian_memory_gb: float | None = None
+    device_memory_gb: float | None = None
     boundary: str = "recompute"
     # ---- output and export
     export: str | None = None
@@ -184,6 +185,9 @@ class RuntimePart:
     sharded_ptq: bool
     boundary: str = "recompute"       # under torchrun: how a rank gets its first layer's inputs
     quiet: bool = False               # no progress display
+    #: the accelerator memory the run may use (GiB): every budget is planned against it and the
+    #: allocator refuses more (None: the whole device)
+    device_memory_gb: float | None = None
 
 
 @dataclass
@@ -386,6 +390,8 @@ def check_request(opts: PtqOptions) -> _Inputs:
     hes = _memory_gb("--hessian-memory-gb", opts.hessian_memory_gb)
     if opts.hessian_memory_gb is not None and opts.hessian_memory_gb == 0:
         raise ConfigError("--hessian-memory-gb 0: must be > 0 (omit it for 35% of the accelerator's memory)")
+    if _memory_gb("--device-memory-gb", opts.device_memory_gb) == 0:
+        raise ConfigError("--device-memory-gb 0: must be > 0 (omit it for the whole device)")
     modes = [m.strip() for m in (opts.ppl_modes or "").split(",") if m.strip()]
     for m in modes:
         if m not in PPL_MODES:
@@ -536,7 +542,7 @@ def build_job(opts: PtqOptions, spec: ModelPlanSpec, paths: ResolvedPaths, *, ch
             seq_len=seq_len, max_windows=opts.eval_windows, first_window=opts.eval_first_window,
             batch_size=inp.eval_batch, data_path=eval_path, sharded=opts.sharded_eval)),
         runtime=RuntimePart(opts.device, opts.dtype, opts.threads, inp.cap, inp.hes, opts.sharded_ptq,
-                            boundary=opts.boundary, quiet=opts.quiet),
+                            boundary=opts.boundary, quiet=opts.quiet, device_memory_gb=opts.device_memory_gb),
         output=OutputPart(out, layers, resume=False),
         export=export, ptq=not opts.no_ptq)
     job.output.resume = resume

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..runtime import device as devmod
 from .job import PtqJob
 
 
@@ -48,6 +49,8 @@ def run_job(job: PtqJob, *, phases: Any = None, t_start: float | None = None) ->
     # bars on a terminal; in a log file (not a TTY) plain lines instead (PtqProgress), no escape codes
     with job.model.spec.adapter(run.run_config(progress=not job.runtime.quiet and main_rank and interactive())) \
             as adapter:
+        if job.runtime.device_memory_gb is not None:
+            devmod.cap_memory(adapter.device, int(job.runtime.device_memory_gb * 2 ** 30), "--device-memory-gb")
         check_seq_len(adapter, job.spec.calibration.seq_len, "--seq-len")
         run.layers = layer_range(adapter, job.output.layers.start, job.output.layers.stop)
         run.open(adapter)
@@ -195,7 +198,6 @@ class _JobRun:
         """report.json (the keys in their order of old)."""
         import torch
 
-        from ..runtime import device as devmod
 
         job, cfg, layers, recipe = self.job, self.ptq_cfg, self.layers, job_recipe(self.job)
         s = self.spec

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from . import device_checks
-from ..errors import AmctError
+from ..errors import AmctError, ConfigError
 
 BACKENDS = ("npu", "cuda", "cpu")
 
@@ -391,13 +391,36 @@ def memory_allocated(device: str | torch.device | None = None) -> int:
 
 
 def total_memory_bytes(device: str | torch.device | None = None) -> int | None:
-    """The accelerator's total memory in bytes (what a memory budget is a fraction of); None on
-    cpu, where the host's memory is shared with everything else and no budget is implied."""
+    """The accelerator's total memory in bytes (what a memory budget is a fraction of), or the
+    cap :func:`cap_memory` set on it; None on cpu, where the host's memory is shared with
+    everything else and no budget is implied."""
     dev = _as_device(device)
     if dev.type in ("npu", "cuda"):
         index = dev.index if dev.index is not None else _accel_module(dev.type).current_device()
-        return int(_accel_module(dev.type).get_device_properties(index).total_memory)
+        total = int(_accel_module(dev.type).get_device_properties(index).total_memory)
+        return min(total, _MEMORY_CAPS.get((dev.type, index), total))
     return None
+
+
+#: (device type, index) -> the bytes the run may use there (``cap_memory``)
+_MEMORY_CAPS: dict[tuple[str, int], int] = {}
+
+
+def cap_memory(device: str | torch.device, nbytes: int, flag: str = "the memory cap") -> None:
+    """Use at most ``nbytes`` of the accelerator ``device``: :func:`total_memory_bytes` reports
+    the cap (every budget is a share of it) and the caching allocator refuses to grow past it, so
+    a run planned for a smaller card (a 64-GB Ascend 910B) is held to it on a larger one. A cap
+    over the device's memory, or on the CPU (no accelerator to cap), is refused naming ``flag``."""
+    dev = _as_device(device)
+    if dev.type not in ("npu", "cuda"):
+        raise ConfigError(f"{flag}: the run is on {dev}, which has no accelerator memory to cap")
+    index = dev.index if dev.index is not None else _accel_module(dev.type).current_device()
+    total = int(_accel_module(dev.type).get_device_properties(index).total_memory)
+    if not 0 < nbytes <= total:
+        raise ConfigError(f"{flag} {nbytes / 2 ** 30:g} GiB: {dev} has {total / 2 ** 30:.1f} GiB; give a value "
+                          "in (0, that]")
+    _accel_module(dev.type).set_per_process_memory_fraction(nbytes / total, index)
+    _MEMORY_CAPS[(dev.type, index)] = nbytes
 
 
 # ----------------------------------------------------------------------------- timing
