@@ -338,19 +338,26 @@ def test_a_block_stage_larger_than_the_device_is_refused_before_any_layer(tmp_pa
             monkeypatch.setattr(workflow.devmod, "total_memory_bytes", lambda dev=None, _t=total: _t)
             with pytest.raises(CE, match=r"layer 0's block stage \('blockround'\) holds at least .* GiB .*"
                                          r"--algo hclip,gptq:sequential=false"):
-                run_blockwise_ptq(a, _spec(calib_text, "hclip,blockround:offset_dtype=float16", "quant"),
+                run_blockwise_ptq(a, _spec(calib_text, "hclip,blockround:offset_dtype=float16:turns=1", "quant"),
                                   tmp_path / "r", layers=range(0, 2))
-        stage = workflow.BlockStage(parse_algo("blockround:offset_dtype=float16").block_algorithm, "quant", 0)
+        stage = workflow.BlockStage(parse_algo("blockround:offset_dtype=float16:turns=1").block_algorithm, "quant", 0)
         spec = _spec(calib_text, "blockround", "quant").resolved()
         for total in (n * per, None):
             monkeypatch.setattr(workflow.devmod, "total_memory_bytes", lambda dev=None, _t=total: _t)
             stage.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 2))     # not refused
         # float32 offsets hold 2 bytes more a weight; attention-only targets count nothing here
         monkeypatch.setattr(workflow.devmod, "total_memory_bytes", lambda dev=None: n * per)
-        stage32 = workflow.BlockStage(parse_algo("blockround").block_algorithm, "quant", 0)
+        stage32 = workflow.BlockStage(parse_algo("blockround:turns=1").block_algorithm, "quant", 0)
         with pytest.raises(CE, match="block stage"):
             stage32.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 1))
         stage32.check_device_memory(a, "r", spec.scheme, ("attn-linear",), range(0, 1))
+        # the default (turns=0: the experts in turns where they do not fit) holds at least their
+        # codes, half a byte a weight: refused only under that
+        turned = workflow.BlockStage(parse_algo("blockround:offset_dtype=float16").block_algorithm, "quant", 0)
+        turned.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 1))
+        monkeypatch.setattr(workflow.devmod, "total_memory_bytes", lambda dev=None: n // 2 - 1)
+        with pytest.raises(CE, match="block stage"):
+            turned.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 1))
 
 
 def test_a_tiny_run_saves_every_unit_and_its_params_give_back_its_ppl(tmp_path, calib_text, wiki_test_raw):
@@ -402,10 +409,11 @@ def test_v4_samples_concatenate_into_one_block_call(calib_text):
         assert a.concat_samples(short, stream.state[:2]) is None
 
 
-@pytest.mark.parametrize("name, weights_g, gib", [("flash", 6.47, 24.1), ("pro", 25.43, 94.7)])
-def test_the_released_configs_expert_counts(tmp_path, name, weights_g, gib):
-    """The figures casebook i34-6 quotes: the experts' weights of a V4-Flash / V4-Pro layer from the
-    shipped official config.json, and what blockround (bf16, float16 offsets) holds for them at least."""
+@pytest.mark.parametrize("name, weights_g, gib, codes_gib", [("flash", 6.47, 24.1, 3.0), ("pro", 25.43, 94.7, 11.8)])
+def test_the_released_configs_expert_counts(tmp_path, name, weights_g, gib, codes_gib):
+    """The figures casebook i34-6 and i34-17 quote: the experts' weights of a V4-Flash / V4-Pro layer
+    from the shipped official config.json, what blockround (bf16, float16 offsets) holds for them at
+    least in one turn, and in turns (their 4-bit codes)."""
     import shutil
 
     from models.deepseek_v4.cost import v4_target_weight_count
@@ -415,5 +423,6 @@ def test_the_released_configs_expert_counts(tmp_path, name, weights_g, gib):
     shutil.copy(CONFIGS / f"deepseek-v4-{name}.config.json", tmp_path / "config.json")
     n = v4_target_weight_count(load_config(tmp_path), 0, "moe")
     assert round(n / 1e9, 2) == weights_g
-    assert round(n * BlockRound(offset_dtype="float16").block_bytes_per_weight(2) / 2 ** 30, 1) == gib
+    assert round(n * BlockRound(offset_dtype="float16", turns=1).block_bytes_per_weight(2) / 2 ** 30, 1) == gib
+    assert round(n * BlockRound(offset_dtype="float16").block_bytes_per_weight(2) / 2 ** 30, 1) == codes_gib
     assert v4_target_weight_count(load_config(tmp_path), 0, "attn-linear") == 0

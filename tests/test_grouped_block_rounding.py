@@ -21,9 +21,8 @@ import torch
 
 from amct_ext.algorithms.base import BlockData
 from amct_ext.algorithms.block_rounding import BlockRound
-from amct_ext.pipeline.ptq_units import PtqUnit
 from amct_ext.quant.schemes import QuantScheme
-from models.deepseek_v4.quant_module import QuantV4MoE, iter_block_ptq_units, quantize_block
+from models.deepseek_v4.quant_module import iter_block_ptq_units, quantize_block
 from models.deepseek_v4.tiny import random_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -155,8 +154,9 @@ def _expert_bytes(block) -> int:
     return sum(getattr(block.ffn.experts[0], n).weight.numel() for n in ("w1", "w3", "w2")) * 4
 
 
-def _run_blockround(block, x, ids, grouped: bool, steps=12, **knobs):
-    """BlockRound on the layer, its input/target samples made here (the float layer's outputs)."""
+def block_data(block, x, ids) -> tuple[list, BlockData]:
+    """(units, BlockData) of layer 3 on the samples ``x`` (one a row), its targets the float
+    layer's outputs."""
     units = list(iter_block_ptq_units(block, 3, ["moe"]))
     from models.deepseek_v4.quant_module import set_quant_enabled
     with torch.no_grad():
@@ -164,9 +164,14 @@ def _run_blockround(block, x, ids, grouped: bool, steps=12, **knobs):
         samples = [(x[i:i + 1], {"start_pos": 0, "input_ids": ids[i:i + 1]}) for i in range(x.shape[0])]
         targets = [block(s, st["start_pos"], st["input_ids"]) for s, st in samples]
         set_quant_enabled(block, True)
-    data = BlockData(units=units, inputs=[s for s, _ in samples], states=[st for _, st in samples], targets=targets,
-                     forward=lambda xx, st: block(xx, st["start_pos"], st["input_ids"]), seed=5, layer_idx=3,
-                     block=block)
+    return units, BlockData(units=units, inputs=[s for s, _ in samples], states=[st for _, st in samples],
+                            targets=targets, forward=lambda xx, st: block(xx, st["start_pos"], st["input_ids"]),
+                            seed=5, layer_idx=3, block=block)
+
+
+def _run_blockround(block, x, ids, grouped: bool, steps=12, **knobs):
+    """BlockRound on the layer, its input/target samples made here (the float layer's outputs)."""
+    units, data = block_data(block, x, ids)
     stats = BlockRound(iters=steps, lr=0.02, batch=1, eval_every=3, fold_grid=False, grouped=grouped,
                        chunk_gb=3 * _expert_bytes(block) / 2 ** 30, **knobs).apply_block(data)   # 3 experts a chunk
     state = {}

@@ -44,6 +44,13 @@ numbers as every expert run as its own module (tests/test_grouped_block_rounding
 Each step's samples are copied to the device during the step before, on a side stream
 (``prefetch``). A V4-Flash layer: 0.40 s a step on one H200, 51.4 GiB device peak (RESULTS,
 block-rounding speed).
+
+Where a layer's experts and their offsets do not fit the device at once (V4-Pro: 94.7 GiB), they
+are tuned in ``turns`` (a model's ``begin_leaf_turns``; V4's in ``expert_turns.py``): turn j's
+experts on the device with their state for its share of the steps, every other expert at its
+current fake-quant value decoded from integer codes, the other units stepping throughout; the
+end is compared with the start once, and the experts end folded into fixed grids. Each expert
+then gets ``iters / turns`` steps: a quality price (results §1b), paid only where memory binds.
 """
 from __future__ import annotations
 
@@ -176,12 +183,29 @@ class BlockRound(Algorithm):
     #: each step's samples copied to the device during the step before, on a side stream (one
     #: batch more on the device: 1 GiB on V4-Flash at batch 8; the same numbers)
     prefetch: bool = True
+    #: the routed experts tuned in turns (a model's ``begin_leaf_turns``): 0 = as many as the
+    #: device needs (1 where every expert's float weights and offsets fit WHOLE_SHARE of it: a
+    #: V4-Flash layer; else each turn's within TURN_SHARE: a V4-Pro layer), N = N turns. A turn
+    #: has its experts' float weights and offsets on the device and ``iters / turns`` steps (its
+    #: own decaying schedule); the experts outside it run at their current fake-quant values,
+    #: decoded from integer codes. The other units step through all ``iters`` steps. The layer
+    #: ends folded into fixed grids, or as it began where its MSE did not improve
+    turns: int = 0
+
+    #: the device share every expert's float weights and offsets may take for one turn (auto)
+    WHOLE_SHARE: ClassVar[float] = 0.42
+    #: the share one turn's experts take where they do not (the codes of all experts, the
+    #: layer's other weights and the step's intermediates share the rest)
+    TURN_SHARE: ClassVar[float] = 0.15
 
     def settings(self) -> dict[str, Any]:
         # these change where intermediates live, not one number (test_block_rounding,
         # test_grouped_block_rounding): a run may resume with them switched, and they are not
-        # part of the folder's fingerprint
-        return {k: v for k, v in super().settings().items() if k not in MEMORY_ONLY_SETTINGS}
+        # part of the folder's fingerprint. ``turns=0`` (as many as the device needs) is left out
+        # as well, so a record of the default reads as before the option; the count a layer took
+        # is in its statistics ("turns")
+        return {k: v for k, v in super().settings().items()
+                if k not in MEMORY_ONLY_SETTINGS and not (k == "turns" and v == 0)}
 
     def check(self) -> None:
         if self.iters < 0:
@@ -202,6 +226,14 @@ class BlockRound(Algorithm):
             raise ConfigError(f"hold_gb={self.hold_gb}: must be >= 0 (0: every expert chunk recomputed)")
         if self.offset_dtype not in ("float32", "float16"):
             raise ConfigError(f"offset_dtype={self.offset_dtype!r}: must be 'float32' or 'float16'")
+        if self.turns < 0:
+            raise ConfigError(f"turns={self.turns}: must be >= 0 (0: as many as the device needs)")
+        if self.turns > 1 and not self.fold_grid:
+            raise ConfigError(f"turns={self.turns} needs fold_grid=true: between turns an expert's result is "
+                              "held as its codes on a fixed grid, not as offsets")
+        if self.turns > 1 and self.keep_best:
+            raise ConfigError(f"turns={self.turns} needs keep_best=false: in turns only the end is compared "
+                              "with the start (the layer's whole state is never on the device to copy)")
 
     def needs(self) -> Needs:
         # the unit capture serves the unit algorithms before it; this one reads the layer's
@@ -211,10 +243,38 @@ class BlockRound(Algorithm):
     def float_model_targets(self, propagate: str) -> bool:
         return self.target == "float_model" and propagate == "quant"
 
-    def block_bytes_per_weight(self, weight_bytes: int) -> int:
+    def block_bytes_per_weight(self, weight_bytes: int) -> float:
         # every tuned weight and its rounding offset live on the device together for the whole
-        # stage (the clips, one a group, are left out: a lower bound)
+        # stage (the clips, one a group, are left out: a lower bound); in turns, the codes of
+        # the experts outside the turn (half a byte at <= 4 bits)
+        if self.turns != 1:
+            return 0.5
         return weight_bytes + (2 if self.offset_dtype == "float16" else 4)
+
+    def _turn_hosts(self, data: BlockData) -> list:
+        """The layer's modules that can tune their leaves in turns (``begin_leaf_turns``)."""
+        if not self.grouped or data.block is None:
+            return []
+        return [m for m in data.block.modules() if getattr(m, "begin_leaf_turns", None) is not None
+                and m.leaf_turn_bytes(getattr(torch, self.offset_dtype)) > 0]
+
+    def turns_for(self, data: BlockData) -> int:
+        """How many turns this layer's experts take (``turns``; 0: what the device needs)."""
+        hosts = self._turn_hosts(data)
+        if not hosts:
+            return 1
+        if self.turns:
+            return self.turns
+        need = sum(h.leaf_turn_bytes(getattr(torch, self.offset_dtype)) for h in hosts)
+        total = devmod.total_memory_bytes(data.device)
+        if total is None or need <= self.WHOLE_SHARE * total:
+            return 1
+        if not self.fold_grid or self.keep_best:
+            raise ConfigError(
+                f"blockround, layer {data.layer_idx}: the experts' weights and offsets ({need / 2 ** 30:.1f} GiB) do "
+                f"not fit {self.WHOLE_SHARE:.0%} of {data.device} at once, and tuning them in turns needs "
+                "fold_grid=true and keep_best=false")
+        return -(-need // int(self.TURN_SHARE * total))
 
     def apply(self, unit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
         raise ConfigError("blockround tunes a whole layer: it runs through the workflow's block stage, "
@@ -251,13 +311,11 @@ class BlockRound(Algorithm):
             return {u.name: {"skipped": "no integer weight quantizer with scales from the weight"} for u in data.units}
         if not n:
             return {u.name: {"skipped": "no calibration samples"} for u in data.units}
+        n_turns = self.turns_for(data)
+        if n_turns > 1:
+            return self._apply_in_turns(data, per_unit, leaves, n_turns)
         modules = [u.module for u in data.units]
-        frozen = [p for m in modules for p in m.parameters() if p.requires_grad]
-        for p in frozen:
-            p.requires_grad_(False)
-        was_training = [m.training for m in modules]
-        for m in modules:
-            m.eval()
+        tuning = _Tuning(modules)
         sign_step = SignStep()
         hosts, stacks = self._attach_stacks(data, sign_step)
         in_stack = {id(m.leaf) for st in stacks for m in st.members}
@@ -343,25 +401,143 @@ class BlockRound(Algorithm):
         except torch.OutOfMemoryError:
             raise self._out_of_memory(data, params) from None
         finally:
-            for h in hooks:
-                h.remove()
-            for p in params:
-                p.requires_grad_(False)
-                p.grad = None
-            for p in frozen:
-                p.requires_grad_(True)
+            _release(hooks, params)
             for h in hosts:
                 h.detach_leaf_stacks()
-            for m, tr in zip(modules, was_training):
-                _invalidate(m)
-                m.train(tr)
+            tuning.restore()
+
+    def _apply_in_turns(self, data: BlockData, per_unit: dict[str, list], leaves: list,
+                        n_turns: int) -> dict[str, dict[str, Any]]:
+        """apply_block with the routed experts in turns (``turns``): turn j tunes its experts'
+        offsets and clips for its share of the steps, every other expert at its current codes;
+        the other units' state steps through every turn. One comparison: the end against the
+        start (all experts at their codes both times)."""
+        dev = data.device
+        modules = [u.module for u in data.units]
+        hosts = self._turn_hosts(data)
+        turned = {id(leaf) for h in hosts for leaf in h.turn_leaves()}
+        # no reference to a turned leaf's weight may outlive the start of the turns: the device
+        # copy of the experts (47 GiB on V4-Pro) is freed only with its last reference. The leaf
+        # lists without those weights (edited in place: the caller holds them too); _Tuning
+        # keeps the frozen parameters by name
+        _drop_weights(leaves, turned)
+        for lfs in per_unit.values():
+            _drop_weights(lfs, turned)
+        tuning = _Tuning(modules)
+        offsets, clips, clip_lo = learnable_state([lf for lf in leaves if id(lf[0]) not in turned],
+                                                  self.learn_clip, self.clip_min)
+        own = offsets + clips   # the other units' state: every step
+        sign_step = SignStep()
+        layer_loss = _LayerLoss(data, own, modules, self.batch, ahead=self.prefetch)
+        lr = {"own": 0.0, "turn": 0.0}
+        lr_of: dict[int, str] = {}
+
+        def step(p: torch.Tensor) -> None:
+            with torch.no_grad():
+                p.sub_(lr[lr_of.get(id(p), "own")] * torch.sign(p.grad))
+            p.grad = None
+
+        hooks, settled, keep = [], {}, False
+        t_start = time.perf_counter()
+        try:
+            counts = [h.begin_leaf_turns(n_turns) for h in hosts]
+            loss_before = layer_loss.full_mse()
+            log.info("blockround layer %s: %d leaves, %d samples, the experts in %d turns; start MSE %.6g (%.1f s), "
+                     "device peak so far %.1f GiB", data.layer_idx, len(leaves), len(data.inputs), max(counts),
+                     loss_before, time.perf_counter() - t_start, devmod.peak_memory_bytes(dev) / 2 ** 30)
+            start = [None if (k < len(offsets) and not bool(p.any())) else p.detach().clone() for k, p in enumerate(own)]
+            for p in own:
+                p.requires_grad_(True)
+            hooks = [p.register_post_accumulate_grad_hook(step) for p in own]
+            lr0 = self.lr or (1.0 / max(self.iters, 1))
+            order = _sample_order(len(data.inputs), torch.Generator().manual_seed(data.seed))
+            n = max(counts)
+            t_steps = time.perf_counter()   # the turns' changes of weights included
+            t = 0
+            for j in range(n):
+                steps = self.iters * (j + 1) // n - self.iters * j // n
+                for h, c in zip(hosts, counts):
+                    if j < c:
+                        h.begin_leaf_turn(j)
+                stacks = [st for h in hosts for st in h.attach_leaf_stacks(
+                    learn_clip=self.learn_clip, clip_min=self.clip_min, chunk_bytes=int(self.chunk_gb * 2 ** 30),
+                    recompute=self.recompute, offset_dtype=getattr(torch, self.offset_dtype), step=sign_step,
+                    hold_bytes=int(self.hold_gb * 2 ** 30))]
+                turn_clips = [c for st in stacks for c in st.clips]
+                for c in turn_clips:
+                    lr_of[id(c)] = "turn"
+                    c.requires_grad_(True)
+                    hooks.append(c.register_post_accumulate_grad_hook(step))
+                for v in (v for st in stacks for v in st.offsets):
+                    v.requires_grad_(True)
+                layer_loss.params = own + [v for st in stacks for v in st.params()]
+                turn_lr0 = self.lr or (1.0 / max(steps, 1))
+                draws = ([next(order) for _ in range(min(self.batch, len(data.inputs)))] for _ in range(steps))
+                for u, (ks, fetched) in enumerate(layer_loss.batches(draws)):
+                    lr["own"] = lr0 * (1.0 - t / self.iters)
+                    lr["turn"] = sign_step.lr = turn_lr0 * (1.0 - u / steps)
+                    with (_recomputed(modules) if (self.recompute and self.recompute_units)
+                          else contextlib.nullcontext()):
+                        se, count = layer_loss.group_error(ks, fetched)
+                        (se / count).backward()
+                    del se
+                    clamp_learnables(offsets, clips, clip_lo)
+                    for st in stacks:
+                        st.clamp_()
+                    t += 1
+                    if t == 1 or t % max(self.iters // 10, 1) == 0:
+                        devmod.synchronize(dev)
+                        log.info("blockround layer %s: %d steps, %.3f s a step, device peak so far %.1f GiB",
+                                 data.layer_idx, t, (time.perf_counter() - t_steps) / t,
+                                 devmod.peak_memory_bytes(dev) / 2 ** 30)
+                devmod.synchronize(dev)
+                log.info("blockround layer %s: turn %d / %d (%d steps) done, %d steps in %.1f s, device peak so far "
+                         "%.1f GiB", data.layer_idx, j + 1, n, steps, t, time.perf_counter() - t_start,
+                         devmod.peak_memory_bytes(dev) / 2 ** 30)
+                for p in layer_loss.params[len(own):]:
+                    p.requires_grad_(False)
+                for h in hosts:
+                    h.detach_leaf_stacks()
+                    if h.turn_current() is not None:
+                        h.end_leaf_turn()
+                del stacks, turn_clips
+                layer_loss.params = own
+            loss_after = layer_loss.full_mse()
+            keep = loss_after < loss_before   # strict, as keep_best: a tie keeps the start
+            log.info("blockround layer %s: end MSE %.6g against %.6g at the start: %s (%.1f s)", data.layer_idx,
+                     loss_after, loss_before, "kept" if keep else "the start state kept",
+                     time.perf_counter() - t_start)
+            if not keep:
+                _restore(own, start)
+            for h in hosts:
+                settled.update(h.end_leaf_turns(keep))
+            out = self._unit_results(data, per_unit, len(leaves), loss_before, min(loss_after, loss_before),
+                                     self.iters if keep else 0, settled)
+            for stats in out.values():
+                stats["turns"] = n
+            return out
+        except torch.OutOfMemoryError:
+            raise self._out_of_memory(data, own) from None
+        finally:
+            _release(hooks, own)
+            for h in hosts:   # after an error: every weight back on the device as it began
+                h.detach_leaf_stacks()
+                h.abort_leaf_turns()
+            tuning.restore()
 
     def _unit_results(self, data: BlockData, per_unit: dict[str, list], n_leaves: int, loss_before: float,
-                      best_loss: float, best_step: int) -> dict[str, dict[str, Any]]:
+                      best_loss: float, best_step: int,
+                      settled: dict[int, tuple[int, bool]] | None = None) -> dict[str, dict[str, Any]]:
         """Each unit's statistics, its offsets settled (an all-zero one dropped: the start state,
-        nothing to save) and, with ``fold_grid``, folded into codes on a fixed grid."""
+        nothing to save) and, with ``fold_grid``, folded into codes on a fixed grid. ``settled``:
+        {id(leaf): (offsets its expert moved, folded)} of leaves the turns already settled."""
+        settled = settled or {}
         out = {}
         for u in data.units:
+            if any(id(leaf) in settled for leaf, _, _ in per_unit[u.name]):
+                out[u.name] = self._settled_results(per_unit[u.name], settled, loss_before, best_loss, best_step,
+                                                    n_leaves)
+                continue
             lfs = per_unit[u.name]
             changed = sum(int((wq.round_offset != 0).sum()) for _, _, wq in lfs if wq.round_offset is not None)
             n_off = sum(w.numel() for _, w, _ in lfs)
@@ -378,6 +554,16 @@ class BlockRound(Algorithm):
                            "folded_leaves": folded, "layer_leaves": n_leaves}
         return out
 
+    @staticmethod
+    def _settled_results(lfs: list, settled: dict[int, tuple[int, bool]], loss_before: float, best_loss: float,
+                         best_step: int, n_leaves: int) -> dict[str, Any]:
+        """A unit whose leaves the turns settled (an expert): its offsets were counted when its
+        turn ended (once an expert, on its first leaf), and it is folded or left as it began."""
+        return {"layer_loss_before": loss_before, "layer_loss_after": best_loss, "best_step": best_step,
+                "n_offsets": sum(leaf.weight.numel() for leaf, _, _ in lfs),
+                "n_nonzero_offsets": settled[id(lfs[0][0])][0] if lfs else 0,
+                "folded_leaves": sum(int(settled[id(leaf)][1]) for leaf, _, _ in lfs), "layer_leaves": n_leaves}
+
     def _out_of_memory(self, data: BlockData, params: list[torch.Tensor]) -> DeviceMemoryError:
         dev = data.device
         state = sum(p.numel() * p.element_size() for p in params)
@@ -387,6 +573,45 @@ class BlockRound(Algorithm):
             f"{'' if total is None else f' ({total / 2 ** 30:.1f} GiB)'}; the layer's learnable state alone is "
             f"{state / 2 ** 30:.1f} GiB{'' if self.offset_dtype == 'float16' else ' (offset_dtype=float16 halves it)'}"
             "; lower blockround:batch, or use a recipe without a block stage for this model")
+
+
+class _Tuning:
+    """The layer's modules while they are tuned: their own parameters frozen (the learnable state
+    is what steps) and eval mode; :meth:`restore` puts both back and drops the quantizers' caches.
+    The frozen parameters are kept by (module, name), not as tensors: a held tensor would keep a
+    storage alive that the turns must free (casebook i34-17)."""
+
+    def __init__(self, modules: list):
+        self.modules = modules
+        self.frozen = [(m, name) for m in modules for name, p in m.named_parameters() if p.requires_grad]
+        for m, name in self.frozen:
+            m.get_parameter(name).requires_grad_(False)
+        self.was_training = [m.training for m in modules]
+        for m in modules:
+            m.eval()
+
+    def restore(self) -> None:
+        for m, name in self.frozen:
+            m.get_parameter(name).requires_grad_(True)
+        for m, tr in zip(self.modules, self.was_training):
+            _invalidate(m)
+            m.train(tr)
+
+
+def _release(hooks: list, params: list[torch.Tensor]) -> None:
+    """The steps' hooks removed; the parameters out of autograd, their gradients dropped."""
+    for h in hooks:
+        h.remove()
+    for p in params:
+        p.requires_grad_(False)
+        p.grad = None
+
+
+def _drop_weights(lfs: list, turned: set[int]) -> None:
+    """The (leaf, weight, quantizer) entries of ``turned`` leaves as (leaf, None, quantizer), in place."""
+    for k, (leaf, w, wq) in enumerate(lfs):
+        if id(leaf) in turned:
+            lfs[k] = (leaf, None, wq)
 
 
 def _sample_order(n: int, gen: torch.Generator):

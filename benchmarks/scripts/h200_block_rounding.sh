@@ -18,7 +18,8 @@
 #                       (with --propagate quant), cut at LIMIT s (default 300); MODEL flash|pro
 #   AMCT_PROFILE_BLOCKROUND=STEP:PATH in the environment writes a profile of that step.
 #   BR_PROFILE_STEP=N profiles step N of every run (prof_TAG.txt); BR_BENCH_ARGS goes to bench_ptq
-#   (e.g. "--max-device-gib 60 --max-host-anon-extra-gib 16": exit 3 when a bound is passed).
+#   (e.g. "--max-device-gib 60 --max-host-anon-extra-gib 16": exit 3 when a bound is passed);
+#   BR_RUN_ARGS goes to run_ptq (e.g. "--device-memory-gb 60": plan and allocate as on a 64-GB card).
 # Results: everything under $RES ($BR_WORK/res); $OUT (the device tool's return folder, or
 # /tmp/br_out) gets results.tgz (all of it), summary.txt and the profiles. State (checkpoints)
 # in $BR_WORK (/tmp/br).
@@ -56,7 +57,7 @@ run() {   # tag scheme algo [limit] [model]
   AMCT_PROFILE_BLOCKROUND=$prof timeout -s INT "$lim" $PY benchmarks/bench_ptq.py --device cuda --like "$like" \
       --model-path "$W/$model" --start-layer 2 --end-layer 3 --calib-samples 128 --seq-len 2048 \
       --workdir "$W/run_$tag" --json "$RES/$tag.json" ${BR_BENCH_ARGS:-} \
-      -- --scheme "$scheme" --algo "$algo" --propagate quant > "$RES/$tag.log" 2>&1
+      -- --scheme "$scheme" --algo "$algo" --propagate quant ${BR_RUN_ARGS:-} > "$RES/$tag.log" 2>&1
   local rc=$?
   cp "$W/run_$tag/ptq_out/ptq_params/meta.json" "$RES/$tag.meta.json" 2>/dev/null
   rm -rf "$W/run_$tag"

@@ -43,13 +43,15 @@ from amct_ext.errors import QuantConfigError
 from amct_ext.pipeline.ptq_units import PtqUnit, iter_indexed_units, make_ptq_unit
 from amct_ext.quant.quant_linear import (QuantGatedMLP, QuantizedMatmul, QuantLinear, load_replaced_weight,
                                          load_weight_codes, replaced_weight_params)
-from amct_ext.quant.leaf_stack import LeafStack, SignStep, StackMember, chunk_bounds, held_chunks, stack_leaves
+from amct_ext.quant.leaf_stack import (LeafStack, SignStep, StackMember, chunk_bounds, held_chunks, stack_leaves,
+                                       stackable)
 from amct_ext.quant.quantizers import ActivationQuantizer, WeightQuantizer
 from amct_ext.runtime import device as devmod
 from amct_ext.runtime.grouped_linear import grouped_linear
 from amct_ext.quant.schemes import QuantScheme, TensorSpec, parse_targets
 
 from .modeling import Attention, Block, Compressor, Expert, Indexer, Matmul, MoE, _grouped_mm_supported
+from .expert_turns import ExpertTurns
 from .fused_moe import combine_slots, slot_rows
 
 ATTN_TARGETS = ("attn-linear", "attn-linear-all", "attn-cache")
@@ -712,15 +714,16 @@ class QuantV4MoE(MoE):
         ``recompute``: each chunk under activation checkpointing, except the first chunks whose
         fake-quant weights fit ``hold_bytes`` together: those keep their intermediates for the
         backward (no second fake-quant forward, no second GEMM; the same numbers)."""
+        if not self._stackable():
+            return []
         experts = list(self.experts)
-        if not experts or not all(isinstance(e, QuantV4Expert) for e in experts):
-            return []
-        if QuantV4Expert.grouped_forward_blocker(experts) is not None or any(e.up_limit is not None for e in experts):
-            return []
-        first = experts[0]
-        if first.w1.input_quantizer.spec != first.w3.input_quantizer.spec:
-            return []
-        w13, w2 = self._packed_quant_weights()
+        turns = self._turns
+        if turns is not None:   # the current turn's experts, on the device while it lasts
+            e0, e1 = turns.current
+            experts = experts[e0:e1]
+            w13, w2 = turns.device_stacks
+        else:
+            w13, w2 = self._packed_quant_weights()
         inter = w2.shape[-1]
         s13 = stack_leaves(w13, [StackMember(e.w1, k, (0, inter)) for k, e in enumerate(experts)]
                            + [StackMember(e.w3, k, (inter, 2 * inter)) for k, e in enumerate(experts)])
@@ -741,9 +744,72 @@ class QuantV4MoE(MoE):
         return [s13, s2]
 
     def detach_leaf_stacks(self) -> None:
-        """Back to the usual paths; the leaves keep their (view) state."""
-        self._leaf_stacks = None
+        """Back to the usual paths (or, between turns, to every expert from its codes); the
+        leaves keep their (view) state."""
+        self._leaf_stacks = None if self._turns is None else (None, None, frozenset())
         self._plan = None
+
+    def _stackable(self) -> bool:
+        """The routed experts can be tuned through stacked state (and in turns)."""
+        experts = list(self.experts)
+        if not experts or not all(isinstance(e, QuantV4Expert) for e in experts):
+            return False
+        if QuantV4Expert.grouped_forward_blocker(experts) is not None or any(e.up_limit is not None for e in experts):
+            return False
+        first = experts[0]
+        return (first.w1.input_quantizer.spec == first.w3.input_quantizer.spec
+                and all(stackable(getattr(e, p).weight_quantizer.spec) and getattr(e, p).weight_quantizer.roundable
+                        for e in experts for p in ("w1", "w3", "w2")))
+
+    # -- block-wise rounding in turns (expert_turns.py): where the experts do not fit at once --
+    _turns: ExpertTurns | None = None
+    #: the decoded weights of one chunk of experts outside the turn (bytes)
+    FROZEN_CHUNK_BYTES = 1 << 29
+
+    def leaf_turn_bytes(self, offset_dtype: torch.dtype) -> int:
+        """What tuning every routed expert at once holds on the device: the float weights and
+        their offsets (0 where the experts cannot be stacked)."""
+        if not self._stackable():
+            return 0
+        n = sum(getattr(e, p).weight.numel() for e in self.experts for p in ("w1", "w3", "w2"))
+        return n * (self.experts[0].w1.weight.element_size() + torch.empty((), dtype=offset_dtype).element_size())
+
+    def turn_leaves(self) -> list[nn.Module]:
+        """The leaves tuned in turns: every routed expert's projections."""
+        return [getattr(e, p) for e in self.experts for p in ("w1", "w3", "w2")]
+
+    def turn_current(self) -> tuple[int, int] | None:
+        return None if self._turns is None else self._turns.current
+
+    def abort_leaf_turns(self) -> None:
+        """After an error: every expert back on the device as it began (no-op outside turns)."""
+        turns, self._turns = self._turns, None
+        if turns is not None:
+            self._leaf_stacks, self._plan = None, None
+            turns.abort()
+
+    def begin_leaf_turns(self, n_turns: int) -> int:
+        """Codes of every expert; their float weights to the host; returns the turns."""
+        self._turns = ExpertTurns(self, n_turns, self.FROZEN_CHUNK_BYTES)
+        self._leaf_stacks = (None, None, frozenset())   # every expert from its codes until a turn begins
+        self._plan = None
+        return len(self._turns.turns)
+
+    def begin_leaf_turn(self, j: int) -> tuple[int, int]:
+        return self._turns.begin(j)
+
+    def end_leaf_turn(self) -> None:
+        self._turns.end()
+
+    def end_leaf_turns(self, keep: bool) -> dict[int, tuple[int, bool]]:
+        """Every weight back on the device (folded into its grid with ``keep``); {id(leaf):
+        (offsets moved off zero in its expert, folded)} for the unit results."""
+        turns, self._turns = self._turns, None
+        self._leaf_stacks, self._plan = None, None
+        moved = list(turns.moved)
+        leaves = [(e, lin) for e, lin, _, _ in turns.leaves()]
+        turns.finish(keep)
+        return {id(lin): (moved[e], keep) for e, lin in leaves}
 
     def _packed_quant_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, D], w2 [E, D, I]) that every expert's weights are views of: the float
@@ -780,7 +846,6 @@ class QuantV4MoE(MoE):
         learnable state: per chunk, the fake-quant weights by one op and the projections by
         grouped GEMMs (under autograd: recomputed in the backward, with ``recompute``). Each
         token sums its k rows in expert order, as ``route`` does."""
-        s13, s2, held = self._leaf_stacks
         slots = indices.flatten()
         order = slots.argsort(stable=True)
         counts = torch.bincount(slots, minlength=self.n_routed_experts).tolist()   # one host sync
@@ -788,13 +853,13 @@ class QuantV4MoE(MoE):
         xs = self.experts[0].w1.input_quantizer(flat[token_of_row])
         slot_weights = weights.flatten()[order].unsqueeze(-1)
         ys, start = [], 0
-        for k, (e0, e1) in enumerate(s13.bounds):
+        for e0, e1, run, recompute in self._segments():
             n = sum(counts[e0:e1])
             if n == 0:
                 continue
-            run = functools.partial(self._stacked_chunk, k, counts[e0:e1])
+            run = functools.partial(run, counts[e0:e1])
             rows, rw = xs[start:start + n], slot_weights[start:start + n]
-            if k not in held and torch.is_grad_enabled():
+            if recompute and torch.is_grad_enabled():
                 ys.append(checkpoint(run, rows, rw, use_reentrant=False))
             else:
                 ys.append(run(rows, rw))
@@ -803,11 +868,43 @@ class QuantV4MoE(MoE):
         # fp32 sums in expert order, as route and route_grouped; its own backward (one gather)
         return combine_slots(y, slot_rows(order, indices.shape[1]), token_of_row)
 
+    def _segments(self):
+        """(e0, e1, run(counts, rows, slot weights), recomputed under autograd?) for every range
+        of experts in order: the stacks' chunks; in turns, the current turn's chunks between the
+        chunks of experts decoded from their codes (always recomputed: held, their decoded
+        weights would add up to the float stacks the turns keep off the device)."""
+        s13, _, held = self._leaf_stacks
+        tuned, base = [], 0
+        if s13 is not None:
+            base = 0 if self._turns is None else self._turns.current[0]
+            tuned = [(base + e0, base + e1, functools.partial(self._stacked_chunk, k), k not in held)
+                     for k, (e0, e1) in enumerate(s13.bounds)]
+        if self._turns is None:
+            return tuned
+        lo, hi = (tuned[0][0], tuned[-1][1]) if tuned else (0, 0)
+        frozen = []
+        for f0, f1 in self._turns.frozen_bounds:   # the frozen ranges, cut around the turn
+            for a, b in ((f0, min(f1, lo)), (max(f0, hi), f1)):
+                if a < b:
+                    frozen.append((a, b, functools.partial(self._frozen_chunk, a, b), True))
+        return sorted(frozen + tuned, key=lambda seg: seg[0])
+
+    def _frozen_chunk(self, e0: int, e1: int, counts: list[int], x: torch.Tensor,
+                      slot_weights: torch.Tensor) -> torch.Tensor:
+        """Experts e0:e1 outside the turn at their current fake-quant weights (from the codes)."""
+        w13, w2 = self._turns.frozen_weights(e0, e1)
+        return self._expert_rows(x, slot_weights, counts, lambda: w13, lambda: w2)
+
     def _stacked_chunk(self, k: int, counts: list[int], x: torch.Tensor, slot_weights: torch.Tensor) -> torch.Tensor:
         """Chunk k's experts on their rows ``x`` (sorted, ``counts`` per expert): Expert.forward's math."""
         s13, s2, _ = self._leaf_stacks
+        return self._expert_rows(x, slot_weights, counts, lambda: s13.fake_quant(k), lambda: s2.fake_quant(k))
+
+    def _expert_rows(self, x, slot_weights, counts, w13_of, w2_of) -> torch.Tensor:
+        """Expert.forward's math on sorted rows, grouped: ``w13_of()`` / ``w2_of()`` give the
+        weights, each made only when its GEMM runs (the first can be freed before the second)."""
         m0 = self.experts[0]
-        h = grouped_linear(x, s13.fake_quant(k), counts)                        # [n, 2I]
+        h = grouped_linear(x, w13_of(), counts)                                 # [n, 2I]
         inter = h.shape[-1] // 2
         gate, up = h[:, :inter].float(), h[:, inter:].float()
         limit = m0.swiglu_limit
@@ -815,7 +912,7 @@ class QuantV4MoE(MoE):
             up = up.clamp(-limit, limit)
             gate = gate.clamp(max=limit)
         h = (torch.nn.functional.silu(gate) * up * slot_weights).to(x.dtype)
-        return grouped_linear(m0.w2.input_quantizer(h), s2.fake_quant(k), counts)
+        return grouped_linear(m0.w2.input_quantizer(h), w2_of(), counts)
 
 
 @torch.no_grad()

@@ -1,0 +1,256 @@
+"""Block-wise rounding with the routed experts in turns (``blockround:turns``; expert_turns.py).
+
+Where a layer's experts and their offsets do not fit the device at once (V4-Pro), one turn's
+experts are tuned while every other expert runs at its fake-quant value decoded from integer
+codes. What must hold: the codes decode to the fake-quant weights bit for bit; the layer's
+forward from codes equals the per-expert fake-quant forward, inside a turn too, gradients
+included; the end state is folded into fixed grids that reproduce the MSE the stage reports;
+a layer that did not improve goes back to its start."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from amct_ext.algorithms.base import BlockData
+from amct_ext.algorithms.block_rounding import BlockRound, _LayerLoss
+from amct_ext.errors import ConfigError
+from amct_ext.quant import formats
+from amct_ext.quant.schemes import TensorSpec
+from amct_ext.quant.stack_codes import StackCodes
+from models.deepseek_v4.expert_turns import turn_bounds
+
+from tests.test_grouped_block_rounding import _block, _expert_bytes, _random_state, block_data
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPECS = [TensorSpec("int", 4, True, "group", 32), TensorSpec("int", 3, False, "group", 16),
+         TensorSpec("int", 4, False, "channel"), TensorSpec("int", 2, False, "group", 16),
+         TensorSpec("int", 8, True, "channel")]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_codes_decode_to_the_fake_quant_weights_bit_for_bit(spec, dtype):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(3, 8, 64, generator=g) * 0.05).to(dtype)
+    clip = 0.6 + 0.4 * torch.rand(formats.scale_shape(w.shape, spec), generator=g)
+    off = torch.rand(w.shape, generator=g) - 0.5
+    codes = StackCodes(tuple(w.shape), spec, torch.device("cpu"))
+    for e in range(3):
+        for r0, r1 in ((0, 5), (5, 8)):   # rows put in pieces, as w1 / w3 share a stack
+            codes.put(e, (r0, r1), *formats.quantize_int(w[e, r0:r1], spec, clip[e, r0:r1], off[e, r0:r1]))
+    assert torch.equal(codes.decode(0, 3, dtype), formats.fake_quant(w, spec, clip, off))
+    assert torch.equal(codes.decode(1, 2, dtype), formats.fake_quant(w[1:2], spec, clip[1:2], off[1:2]))
+    # two codes a byte where the grid fits a nibble
+    assert codes.codes.numel() == w.numel() // (2 if spec.bits <= 4 else 1)
+
+
+def test_turn_bounds_cover_the_experts_evenly():
+    assert turn_bounds(8, 3) == [(0, 2), (2, 5), (5, 8)]
+    assert turn_bounds(384, 9)[-1] == (341, 384) and len(turn_bounds(384, 9)) == 9
+    assert turn_bounds(2, 5) == [(0, 1), (1, 2)]
+
+
+def _ffn_out(block, x, ids):
+    return block.ffn(x[:, :, 0], ids)
+
+
+def test_the_layer_from_codes_equals_the_fake_quant_forward():
+    """Before a turn every expert runs from its codes; inside turn 1 its experts run through the
+    stacked state (the same offsets and clips) and the rest from codes: both equal the per-expert
+    fake-quant forward, and turn 1's gradients equal the per-expert ones for those experts."""
+    block, x, ids = _block(dtype=torch.float64, scheme="w3-g16", layer=3)
+    _random_state(block)
+    ref = copy.deepcopy(block)
+    ref.ffn.grouped = False
+    for e in ref.ffn.experts:
+        for lin in (e.w1, e.w3, e.w2):
+            lin.weight_quantizer.round_offset.requires_grad_(True)
+    g = torch.Generator().manual_seed(9)
+    target = torch.randn(x.shape[0], x.shape[1], x.shape[3], generator=g, dtype=torch.float64)
+    y_ref = _ffn_out(ref, x, ids)
+    (y_ref - target).square().sum().backward()
+
+    moe = block.ffn
+    assert moe.begin_leaf_turns(3) == 3
+    with torch.no_grad():
+        torch.testing.assert_close(_ffn_out(block, x, ids), y_ref.detach(), rtol=0, atol=1e-12)
+    e0, e1 = moe.begin_leaf_turn(1)
+    stacks = moe.attach_leaf_stacks(learn_clip=True, clip_min=0.5, chunk_bytes=_expert_bytes(block), recompute=True)
+    for st in stacks:
+        for v in st.offsets:
+            v.requires_grad_(True)
+    y = _ffn_out(block, x, ids)
+    torch.testing.assert_close(y.detach(), y_ref.detach(), rtol=0, atol=1e-12)
+    (y - target).square().sum().backward()
+    s13, s2 = stacks
+    inter = s2.weight.shape[-1]
+    for k, (c0, c1) in enumerate(s13.bounds):
+        for e in range(c0, c1):
+            ex = ref.ffn.experts[e0 + e]
+            torch.testing.assert_close(s13.offsets[k].grad[e - c0, :inter], ex.w1.weight_quantizer.round_offset.grad)
+            torch.testing.assert_close(s13.offsets[k].grad[e - c0, inter:], ex.w3.weight_quantizer.round_offset.grad)
+            torch.testing.assert_close(s2.offsets[k].grad[e - c0], ex.w2.weight_quantizer.round_offset.grad)
+    moe.detach_leaf_stacks()
+    moe.abort_leaf_turns()
+    # aborted: every expert as it began (its own offsets and clips, its float weights)
+    with torch.no_grad():
+        assert torch.equal(_ffn_out(block, x, ids), _ffn_out(ref, x, ids))
+    for a, b in zip(block.ffn.experts, ref.ffn.experts):
+        assert torch.equal(a.w1.weight, b.w1.weight) and not a.w1.weight_quantizer.has_fixed_qparams
+
+
+def test_a_turn_leaves_the_codes_of_the_other_experts_alone():
+    block, _, _ = _block(dtype=torch.float32, scheme="w4-channel", layer=3)
+    moe = block.ffn
+    moe.begin_leaf_turns(2)
+    turns = moe._turns
+    before = turns.codes13.codes.clone(), turns.codes2.codes.clone()
+    e0, e1 = moe.begin_leaf_turn(0)
+    stacks = moe.attach_leaf_stacks(learn_clip=True, clip_min=0.5, chunk_bytes=1 << 30, recompute=True)
+    with torch.no_grad():
+        for st in stacks:
+            st.offsets[0].fill_(0.49)   # every code of the turn moves
+    moe.detach_leaf_stacks()
+    moe.end_leaf_turn()
+    for now, then in zip((turns.codes13.codes, turns.codes2.codes), before):
+        assert torch.equal(now[e1:], then[e1:])
+        assert not torch.equal(now[e0:e1], then[e0:e1])
+    assert all(m > 0 for m in turns.moved[e0:e1]) and not any(turns.moved[e1:])
+    moe.abort_leaf_turns()
+
+
+def _stage(block, x, ids, **knobs):
+    units, data = block_data(block, x, ids)
+    algo = BlockRound(lr=0.02, batch=1, keep_best=False, chunk_gb=2 * _expert_bytes(block) / 2 ** 30, **knobs)
+    return algo.apply_block(data), data, units
+
+
+def _mse(data):
+    with torch.no_grad():
+        se = sum(float((data.forward(x, st) - t).square().sum()) for x, st, t in
+                 zip(data.inputs, data.states, data.targets))
+        return se / sum(t.numel() for t in data.targets)
+
+
+def test_turns_end_folded_at_the_mse_they_report():
+    block, x, ids = _block(dtype=torch.float32, scheme="w4-sym-g32", layer=3)
+    whole = copy.deepcopy(block)
+    stats, data, units = _stage(block, x, ids, iters=12, turns=3)
+    s_whole, _, _ = _stage(whole, x, ids, iters=12, turns=1)
+    first = next(iter(stats.values()))
+    # the same start: every expert from its codes equals every expert's fake-quant forward
+    assert first["layer_loss_before"] == next(iter(s_whole.values()))["layer_loss_before"]
+    assert first["layer_loss_after"] < first["layer_loss_before"] and first["best_step"] == 12
+    # the folded layer (fixed grids, weights replaced by the decoded codes) gives the reported MSE
+    assert _mse(data) == pytest.approx(first["layer_loss_after"], rel=1e-6)
+    for k, e in enumerate(block.ffn.experts):
+        for lin in (e.w1, e.w3, e.w2):
+            assert lin.weight_quantizer.has_fixed_qparams and lin.weight_replaced
+        assert stats[f"layers.3.ffn.experts.{k}"]["folded_leaves"] == 3
+    assert sum(stats[f"layers.3.ffn.experts.{k}"]["n_nonzero_offsets"] for k in range(8)) > 0
+
+
+def test_turns_that_did_not_improve_leave_the_layer_as_it_began(monkeypatch):
+    block, x, ids = _block(dtype=torch.float32, scheme="w4-sym-g32", layer=3)
+    start = copy.deepcopy(block)
+    losses = iter([1.0, 2.0])   # start, end: the end is worse
+    monkeypatch.setattr(_LayerLoss, "full_mse", lambda self: next(losses))
+    stats, data, _ = _stage(block, x, ids, iters=6, turns=2)
+    assert next(iter(stats.values()))["best_step"] == 0
+    for a, b in zip(block.ffn.experts, start.ffn.experts):
+        for n in ("w1", "w3", "w2"):
+            la, lb = getattr(a, n), getattr(b, n)
+            assert torch.equal(la.weight, lb.weight) and not la.weight_quantizer.has_fixed_qparams
+            assert torch.equal(la.quantized_weight(), lb.quantized_weight())
+    # the other units back at their start; the state the stage created is the identity (clip 1, offset 0)
+    before = dict(start.named_parameters())
+    for name, p in block.named_parameters():
+        if name in before:
+            assert torch.equal(p, before[name]), name
+        else:
+            assert bool((p == (1.0 if name.endswith("clip") else 0.0)).all()), name
+
+
+def test_turn_settings_refused_and_counted(monkeypatch):
+    with pytest.raises(ConfigError, match="fold_grid"):
+        BlockRound(turns=2, fold_grid=False, keep_best=False).check()
+    with pytest.raises(ConfigError, match="keep_best"):
+        BlockRound(turns=2).check()
+    block, _, _ = _block(dtype=torch.float32, scheme="w4-channel", layer=3)
+    data = BlockData(units=[], inputs=[], states=[], targets=[], forward=None, device=torch.device("cpu"),
+                     seed=0, layer_idx=3, block=block)
+    algo = BlockRound(keep_best=False, offset_dtype="float16")
+    need = block.ffn.leaf_turn_bytes(torch.float16)
+    assert need == 8 * _expert_bytes(block) // 4 * (4 + 2)
+    assert algo.turns_for(data) == 1                     # the CPU: no device budget
+    from amct_ext.runtime import device as devmod
+    monkeypatch.setattr(devmod, "total_memory_bytes", lambda dev: int(need / 0.42) + 1)
+    assert algo.turns_for(data) == 1                     # fits WHOLE_SHARE
+    monkeypatch.setattr(devmod, "total_memory_bytes", lambda dev: need)
+    assert algo.turns_for(data) == 7                     # ceil(1 / 0.15)
+    assert BlockRound(turns=4).turns_for(data) == 4
+    with pytest.raises(ConfigError, match="keep_best=false"):
+        BlockRound().turns_for(data)
+
+
+def test_the_stacks_the_layer_was_built_with_are_freed_during_the_turns(monkeypatch):
+    """The turns save device memory only if nothing keeps the experts' original stacks alive (the
+    V4-Pro run that held them through the stage's own lists of leaves and frozen parameters ran
+    out of memory at 76 GiB): at each turn no live tensor may use their storage."""
+    import gc
+
+    from models.deepseek_v4.quant_module import QuantV4MoE
+
+    block, x, ids = _block(dtype=torch.float32, scheme="w4-sym-g32", layer=3)
+    w13, _ = block.ffn._packed_quant_weights()
+    storage = (w13.untyped_storage().data_ptr(), w13.untyped_storage().nbytes())
+    del w13
+
+    def alive() -> bool:
+        gc.collect()
+        return any(isinstance(o, torch.Tensor) and (o.untyped_storage().data_ptr(), o.untyped_storage().nbytes())
+                   == storage for o in gc.get_objects())
+
+    assert alive()
+    seen = []
+    begin = QuantV4MoE.begin_leaf_turn
+
+    def check_then_begin(self, j):
+        seen.append(alive())
+        return begin(self, j)
+
+    monkeypatch.setattr(QuantV4MoE, "begin_leaf_turn", check_then_begin)
+    _stage(block, x, ids, iters=4, turns=2)
+    assert seen == [False, False]
+
+
+def test_an_error_inside_the_turns_is_the_one_reported(monkeypatch):
+    """An out-of-memory error inside a turn: restoring the layer must not raise a second error
+    over it (the experts then stay on the host; the layer is discarded with the error)."""
+    from amct_ext.errors import DeviceMemoryError
+    from models.deepseek_v4.expert_turns import ExpertTurns
+
+    block, x, ids = _block(dtype=torch.float32, scheme="w4-sym-g32", layer=3)
+
+    def no_memory(self, *a, **k):
+        raise torch.OutOfMemoryError("stand-in: out of device memory")
+
+    monkeypatch.setattr(_LayerLoss, "group_error", no_memory)
+    monkeypatch.setattr(ExpertTurns, "finish", no_memory)
+    with pytest.raises(DeviceMemoryError, match="blockround, layer 3: out of device memory"):
+        _stage(block, x, ids, iters=4, turns=2)
+
+
+
+def test_memory_knobs_change_no_number_in_turns():
+    """``recompute_units`` moves intermediates, in turns as in one turn: the same numbers (float64)."""
+    block, x, ids = _block(dtype=torch.float64, scheme="w4-sym-g32", layer=3)
+    other = copy.deepcopy(block)
+    plain, _, _ = _stage(block, x, ids, iters=6, turns=2)
+    knobs, _, _ = _stage(other, x, ids, iters=6, turns=2, recompute_units=True)
+    assert plain == knobs
+    for a, b in zip(block.ffn.experts, other.ffn.experts):
+        assert torch.equal(a.w1.weight, b.w1.weight) and torch.equal(a.w2.weight, b.w2.weight)
