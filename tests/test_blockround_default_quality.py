@@ -151,3 +151,10 @@ def test_build_stacks_rerun_equals_the_record_on_its_host(rec):
     on the same host, to the last digit; RESULTS quotes both sides."""
     _assert_rerun_equals("build_stacks_rerun.json", "build_stacks_before.json", "holds its experts once")
 
+
+
+def test_turns_rerun_equals_the_record_on_its_host(rec):
+    """The experts tuned in turns where they do not fit the device (casebook i34-17; one turn on the
+    CPU) and the routed experts' forward split into segments change no CPU number: the whole-split
+    reruns of the five block-rounding defaults equal the record before, on the same host."""
+    _assert_rerun_equals("turns_rerun.json", "build_stacks_rerun.json", "The experts in turns")

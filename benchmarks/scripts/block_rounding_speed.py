@@ -33,6 +33,7 @@ H200, H100 = "h200_2026-12-04_blockround", "h100_2026-12-06_blockround"
 H200B = "h200_2026-12-06_blockround"
 H100C = "h100_2026-12-07_blockround"
 H100D = "h100_2026-12-07b_blockround"
+H100E = "h100_2026-12-07c_blockround"
 #: (tag, card folder under benchmarks/gpu, call folder, what it is)
 RUN_ORDER = [
     ("hbr200", H200, "call1", "H200; before: per-step SignSGD hook, float32 offsets"),
@@ -72,6 +73,9 @@ RUN_ORDER = [
     ("PH", H100C, "call3", "H100 (machine 8), 20 steps, third run; step 6 profiled (`call3/prof_PH.txt`)"),
     ("B1", H100D, "call1", "H100 (machine 9), first run; e2e65f3: the sparse attention's and the experts' combine's own backwards, the build decoding into the stacks"),
     ("N2", H100D, "call1", "H100 (machine 9), second run; the same lease's baseline, main before those three (2a7c30f)"),
+    ("S1", H100E, "call1", "H100 (machine 10), first run; main 0657c48 (the default as it stands), repeated for its spread"),
+    ("S2", H100E, "call1", "H100 (machine 10), second run; main 0657c48"),
+    ("S3", H100E, "call1", "H100 (machine 10), third run (after the attention's GPU check); main 0657c48"),
 ]
 #: the default at w4a16-g128 (BLOCKROUND_DEFAULT): runs in a machine's first run (cold page cache)
 #: and warm runs (the checkpoint read before); the headline is the median of the warm runs; w4a8's
@@ -87,6 +91,8 @@ HC_RUN, HC_BEFORE_RUN = "H1", "N1"
 #: 2026-12-07, a second H100 lease: the attention's and the combine's backwards and the build into
 #: the stacks (machine's first run) against main before them (its second run)
 LEVERS_RUN, LEVERS_BEFORE_RUN = "B1", "N2"
+#: 2026-12-07, a third H100 lease: main as it stands, three runs (its first and two warm)
+REPEAT_RUNS = ("S1", "S2", "S3")
 DEFAULT_FIRST_RUNS = ("D100", "E1", "E5")
 DEFAULT_WARM_RUNS = ("D100b", "E2", "E3", "E4", "E6")
 #: runs measured before the stream-leak fix (casebook i34-8): over the host bound
@@ -170,7 +176,14 @@ def default_summary(rs: list[dict]) -> dict:
             "now_before_step_s": stat(NOW_BEFORE_RUNS, "step_s"),
             "now_before_device_gib": stat(NOW_BEFORE_RUNS, "device_gib"),
             "hc": by[HC_RUN], "hc_before": by[HC_BEFORE_RUN],
-            "levers": by[LEVERS_RUN], "levers_before": by[LEVERS_BEFORE_RUN]}
+            "levers": by[LEVERS_RUN], "levers_before": by[LEVERS_BEFORE_RUN],
+            "repeat_step_s": stat(REPEAT_RUNS, "step_s"), "repeat_capture_solve_s": stat(REPEAT_RUNS, "capture_solve_s"),
+            "repeat_block_s": stat(REPEAT_RUNS, "block_s"), "repeat_device_gib": stat(REPEAT_RUNS, "device_gib"),
+            "repeat_host_anon_gib": stat(REPEAT_RUNS, "host_anon_gib")}
+
+
+def _spread(d, spec) -> str:
+    return f"{format(d['median'], spec)} ({format(d['min'], spec)} - {format(d['max'], spec)}, n={d['n']})"
 
 
 def render_summary(sm: dict) -> str:
@@ -208,6 +221,14 @@ def render_levers_lease(sm: dict) -> str:
             f"{b['device_gib']:.1f} GiB.")
 
 
+def render_repeat_lease(sm: dict) -> str:
+    """The third 2026-12-07 H100 lease (main 0657c48, three runs): the step's spread."""
+    return (f"On one H100 (2026-12-07, a third lease), main at 0657c48, three runs, median (min - max): a step "
+            f"{_spread(sm['repeat_step_s'], '.3f')} s, capture + solve {_spread(sm['repeat_capture_solve_s'], '.1f')} s, "
+            f"block stage {_spread(sm['repeat_block_s'], '.1f')} s, device peak {_spread(sm['repeat_device_gib'], '.1f')} "
+            f"GiB, host anon {_spread(sm['repeat_host_anon_gib'], '.1f')} GiB.")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check-results", action="store_true")
@@ -215,7 +236,8 @@ def main(argv=None) -> int:
     rs = rows()
     sm = default_summary(rs)
     summary = render_summary(sm)
-    table = render(rs) + "\n\n" + summary + " " + render_hc_lease(sm) + " " + render_levers_lease(sm)
+    table = (render(rs) + "\n\n" + summary + " " + render_hc_lease(sm) + " " + render_levers_lease(sm) + " "
+             + render_repeat_lease(sm))
     if not a.check_results:
         print(table)
         return 0

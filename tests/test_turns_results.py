@@ -1,0 +1,53 @@
+"""The quotes of results/block-rounding.md §1b: what tuning the experts in turns costs on the tiny
+model (whole split, one host) and how far a V4-Pro layer's block stage got within 60 GiB."""
+from __future__ import annotations
+
+import json
+import re
+
+from tests.conftest import REPO
+
+BENCH = REPO / "benchmarks"
+SCHEMES = ("w4a16-g128", "w3a16-g128", "w4a16", "w2a16-g64", "w4a8")
+
+
+def _runs(name: str) -> dict:
+    return json.loads((BENCH / "quality" / name).read_text())
+
+
+def test_one_turn_changes_no_number_and_the_turns_cost_what_the_table_says():
+    one, before = _runs("turns_rerun.json"), _runs("build_stacks_rerun.json")
+    four, eight = _runs("turns4.json"), _runs("turns8.json")
+    assert one["cpu_class"] == four["cpu_class"] == eight["cpu_class"] == before["cpu_class"]
+    doc = " ".join((BENCH / "results" / "block-rounding.md").read_text().split())
+    for s in SCHEMES:
+        a = one["runs"][s]
+        # the segments' code with one turn: the record before it, to the last digit
+        assert a["ppl"] == before["runs"][s]["ppl"] and a["recipe"] == before["runs"][s]["recipe"], s
+        row = f"| {s} | {a['ppl']:.4f} |"
+        for rec, n in ((four, 4), (eight, 8)):
+            b = rec["runs"][s]
+            assert (a["windows"], a["seed"], b["windows"], b["seed"]) == (1487, 0, 1487, 0), s
+            turned = b["recipe"][-1]
+            assert turned["turns"] == n and {k: v for k, v in turned.items() if k != "turns"} == a["recipe"][-1], s
+            row += f" {b['ppl']:.4f} | {100 * (b['ppl'] / a['ppl'] - 1):+.2f} % |"
+        assert row in doc, row
+        assert four["runs"][s]["ppl"] > a["ppl"], s      # four turns: a price on every scheme
+
+
+def test_the_v4_pro_runs_quoted():
+    folder = BENCH / "gpu" / "h100_2026-12-07d_blockround"
+    pt = (folder / "call1" / "PT.log").read_text()
+    assert "solve:recipe: 5.65 s, device peak 75.2 GiB" in pt and "device peak 76.0 GiB" in pt
+    pt2 = (folder / "call2" / "PT2.log").read_text()
+    assert "--device-memory-gb 60" in pt2 and re.search(r"solve:block: 0\.12 s.*DeviceMemoryError", pt2)
+    pt3 = (folder / "call3" / "PT3.log").read_text()
+    assert "--device-memory-gb 60" in pt3 and "the experts in 11 turns" in pt3
+    start = re.search(r"start MSE ([0-9.]+) \(([0-9.]+) s\), device peak so far ([0-9.]+) GiB", pt3)
+    assert start.groups() == ("0.0434783", "51.2", "54.5")
+    assert re.search(r"solve:block: [0-9.]+ s, device peak 55\.6 GiB, host RSS [0-9.]+ GiB \(anon 80\.8\)"
+                     r".*DeviceMemoryError", pt3)
+    doc = " ".join((BENCH / "results" / "block-rounding.md").read_text().split())
+    for quote in ("start MSE 0.0434783 after 51.2 s at a **54.5 GiB** peak", "(55.6 GiB peak before it)",
+                  "hclip's Hessian passes alone peaked at 75.2 GiB", "ran out of memory at 76.0 GiB"):
+        assert quote in doc, quote
