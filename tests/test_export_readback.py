@@ -176,3 +176,30 @@ def test_a_float_leaf_of_a_quantized_target_keeps_a_float_input(tmp_path):
         block.attn.wo_b.weight.normal_()
     x = torch.randn(3, block.attn.wo_b.in_features) * 10
     assert torch.equal(block.attn.wo_b(x), torch.nn.functional.linear(x, block.attn.wo_b.weight))
+
+
+def test_experts_tuned_in_turns_export_and_read_back_to_their_ppl(tmp_path, windows, texts):
+    """blockround in turns (casebook i34-17) ends with every expert folded into a fixed grid from
+    its codes: the compressed-tensors export of that layer reads back to the PTQ perplexity."""
+    from amct_ext.base import PtqConfig
+    from amct_ext.export.exporter import ExportConfig, export_checkpoint, resolve_run
+    from amct_ext.pipeline.ptq_spec import PtqSpec
+    from amct_ext.pipeline.workflow import PARAMS_DIR, evaluate_blockwise, run_blockwise_ptq
+    from amct_ext.quant.schemes import load_scheme
+
+    win, ecfg = windows
+    sch, targets, run = load_scheme("w4a16-g128"), ["attn-linear", "moe"], tmp_path / "run"
+    with _adapter(TINY) as a:
+        cfg = PtqConfig(epochs=1, lr=5e-3, n_samples=2, seq_len=SEQ, calib_path=texts[1])
+        recipe = "blockround:keep_best=false:iters=8:lr=0.02:turns=2"
+        res = run_blockwise_ptq(a, PtqSpec(sch, targets, cfg, recipe=recipe), run, layers=LAYERS)
+        ptq = evaluate_blockwise(a, win, ecfg, "ptq", scheme=sch, targets=targets, layers=LAYERS,
+                                 params_dir=run / PARAMS_DIR).ppl
+    stats = [u.stats["blockround"] for u in res.units if ".experts." in u.name]
+    assert stats and all(s["turns"] == 2 and s["folded_leaves"] == 3 for s in stats)
+    sch2, targets2, pdir = resolve_run(run, TINY, None, None)
+    export_checkpoint(ExportConfig(model_path=TINY, out_dir=tmp_path / "e", format="compressed-tensors", scheme=sch2,
+                                   targets=targets2, params_dir=pdir, device="cpu"))
+    with _adapter(tmp_path / "e") as b:
+        exported = evaluate_blockwise(b, win, ecfg, "float").ppl
+    assert abs(exported - ptq) <= 1e-4 * ptq, (exported, ptq)

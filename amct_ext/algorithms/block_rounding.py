@@ -445,7 +445,8 @@ class BlockRound(Algorithm):
             log.info("blockround layer %s: %d leaves, %d samples, the experts in %d turns; start MSE %.6g (%.1f s), "
                      "device peak so far %.1f GiB", data.layer_idx, len(leaves), len(data.inputs), max(counts),
                      loss_before, time.perf_counter() - t_start, devmod.peak_memory_bytes(dev) / 2 ** 30)
-            start = [None if (k < len(offsets) and not bool(p.any())) else p.detach().clone() for k, p in enumerate(own)]
+            start = [None if (k < len(offsets) and not bool(p.any())) else p.detach().clone()
+                     for k, p in enumerate(own)]
             for p in own:
                 p.requires_grad_(True)
             hooks = [p.register_post_accumulate_grad_hook(step) for p in own]

@@ -772,7 +772,7 @@ class QuantV4MoE(MoE):
         if not self._stackable():
             return 0
         n = sum(getattr(e, p).weight.numel() for e in self.experts for p in ("w1", "w3", "w2"))
-        return n * (self.experts[0].w1.weight.element_size() + torch.empty((), dtype=offset_dtype).element_size())
+        return n * (self.experts[0].w1.weight.element_size() + offset_dtype.itemsize)
 
     def turn_leaves(self) -> list[nn.Module]:
         """The leaves tuned in turns: every routed expert's projections."""
@@ -892,8 +892,9 @@ class QuantV4MoE(MoE):
     def _frozen_chunk(self, e0: int, e1: int, counts: list[int], x: torch.Tensor,
                       slot_weights: torch.Tensor) -> torch.Tensor:
         """Experts e0:e1 outside the turn at their current fake-quant weights (from the codes)."""
-        w13, w2 = self._turns.frozen_weights(e0, e1)
-        return self._expert_rows(x, slot_weights, counts, lambda: w13, lambda: w2)
+        t = self._turns
+        return self._expert_rows(x, slot_weights, counts, lambda: t.codes13.decode(e0, e1, t.dtype),
+                                 lambda: t.codes2.decode(e0, e1, t.dtype))
 
     def _stacked_chunk(self, k: int, counts: list[int], x: torch.Tensor, slot_weights: torch.Tensor) -> torch.Tensor:
         """Chunk k's experts on their rows ``x`` (sorted, ``counts`` per expert): Expert.forward's math."""
