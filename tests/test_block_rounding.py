@@ -351,9 +351,13 @@ def test_a_block_stage_larger_than_the_device_is_refused_before_any_layer(tmp_pa
         with pytest.raises(CE, match="block stage"):
             stage32.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 1))
         stage32.check_device_memory(a, "r", spec.scheme, ("attn-linear",), range(0, 1))
-        # the default (turns=0: the experts in turns where they do not fit) holds at least their
-        # codes, half a byte a weight: refused only under that
-        turned = workflow.BlockStage(parse_algo("blockround:offset_dtype=float16").block_algorithm, "quant", 0)
+        # the default (turns=0) keeps that bound; turns asked for by number hold at least the
+        # experts' codes, half a byte a weight: refused only under that
+        default = workflow.BlockStage(parse_algo("blockround").block_algorithm, "quant", 0)
+        with pytest.raises(CE, match="block stage"):
+            default.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 1))
+        four = parse_algo("blockround:offset_dtype=float16:keep_best=false:turns=4").block_algorithm
+        turned = workflow.BlockStage(four, "quant", 0)
         turned.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 1))
         monkeypatch.setattr(workflow.devmod, "total_memory_bytes", lambda dev=None: n // 2 - 1)
         with pytest.raises(CE, match="block stage"):
@@ -413,7 +417,7 @@ def test_v4_samples_concatenate_into_one_block_call(calib_text):
 def test_the_released_configs_expert_counts(tmp_path, name, weights_g, gib, codes_gib):
     """The figures casebook i34-6 and i34-17 quote: the experts' weights of a V4-Flash / V4-Pro layer
     from the shipped official config.json, what blockround (bf16, float16 offsets) holds for them at
-    least in one turn, and in turns (their 4-bit codes)."""
+    least by default and in one turn, and in turns asked for by number (their 4-bit codes)."""
     import shutil
 
     from models.deepseek_v4.cost import v4_target_weight_count
@@ -423,6 +427,7 @@ def test_the_released_configs_expert_counts(tmp_path, name, weights_g, gib, code
     shutil.copy(CONFIGS / f"deepseek-v4-{name}.config.json", tmp_path / "config.json")
     n = v4_target_weight_count(load_config(tmp_path), 0, "moe")
     assert round(n / 1e9, 2) == weights_g
-    assert round(n * BlockRound(offset_dtype="float16", turns=1).block_bytes_per_weight(2) / 2 ** 30, 1) == gib
-    assert round(n * BlockRound(offset_dtype="float16").block_bytes_per_weight(2) / 2 ** 30, 1) == codes_gib
+    for turns in (0, 1):
+        assert round(n * BlockRound(offset_dtype="float16", turns=turns).block_bytes_per_weight(2) / 2 ** 30, 1) == gib
+    assert round(n * BlockRound(offset_dtype="float16", turns=11).block_bytes_per_weight(2) / 2 ** 30, 1) == codes_gib
     assert v4_target_weight_count(load_config(tmp_path), 0, "attn-linear") == 0

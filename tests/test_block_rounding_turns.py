@@ -194,6 +194,13 @@ def test_turn_settings_refused_and_counted(monkeypatch):
     assert BlockRound(turns=4).turns_for(data) == 4
     with pytest.raises(ConfigError, match="keep_best=false"):
         BlockRound().turns_for(data)
+    # the counts results §1b quotes for a V4-Pro layer (25.43 G expert weights, bf16 + float16)
+    from models.deepseek_v4.quant_module import QuantV4MoE
+
+    monkeypatch.setattr(QuantV4MoE, "leaf_turn_bytes", lambda self, dtype: 25433210880 * 4)
+    for gib, turns in ((139.8, 5), (79.2, 8), (60, 11)):
+        monkeypatch.setattr(devmod, "total_memory_bytes", lambda dev, _g=gib: int(_g * 2 ** 30))
+        assert algo.turns_for(data) == turns, gib
 
 
 def test_the_stacks_the_layer_was_built_with_are_freed_during_the_turns(monkeypatch):

@@ -185,7 +185,9 @@ class BlockRound(Algorithm):
     prefetch: bool = True
     #: the routed experts tuned in turns (a model's ``begin_leaf_turns``): 0 = as many as the
     #: device needs (1 where every expert's float weights and offsets fit WHOLE_SHARE of it: a
-    #: V4-Flash layer; else each turn's within TURN_SHARE: a V4-Pro layer), N = N turns. A turn
+    #: V4-Flash layer; else each turn's within TURN_SHARE, where the device holds them all at
+    #: least: a V4-Pro layer on an H200; on 64 / 80 GB it is refused before any layer), N = N
+    #: turns (a V4-Pro layer on 64 / 80 GB: 11 / 8; its step does not fit 60 GiB yet). A turn
     #: has its experts' float weights and offsets on the device and ``iters / turns`` steps (its
     #: own decaying schedule); the experts outside it run at their current fake-quant values,
     #: decoded from integer codes. The other units step through all ``iters`` steps. The layer
@@ -245,9 +247,11 @@ class BlockRound(Algorithm):
 
     def block_bytes_per_weight(self, weight_bytes: int) -> float:
         # every tuned weight and its rounding offset live on the device together for the whole
-        # stage (the clips, one a group, are left out: a lower bound); in turns, the codes of
-        # the experts outside the turn (half a byte at <= 4 bits)
-        if self.turns != 1:
+        # stage (the clips, one a group, are left out: a lower bound). Turns asked for by number:
+        # the codes of the experts outside the turn (half a byte at <= 4 bits). The default
+        # (turns=0) keeps the whole bound: a layer over the device is refused before any layer
+        # runs, as the turns do not yet fit a V4-Pro step in 60 GiB (results §1b)
+        if self.turns > 1:
             return 0.5
         return weight_bytes + (2 if self.offset_dtype == "float16" else 4)
 
