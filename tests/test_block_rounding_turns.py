@@ -122,9 +122,16 @@ def test_a_turn_leaves_the_codes_of_the_other_experts_alone():
     moe.abort_leaf_turns()
 
 
-def _stage(block, x, ids, **knobs):
+def _joined(xs, states):
+    """V4's concatenation of samples (the adapter's ``concat_samples``)."""
+    return torch.cat(xs), {"start_pos": 0, "input_ids": torch.cat([st["input_ids"] for st in states])}
+
+
+def _stage(block, x, ids, concat=None, **knobs):
     units, data = block_data(block, x, ids)
-    algo = BlockRound(lr=0.02, batch=1, keep_best=False, chunk_gb=2 * _expert_bytes(block) / 2 ** 30, **knobs)
+    data.concat = concat
+    knobs = {"lr": 0.02, "batch": 1, "keep_best": False, "chunk_gb": 2 * _expert_bytes(block) / 2 ** 30, **knobs}
+    algo = BlockRound(**knobs)
     return algo.apply_block(data), data, units
 
 
@@ -261,3 +268,45 @@ def test_memory_knobs_change_no_number_in_turns():
     assert plain == knobs
     for a, b in zip(block.ffn.experts, other.ffn.experts):
         assert torch.equal(a.w1.weight, b.w1.weight) and torch.equal(a.w2.weight, b.w2.weight)
+
+
+def test_a_batch_in_parts_takes_the_whole_batchs_steps():
+    """``micro_batch``: a step's batch split into parts whose gradients add up before the step
+    (the offsets then step after the last part, not inside the backward): float64, the same
+    end state as the batch in one forward, the experts' offsets, clips and the other units' state."""
+    block, x, ids = _block(dtype=torch.float64, scheme="w3-g16", layer=3)
+    other = copy.deepcopy(block)
+    whole, _, _ = _stage(block, x, ids, concat=_joined, iters=6, turns=2, batch=2)
+    parts, _, _ = _stage(other, x, ids, concat=_joined, iters=6, turns=2, batch=2, micro_batch=1)
+    first = next(iter(whole.values()))
+    assert first["best_step"] == 6 and first["layer_loss_after"] < first["layer_loss_before"]
+    _same_stats(parts, whole)
+    for (na, a), (nb, b) in zip(block.named_parameters(), other.named_parameters()):
+        assert na == nb and torch.equal(a, b), na
+    with pytest.raises(ConfigError, match="micro_batch"):
+        BlockRound(turns=1, micro_batch=2).check()
+
+
+def _same_stats(a: dict, b: dict) -> None:
+    """The same statistics; the MSEs to fp32 summation order (the errors are summed in fp32)."""
+    assert a.keys() == b.keys()
+    for name in a:
+        for k, v in a[name].items():
+            assert (v == pytest.approx(b[name][k], rel=1e-6)) if isinstance(v, float) else v == b[name][k], (name, k)
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_samples_that_cannot_join_take_one_step_a_batch(turns):
+    """Samples that do not concatenate run one forward each, so the stacked offsets' fake-quant
+    is made once a sample: their SignSGD step must still come once a batch, on the batch's
+    gradient (casebook i34-19), in one turn and in turns. Float64: the same end state as the
+    joined batch."""
+    block, x, ids = _block(dtype=torch.float64, scheme="w3-g16", layer=3)
+    other = copy.deepcopy(block)
+    knobs = {"iters": 6, "batch": 2, "turns": turns, **({"fold_grid": False} if turns == 1 else {})}
+    joined, _, _ = _stage(block, x, ids, concat=_joined, **knobs)
+    apart, _, _ = _stage(other, x, ids, **knobs)
+    assert next(iter(joined.values()))["layer_loss_after"] < next(iter(joined.values()))["layer_loss_before"]
+    _same_stats(apart, joined)
+    for (na, a), (nb, b) in zip(block.named_parameters(), other.named_parameters()):
+        assert na == nb and torch.equal(a, b), na

@@ -68,7 +68,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import ConfigError, DeviceMemoryError
 from ..runtime import device as devmod
 from ..pipeline.replay import output_tensor
-from ..quant.leaf_stack import SignStep
+from ..quant.leaf_stack import SignStep, signsgd_
 from ..quant.quantizers import CLIP_MIN
 from .base import Algorithm, BlockData, Needs, SolveContext, UnitData
 from .recipe import register
@@ -193,6 +193,11 @@ class BlockRound(Algorithm):
     #: decoded from integer codes. The other units step through all ``iters`` steps. The layer
     #: ends folded into fixed grids, or as it began where its MSE did not improve
     turns: int = 0
+    #: in turns: the samples of one forward (0: the whole ``batch``). Smaller splits a step's batch
+    #: into parts whose gradients add up before the step (the offsets then take their step after
+    #: the last part instead of inside the backward): a part's intermediates instead of the
+    #: batch's, for the turn's gradients held between the parts
+    micro_batch: int = 0
 
     #: the device share every expert's float weights and offsets may take for one turn (auto)
     WHOLE_SHARE: ClassVar[float] = 0.42
@@ -203,11 +208,11 @@ class BlockRound(Algorithm):
     def settings(self) -> dict[str, Any]:
         # these change where intermediates live, not one number (test_block_rounding,
         # test_grouped_block_rounding): a run may resume with them switched, and they are not
-        # part of the folder's fingerprint. ``turns=0`` (as many as the device needs) is left out
-        # as well, so a record of the default reads as before the option; the count a layer took
-        # is in its statistics ("turns")
+        # part of the folder's fingerprint. ``turns=0`` (as many as the device needs) and
+        # ``micro_batch=0`` (the whole batch) are left out as well, so a record of the default
+        # reads as before the options; the count of turns a layer took is in its statistics
         return {k: v for k, v in super().settings().items()
-                if k not in MEMORY_ONLY_SETTINGS and not (k == "turns" and v == 0)}
+                if k not in MEMORY_ONLY_SETTINGS and not (k in ("turns", "micro_batch") and v == 0)}
 
     def check(self) -> None:
         if self.iters < 0:
@@ -233,6 +238,11 @@ class BlockRound(Algorithm):
         if self.turns > 1 and not self.fold_grid:
             raise ConfigError(f"turns={self.turns} needs fold_grid=true: between turns an expert's result is "
                               "held as its codes on a fixed grid, not as offsets")
+        if self.micro_batch < 0:
+            raise ConfigError(f"micro_batch={self.micro_batch}: must be >= 0 (0: the whole batch in one forward)")
+        if self.micro_batch and self.turns == 1:
+            raise ConfigError(f"micro_batch={self.micro_batch} splits the steps of the experts' turns; with turns=1 "
+                              "use a smaller batch instead")
         if self.turns > 1 and self.keep_best:
             raise ConfigError(f"turns={self.turns} needs keep_best=false: in turns only the end is compared "
                               "with the start (the layer's whole state is never on the device to copy)")
@@ -379,9 +389,16 @@ class BlockRound(Algorithm):
                         (_recomputed(modules) if (self.recompute and self.recompute_units)
                          else contextlib.nullcontext()):
                     se, count = group_error(ks, fetched)
-                    # one backward for the batch: the mean over its elements
+                    # one backward for the batch: the mean over its elements. Samples that ran one
+                    # by one (no concatenation) made a fake-quant node each: a step inside each
+                    # node's backward would take one step a sample on its part of the gradient
+                    # (casebook i34-19); the stacked offsets then step once, after the backward
+                    split = layer_loss.ran_apart
+                    sign_step.lr = None if split else lr_now[0]
                     (se / count).backward()
                     del se
+                    if split:
+                        _step_accumulated([], [], [v for st in stacks for v in st.offsets], {"turn": lr_now[0]})
                     clamp_learnables(offsets, clips, clip_lo)
                     for st in stacks:
                         st.clamp_()
@@ -435,8 +452,11 @@ class BlockRound(Algorithm):
         layer_loss = _LayerLoss(data, own, modules, self.batch, ahead=self.prefetch)
         lr = {"own": 0.0, "turn": 0.0}
         lr_of: dict[int, str] = {}
+        defer = [False]   # a step's batch in parts: the gradients add up, the steps come after
 
         def step(p: torch.Tensor) -> None:
+            if defer[0]:
+                return
             with torch.no_grad():
                 p.sub_(lr[lr_of.get(id(p), "own")] * torch.sign(p.grad))
             p.grad = None
@@ -461,31 +481,23 @@ class BlockRound(Algorithm):
             t = 0
             for j in range(n):
                 steps = self.iters * (j + 1) // n - self.iters * j // n
-                for h, c in zip(hosts, counts):
-                    if j < c:
-                        h.begin_leaf_turn(j)
-                stacks = [st for h in hosts for st in h.attach_leaf_stacks(
-                    learn_clip=self.learn_clip, clip_min=self.clip_min, chunk_bytes=int(self.chunk_gb * 2 ** 30),
-                    recompute=self.recompute, offset_dtype=getattr(torch, self.offset_dtype), step=sign_step,
-                    hold_bytes=int(self.hold_gb * 2 ** 30))]
+                stacks = self._open_turn(hosts, j, counts, sign_step)
                 turn_clips = [c for st in stacks for c in st.clips]
                 for c in turn_clips:
                     lr_of[id(c)] = "turn"
-                    c.requires_grad_(True)
                     hooks.append(c.register_post_accumulate_grad_hook(step))
-                for v in (v for st in stacks for v in st.offsets):
-                    v.requires_grad_(True)
                 layer_loss.params = own + [v for st in stacks for v in st.params()]
                 turn_lr0 = self.lr or (1.0 / max(steps, 1))
                 draws = ([next(order) for _ in range(min(self.batch, len(data.inputs)))] for _ in range(steps))
                 for u, (ks, fetched) in enumerate(layer_loss.batches(draws)):
                     lr["own"] = lr0 * (1.0 - t / self.iters)
-                    lr["turn"] = sign_step.lr = turn_lr0 * (1.0 - u / steps)
-                    with (_recomputed(modules) if (self.recompute and self.recompute_units)
-                          else contextlib.nullcontext()):
-                        se, count = layer_loss.group_error(ks, fetched)
-                        (se / count).backward()
-                    del se
+                    lr["turn"] = turn_lr0 * (1.0 - u / steps)
+                    # in parts, every step waits for the last part's gradient (hooks deferred)
+                    defer[0] = 0 < self.micro_batch < len(ks)
+                    sign_step.lr = lr["turn"]
+                    self._batch_backward(layer_loss, ks, fetched, modules, sign_step)
+                    if sign_step.lr is None:   # the offsets' step after the backward(s), on the sum
+                        _step_accumulated(own, turn_clips, [v for st in stacks for v in st.offsets], lr)
                     clamp_learnables(offsets, clips, clip_lo)
                     for st in stacks:
                         st.clamp_()
@@ -529,6 +541,38 @@ class BlockRound(Algorithm):
                 h.detach_leaf_stacks()
                 h.abort_leaf_turns()
             tuning.restore()
+
+    def _open_turn(self, hosts: list, j: int, counts: list[int], sign_step: SignStep) -> list:
+        """Turn j begun on every host that has it; its experts' stacked state made learnable."""
+        for h, c in zip(hosts, counts):
+            if j < c:
+                h.begin_leaf_turn(j)
+        stacks = [st for h in hosts for st in h.attach_leaf_stacks(
+            learn_clip=self.learn_clip, clip_min=self.clip_min, chunk_bytes=int(self.chunk_gb * 2 ** 30),
+            recompute=self.recompute, offset_dtype=getattr(torch, self.offset_dtype), step=sign_step,
+            hold_bytes=int(self.hold_gb * 2 ** 30))]
+        for p in (p for st in stacks for p in st.params()):
+            p.requires_grad_(True)
+        return stacks
+
+    def _batch_backward(self, layer_loss: "_LayerLoss", ks: list[int], fetched, modules: list,
+                        sign_step: SignStep) -> None:
+        """The backward of one step's batch, in ``micro_batch`` parts whose gradients add up, or
+        whole. ``sign_step.lr`` None afterwards: the stacked offsets did not step inside the
+        backward (parts, or samples that ran one forward each: casebook i34-19) and take their
+        step after it, on the batch's gradient."""
+        with (_recomputed(modules) if (self.recompute and self.recompute_units) else contextlib.nullcontext()):
+            if 0 < self.micro_batch < len(ks):
+                sign_step.lr = None
+                count = sum(layer_loss.data.targets[k].numel() for k in ks)
+                for se, _ in layer_loss.errors_in_parts(ks, fetched, self.micro_batch):
+                    (se / count).backward()
+                    del se
+                return
+            se, count = layer_loss.group_error(ks, fetched)
+            if layer_loss.ran_apart:
+                sign_step.lr = None
+            (se / count).backward()
 
     def _unit_results(self, data: BlockData, per_unit: dict[str, list], n_leaves: int, loss_before: float,
                       best_loss: float, best_step: int,
@@ -603,6 +647,23 @@ class _Tuning:
             m.train(tr)
 
 
+@torch.no_grad()
+def _step_accumulated(own: list[torch.Tensor], turn_clips: list[torch.Tensor], turn_offsets: list[torch.Tensor],
+                      lr: dict[str, float]) -> None:
+    """The SignSGD step of every parameter on its gradient summed over a batch's parts: the other
+    units' state at the layer's rate, the turn's clips and offsets at the turn's (offsets clamped
+    to [-0.5, 0.5] as the step inside the backward does); the gradients dropped."""
+    for params, rate in ((own, lr.get("own", 0.0)), (turn_clips, lr["turn"])):
+        for p in params:
+            if p.grad is not None:
+                p.sub_(rate * torch.sign(p.grad))
+                p.grad = None
+    for v in turn_offsets:
+        if v.grad is not None:
+            signsgd_(v, v.grad, lr["turn"])
+            v.grad = None
+
+
 def _release(hooks: list, params: list[torch.Tensor]) -> None:
     """The steps' hooks removed; the parameters out of autograd, their gradients dropped."""
     for h in hooks:
@@ -654,6 +715,7 @@ class _LayerLoss:
 
     def __init__(self, data: BlockData, params: list[torch.Tensor], modules: list, batch: int, ahead: bool = True):
         self.data, self.params, self.modules, self.batch, self.ahead = data, params, modules, batch, ahead
+        self.ran_apart = False
 
     def fetch(self, ks: list[int]) -> devmod.CopiesAhead:
         """Samples ``ks``' inputs then targets, their copies to the device issued now."""
@@ -675,13 +737,25 @@ class _LayerLoss:
     def group_error(self, ks: list[int], fetched: devmod.CopiesAhead | None = None) -> tuple[torch.Tensor, int]:
         """(sum of squared errors in fp32, elements) of samples ``ks``: one forward of them
         all where the model concatenates samples (``data.concat``), else one forward each."""
-        data = self.data
         # each sample to the device first (pinned host -> device), joined there: a host-side
         # join of 8 V4-Flash windows is a 0.5 GB pageable copy a step (casebook i34-2)
         moved = (fetched if fetched is not None else self.fetch(ks)).get()
+        return self._error(ks, moved[:len(ks)], moved[len(ks):])
+
+    def errors_in_parts(self, ks: list[int], fetched: devmod.CopiesAhead | None, size: int):
+        """``group_error`` of samples ``ks`` a part of ``size`` samples at a time (the caller runs
+        each part's backward before the next part's forward, so one part's intermediates live)."""
+        moved = (fetched if fetched is not None else self.fetch(ks)).get()
         xs, ts = moved[:len(ks)], moved[len(ks):]
+        for i in range(0, len(ks), size):
+            yield self._error(ks[i:i + size], xs[i:i + size], ts[i:i + size])
+
+    def _error(self, ks: list[int], xs: list[torch.Tensor], ts: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        data = self.data
         states = [data.states[k] for k in ks]
         joined = data.concat(xs, states) if (data.concat is not None and len(ks) > 1) else None
+        #: the last call ran several samples one forward each (no concatenation)
+        self.ran_apart = joined is None and len(ks) > 1
         if joined is None:
             errs = [self.group_error_of(x, st, t) for x, st, t in zip(xs, states, ts)]
             return sum(e for e, _ in errs), sum(c for _, c in errs)

@@ -54,7 +54,7 @@ class SignStep:
     lr: float | None = None
 
 
-def _signsgd_(offset: torch.Tensor, dv: torch.Tensor, lr: float) -> None:
+def signsgd_(offset: torch.Tensor, dv: torch.Tensor, lr: float) -> None:
     """offset = clamp(offset - lr * sign(dv), -0.5, 0.5), the arithmetic in float32 whatever the
     offset's dtype (the fused kernel's, element for element)."""
     v = offset.float() - lr * torch.sign(dv.float())
@@ -112,7 +112,7 @@ class _SteppedRounding(torch.autograd.Function):
             if step.lr is None:
                 return None, grads[1] if want_c else None, dv.to(offset.dtype), None, None
             with torch.no_grad():
-                _signsgd_(offset, dv, step.lr)
+                signsgd_(offset, dv, step.lr)
         return None, grads[1] if want_c else None, None, None, None
 
 
