@@ -398,7 +398,7 @@ class BlockRound(Algorithm):
                     (se / count).backward()
                     del se
                     if split:
-                        _step_accumulated([], [], [v for st in stacks for v in st.offsets], {"turn": lr_now[0]})
+                        _step_offsets([v for st in stacks for v in st.offsets], lr_now[0])
                     clamp_learnables(offsets, clips, clip_lo)
                     for st in stacks:
                         st.clamp_()
@@ -497,7 +497,9 @@ class BlockRound(Algorithm):
                     sign_step.lr = lr["turn"]
                     self._batch_backward(layer_loss, ks, fetched, modules, sign_step)
                     if sign_step.lr is None:   # the offsets' step after the backward(s), on the sum
-                        _step_accumulated(own, turn_clips, [v for st in stacks for v in st.offsets], lr)
+                        _step_summed(own, lr["own"])
+                        _step_summed(turn_clips, lr["turn"])
+                        _step_offsets([v for st in stacks for v in st.offsets], lr["turn"])
                     clamp_learnables(offsets, clips, clip_lo)
                     for st in stacks:
                         st.clamp_()
@@ -648,19 +650,22 @@ class _Tuning:
 
 
 @torch.no_grad()
-def _step_accumulated(own: list[torch.Tensor], turn_clips: list[torch.Tensor], turn_offsets: list[torch.Tensor],
-                      lr: dict[str, float]) -> None:
-    """The SignSGD step of every parameter on its gradient summed over a batch's parts: the other
-    units' state at the layer's rate, the turn's clips and offsets at the turn's (offsets clamped
-    to [-0.5, 0.5] as the step inside the backward does); the gradients dropped."""
-    for params, rate in ((own, lr.get("own", 0.0)), (turn_clips, lr["turn"])):
-        for p in params:
-            if p.grad is not None:
-                p.sub_(rate * torch.sign(p.grad))
-                p.grad = None
-    for v in turn_offsets:
+def _step_summed(params: list[torch.Tensor], lr: float) -> None:
+    """The SignSGD step of every parameter on its gradient summed over a batch's parts; the
+    gradients dropped (what the steps' hooks do, once for the whole batch)."""
+    for p in params:
+        if p.grad is not None:
+            p.sub_(lr * torch.sign(p.grad))
+            p.grad = None
+
+
+@torch.no_grad()
+def _step_offsets(offsets: list[torch.Tensor], lr: float) -> None:
+    """The stacked offsets' step after the backward, on their summed gradient: the step the fused
+    backward takes inside it (clamped to [-0.5, 0.5]); the gradients dropped."""
+    for v in offsets:
         if v.grad is not None:
-            signsgd_(v, v.grad, lr["turn"])
+            signsgd_(v, v.grad, lr)
             v.grad = None
 
 

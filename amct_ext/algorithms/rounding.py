@@ -75,14 +75,11 @@ def fold_to_fixed_grid(leaf: nn.Module) -> bool:
     if wq.round_offset is None or not wq.roundable:
         return False
     w = leaf.weight
-    target = wq(w)
-    d = formats.quantize(w.detach(), wq.spec, wq.effective_clip(), wq.effective_round_offset())
-    folded = formats.dequantize(d, wq.spec).to(w.dtype)
-    zp = d.get("zero_point")
-    again = formats.fake_quant_with_qparams(folded, wq.spec, d["scale"], None if zp is None else zp.float())
-    if not (torch.equal(folded, target) and torch.equal(again, target)):
+    d = formats.fixed_grid(w, wq.spec, wq.effective_clip(), wq.effective_round_offset())
+    if d is None:
         return False
-    w.copy_(folded)
+    zp = d.get("zero_point")
+    w.copy_(formats.dequantize(d, wq.spec).to(w.dtype))
     wq.set_fixed_qparams(w, d["scale"], None if zp is None else zp.float())
     leaf.weight_replaced = True
     if isinstance(leaf, QuantLinear):

@@ -198,7 +198,6 @@ class _JobRun:
         """report.json (the keys in their order of old)."""
         import torch
 
-
         job, cfg, layers, recipe = self.job, self.ptq_cfg, self.layers, job_recipe(self.job)
         s = self.spec
         report = {

@@ -633,6 +633,21 @@ def quantize(x: torch.Tensor, spec: TensorSpec, clip=None, round_offset=None) ->
     return {"q": q, "scale_e8m0": e}
 
 
+@torch.no_grad()
+def fixed_grid(x: torch.Tensor, spec: TensorSpec, clip=None, round_offset=None) -> dict[str, torch.Tensor] | None:
+    """:func:`quantize`'s codes and grid of ``x`` (an integer spec) where they stand for its
+    fake-quant value exactly: the codes decode, in ``x``'s dtype, to ``fake_quant(x, spec, clip,
+    round_offset)`` bit for bit, and that value quantizes back to itself on the grid (a weight
+    replaced by it reproduces it with the scales fixed). None where the dtype's rounding breaks
+    either."""
+    target = fake_quant(x, spec, clip, round_offset)
+    d = quantize(x.detach(), spec, clip, round_offset)
+    folded = dequantize(d, spec).to(x.dtype)
+    zp = d.get("zero_point")
+    again = fake_quant_with_qparams(folded, spec, d["scale"], None if zp is None else zp.float())
+    return d if torch.equal(folded, target) and torch.equal(again, target) else None
+
+
 def dequantize(d: dict[str, torch.Tensor], spec: TensorSpec,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize`."""

@@ -113,7 +113,7 @@ class ExpertTurns:
     def end(self) -> None:
         """The current turn's state into the codes, checked: the decoded value of every weight
         equals its fake-quant value under the learned offset and clip, and quantizes back to
-        itself on the fixed grid (what ``rounding.fold_to_fixed_grid`` checks). Its leaves back
+        itself on the fixed grid (``formats.fixed_grid``, as the fold of one leaf). Its leaves back
         to their start state (the codes now hold the result) and their weights to the host."""
         e0, e1 = self.current
         for e, lin, codes, rows in self.leaves(e0, e1):
@@ -121,15 +121,12 @@ class ExpertTurns:
             clip, off = wq.effective_clip(), wq.effective_round_offset()
             clip = None if clip is None else clip.detach()
             off = None if off is None else off.detach()
-            target = formats.fake_quant(w, wq.spec, clip, off)
-            q, scale, zp = formats.quantize_int(w, wq.spec, clip, off)
-            folded = formats.dequantize_int(q, scale, zp, wq.spec, w.dtype)
-            again = formats.fake_quant_with_qparams(folded, wq.spec, scale, None if zp is None else zp.float())
-            if not (torch.equal(folded, target) and torch.equal(again, target)):
+            d = formats.fixed_grid(w, wq.spec, clip, off)
+            if d is None:
                 raise QuantConfigError(
                     f"blockround in turns: expert {e}'s {type(lin).__name__} does not fold into a fixed grid "
                     f"bit for bit ({wq.spec}); tune this layer in one turn (blockround:turns=1)")
-            codes.put(e, rows, q, scale, zp)
+            codes.put(e, rows, d["q"], d["scale"], d.get("zero_point"))
             if off is not None:
                 self.moved[e] += int((off != 0).sum())
             wq.clip, wq.round_offset = self.start[id(lin)]
