@@ -465,6 +465,9 @@ class BlockRound(Algorithm):
         t_start = time.perf_counter()
         try:
             counts = [h.begin_leaf_turns(n_turns) for h in hosts]
+            log.info("blockround layer %s: the experts' codes made, their float weights on the host (%.1f s); "
+                     "device %.1f GiB allocated", data.layer_idx, time.perf_counter() - t_start,
+                     devmod.memory_allocated(dev) / 2 ** 30)
             loss_before = layer_loss.full_mse()
             log.info("blockround layer %s: %d leaves, %d samples, the experts in %d turns; start MSE %.6g (%.1f s), "
                      "device peak so far %.1f GiB", data.layer_idx, len(leaves), len(data.inputs), max(counts),
@@ -511,8 +514,8 @@ class BlockRound(Algorithm):
                                  devmod.peak_memory_bytes(dev) / 2 ** 30)
                 devmod.synchronize(dev)
                 log.info("blockround layer %s: turn %d / %d (%d steps) done, %d steps in %.1f s, device peak so far "
-                         "%.1f GiB", data.layer_idx, j + 1, n, steps, t, time.perf_counter() - t_start,
-                         devmod.peak_memory_bytes(dev) / 2 ** 30)
+                         "%.1f GiB (%.1f allocated)", data.layer_idx, j + 1, n, steps, t, time.perf_counter() - t_start,
+                         devmod.peak_memory_bytes(dev) / 2 ** 30, devmod.memory_allocated(dev) / 2 ** 30)
                 for p in layer_loss.params[len(own):]:
                     p.requires_grad_(False)
                 for h in hosts:
