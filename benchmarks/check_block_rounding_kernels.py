@@ -9,7 +9,9 @@
    does not: tests/test_fused_rounding.py compares the fp32 values there), offset gradient bit for
    bit, clip gradient's largest relative error;
 2. ``grouped_linear`` (torch._grouped_mm and its backward) against one matmul per expert;
-3. the time of each (median of 10 after 3 warm-ups, device events) beside its floor: bytes moved
+3. ``StackCodes.decode`` (the Triton decode of integer codes, blockround's turns) against the
+   torch definition on a V4-Pro w13 chunk: bf16 bit for bit;
+4. the time of each (median of 10 after 3 warm-ups, device events) beside its floor: bytes moved
    over the measured copy bandwidth, FLOPs over the measured bf16 matmul rate.
 """
 from __future__ import annotations
@@ -79,6 +81,30 @@ def launch_sweep(w, spec, c, v16, up, dev) -> list[dict]:
     finally:
         fr._launch_shape = shipped
     return rows_out
+
+
+def check_codes_decode(dev, res: dict, experts: int = 4, rows: int = 6144, cols: int = 7168) -> None:
+    """``StackCodes.decode`` (the Triton kernel on CUDA) against ``decode_reference`` (the torch
+    definition, ``formats.dequantize_int``) on a V4-Pro w13 chunk ([4, 6144, 7168], asymmetric
+    int4 g128, bf16 out): mismatches (0: bit for bit), the time of each, the floor (bytes read and
+    written over the copy bandwidth)."""
+    from amct_ext.quant.stack_codes import StackCodes
+
+    spec = TensorSpec("int", 4, False, "group", 128)
+    sc = StackCodes((experts, rows, cols), spec, dev)
+    g = torch.Generator(device=dev).manual_seed(2)
+    for e in range(experts):
+        q = torch.randint(sc.qmin, sc.qmax + 1, (rows, cols), device=dev, generator=g)
+        scale = torch.rand(rows, cols // 128, device=dev, generator=g) * 1e-2 + 1e-4
+        zp = torch.randint(0, 16, (rows, cols // 128), device=dev, generator=g).to(torch.uint8)
+        sc.put(e, (0, rows), q, scale, zp)
+    got, want = sc.decode(0, experts, torch.bfloat16), sc.decode_reference(0, experts, torch.bfloat16)
+    res["decode_mismatch"] = int((got != want).sum())
+    del got, want
+    n = experts * rows * cols
+    res["decode_ms"] = timed(lambda: sc.decode(0, experts, torch.bfloat16), dev)
+    res["decode_torch_ms"] = timed(lambda: sc.decode_reference(0, experts, torch.bfloat16), dev)
+    res["decode_floor_ms"] = (n / 2 + n / 128 * 5 + n * 2) / res["copy_GBps"] / 1e6
 
 
 def main(argv=None) -> int:
@@ -168,6 +194,8 @@ def main(argv=None) -> int:
         res["sweep"] = launch_sweep(w, spec, c, v16, up, dev)
     del ref, out, up
 
+    check_codes_decode(dev, res)
+
     # grouped GEMM: w13-like [E, 2I, D] as [E, rows, cols], tokens spread unevenly
     counts = torch.randint(0, 2 * a.tokens // a.experts, (a.experts,), generator=torch.Generator().manual_seed(1))
     counts[0] = 0
@@ -205,7 +233,7 @@ def main(argv=None) -> int:
         Path(a.json).write_text(json.dumps(res, indent=1))
     ok = res["fq_out_mismatch"] == 0 and res["fq_dv_mismatch"] == 0 and res["fq_dc_rel"] < 1e-4 \
         and res["step_float32_mismatch"] == 0 and res["step_float16_mismatch"] == 0 \
-        and res["gmm_y_rel"] < 1e-2 and res["gmm_dx_rel"] < 1e-2 and res["gmm_dw_rel"] < 1e-2
+        and res["decode_mismatch"] == 0 and res["gmm_y_rel"] < 1e-2 and res["gmm_dx_rel"] < 1e-2 and res["gmm_dw_rel"] < 1e-2
     print("ok" if ok else "MISMATCH")
     return 0 if ok else 1
 

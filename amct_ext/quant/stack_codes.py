@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import formats
+from ..runtime import device as devmod, fused_codes
 from .schemes import TensorSpec
 
 
@@ -61,7 +62,17 @@ class StackCodes:
         return u.to(torch.int16) + self.qmin
 
     def decode(self, e0: int, e1: int, dtype: torch.dtype) -> torch.Tensor:
-        """Experts e0:e1's fake-quant weights [e1 - e0, R, C] in ``dtype``."""
+        """Experts e0:e1's fake-quant weights [e1 - e0, R, C] in ``dtype``: one kernel on CUDA
+        (``fused_codes``, the same bits), else ``formats.dequantize_int``."""
+        zp = None if self.zero_point is None else self.zero_point[e0:e1]
+        if devmod.fused_kernels_enabled(self.codes.device) and fused_codes.fused_decode_supported(self.codes):
+            block = self.spec.group_size if self.spec.granularity == "group" else self.shape[2]
+            return fused_codes.decode(self.codes[e0:e1], self.scale[e0:e1], zp, (e1 - e0,) + self.shape[1:],
+                                      block, self.qmin, self.packed, dtype)
+        return self.decode_reference(e0, e1, dtype)
+
+    def decode_reference(self, e0: int, e1: int, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`decode` through ``formats.dequantize_int`` (the definition; any device)."""
         zp = None if self.zero_point is None else self.zero_point[e0:e1]
         return formats.dequantize_int(self.quantized(e0, e1), self.scale[e0:e1], zp, self.spec, dtype)
 
