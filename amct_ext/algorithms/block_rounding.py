@@ -58,6 +58,7 @@ import contextlib
 import logging
 import os
 import time
+import traceback
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -419,8 +420,8 @@ class BlockRound(Algorithm):
             log.info("blockround layer %s: done in %.1f s (steps %.1f s), device peak so far %.1f GiB", data.layer_idx,
                      time.perf_counter() - t_start, time.perf_counter() - t_steps, devmod.peak_memory_bytes(dev) / 2 ** 30)
             return out
-        except torch.OutOfMemoryError:
-            raise self._out_of_memory(data, params) from None
+        except torch.OutOfMemoryError as err:
+            raise self._out_of_memory(data, params, err) from None
         finally:
             _release(hooks, params)
             for h in hosts:
@@ -512,6 +513,7 @@ class BlockRound(Algorithm):
                         log.info("blockround layer %s: %d steps, %.3f s a step, device peak so far %.1f GiB",
                                  data.layer_idx, t, (time.perf_counter() - t_steps) / t,
                                  devmod.peak_memory_bytes(dev) / 2 ** 30)
+                fetched = None   # the turn's last batch off the device
                 devmod.synchronize(dev)
                 log.info("blockround layer %s: turn %d / %d (%d steps) done, %d steps in %.1f s, device peak so far "
                          "%.1f GiB (%.1f allocated)", data.layer_idx, j + 1, n, steps, t, time.perf_counter() - t_start,
@@ -531,15 +533,26 @@ class BlockRound(Algorithm):
                      time.perf_counter() - t_start)
             if not keep:
                 _restore(own, start)
+            # the other units settled first: their offsets leave the device before every expert's
+            # float weights come back to it (a V4-Pro layer: 47 GiB into a 60-GiB budget)
+            best_step = self.iters if keep else 0
+            _release(hooks, own)
+            hooks, start = [], None
+            out = self._unit_results(data, {u: lfs for u, lfs in per_unit.items()
+                                            if not any(id(lf[0]) in turned for lf in lfs)},
+                                     len(leaves), loss_before, min(loss_after, loss_before), best_step)
+            log.info("blockround layer %s: the other units settled; device %.1f GiB allocated before the experts "
+                     "come back", data.layer_idx, devmod.memory_allocated(dev) / 2 ** 30)
             for h in hosts:
                 settled.update(h.end_leaf_turns(keep))
-            out = self._unit_results(data, per_unit, len(leaves), loss_before, min(loss_after, loss_before),
-                                     self.iters if keep else 0, settled)
+            out.update(self._unit_results(data, {u: lfs for u, lfs in per_unit.items() if u not in out},
+                                          len(leaves), loss_before, min(loss_after, loss_before), best_step, settled))
+            out = {u.name: out[u.name] for u in data.units if u.name in out}   # the units' order
             for stats in out.values():
                 stats["turns"] = n
             return out
-        except torch.OutOfMemoryError:
-            raise self._out_of_memory(data, own) from None
+        except torch.OutOfMemoryError as err:
+            raise self._out_of_memory(data, own, err) from None
         finally:
             _release(hooks, own)
             for h in hosts:   # after an error: every weight back on the device as it began
@@ -588,6 +601,8 @@ class BlockRound(Algorithm):
         settled = settled or {}
         out = {}
         for u in data.units:
+            if u.name not in per_unit:   # settled in another call
+                continue
             if any(id(leaf) in settled for leaf, _, _ in per_unit[u.name]):
                 out[u.name] = self._settled_results(per_unit[u.name], settled, loss_before, best_loss, best_step,
                                                     n_leaves)
@@ -618,8 +633,16 @@ class BlockRound(Algorithm):
                 "n_nonzero_offsets": settled[id(lfs[0][0])][0] if lfs else 0,
                 "folded_leaves": sum(int(settled[id(leaf)][1]) for leaf, _, _ in lfs), "layer_leaves": n_leaves}
 
-    def _out_of_memory(self, data: BlockData, params: list[torch.Tensor]) -> DeviceMemoryError:
+    def _out_of_memory(self, data: BlockData, params: list[torch.Tensor], err: BaseException) -> DeviceMemoryError:
         dev = data.device
+        # where it ran out (the error below replaces torch's traceback): the innermost frame of
+        # this project's code, for the log
+        frames = [f for f in traceback.extract_tb(err.__traceback__)
+                  if f"{os.sep}amct_ext{os.sep}" in f.filename or f"{os.sep}models{os.sep}" in f.filename]
+        if frames:
+            log.warning("blockround layer %s: out of device memory in %s:%d (%s), %.1f GiB allocated", data.layer_idx,
+                        os.path.basename(frames[-1].filename), frames[-1].lineno, frames[-1].name,
+                        devmod.memory_allocated(dev) / 2 ** 30)
         state = sum(p.numel() * p.element_size() for p in params)
         total = devmod.total_memory_bytes(dev)
         return DeviceMemoryError(
