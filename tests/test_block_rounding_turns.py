@@ -258,6 +258,53 @@ def test_an_error_inside_the_turns_is_the_one_reported(monkeypatch):
         _stage(block, x, ids, iters=4, turns=2)
 
 
+def test_where_the_memory_ran_out_is_logged(monkeypatch, caplog):
+    """The reported error replaces torch's traceback: the log names the project frame that ran out
+    (the V4-Pro run that ran out after its 100 steps said only 'out of device memory')."""
+    import logging
+
+    from amct_ext.errors import DeviceMemoryError
+    from models.deepseek_v4.expert_turns import ExpertTurns
+
+    block, x, ids = _block(dtype=torch.float32, scheme="w4-sym-g32", layer=3)
+
+    def no_memory(self, keep):
+        raise torch.OutOfMemoryError("stand-in: out of device memory")
+
+    monkeypatch.setattr(ExpertTurns, "finish", no_memory)
+    with caplog.at_level(logging.WARNING), pytest.raises(DeviceMemoryError):
+        _stage(block, x, ids, iters=4, turns=2)
+    # the innermost frame of the project's code (the stand-in lives in this test file)
+    assert any("out of device memory in quant_module.py:" in r.getMessage() and "(end_leaf_turns)" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_the_other_units_are_settled_before_the_experts_come_back(monkeypatch):
+    """A V4-Pro layer's 47 GiB of float experts come back to the device at the end of the turns:
+    by then the other units' offsets must be folded and gone (casebook i34-20: they, the last
+    batch and the attention's fold beside the experts ran a 60-GiB budget out after 100 steps).
+    The results are those of settling them after (test_turns_end_folded_at_the_mse_they_report)."""
+    from models.deepseek_v4.expert_turns import ExpertTurns
+
+    block, x, ids = _block(dtype=torch.float32, scheme="w4-sym-g32", layer=3)
+    others = [m for name, m in block.named_modules() if hasattr(m, "weight_quantizer") and ".experts." not in
+              f".{name}." and m.weight_quantizer.roundable]
+    assert others
+    seen = []
+    finish = ExpertTurns.finish
+
+    def check_then_finish(self, keep):
+        seen.append([(m.weight_quantizer.round_offset is None, getattr(m, "weight_replaced", False)) for m in others])
+        return finish(self, keep)
+
+    monkeypatch.setattr(ExpertTurns, "finish", check_then_finish)
+    stats, _, _ = _stage(block, x, ids, iters=6, turns=2)
+    assert next(iter(stats.values()))["best_step"] == 6   # kept: the folds happened
+    assert len(seen) == 1 and all(gone and folded for gone, folded in seen[0]), seen
+    units, _ = block_data(copy.deepcopy(block), x, ids)
+    assert list(stats) == [u.name for u in units]   # every unit, in the units' order
+
+
 
 def test_memory_knobs_change_no_number_in_turns():
     """``recompute_units`` moves intermediates, in turns as in one turn: the same numbers (float64)."""
