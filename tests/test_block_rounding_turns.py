@@ -172,6 +172,7 @@ def test_turns_that_did_not_improve_leave_the_layer_as_it_began(monkeypatch):
             la, lb = getattr(a, n), getattr(b, n)
             assert torch.equal(la.weight, lb.weight) and not la.weight_quantizer.has_fixed_qparams
             assert torch.equal(la.quantized_weight(), lb.quantized_weight())
+            assert not la.weight_on_grid()   # float weights: the fake-quant path
     # the other units back at their start; the state the stage created is the identity (clip 1, offset 0)
     before = dict(start.named_parameters())
     for name, p in block.named_parameters():
@@ -357,3 +358,41 @@ def test_samples_that_cannot_join_take_one_step_a_batch(turns):
     _same_stats(apart, joined)
     for (na, a), (nb, b) in zip(block.named_parameters(), other.named_parameters()):
         assert na == nb and torch.equal(a, b), na
+
+
+def test_experts_folded_by_the_turns_run_on_their_weights_with_the_same_numbers():
+    """After the turns every expert's weight is its decoded codes, checked to quantize back to
+    itself on its fixed grid: the quantized MoE then runs on the packed weights themselves (no
+    fake-quant pass, no copy; a V4-Pro layer's propagate remade 47 GiB of them every forward),
+    and the layer gives the fake-quant path's output bit for bit. Any change of a weight lapses it."""
+    from amct_ext.quant.quant_linear import QuantLinear
+
+    block, x, ids = _block(dtype=torch.float32, scheme="w3-g16", layer=3)
+    stats, data, _ = _stage(block, x, ids, iters=6, turns=2)
+    assert next(iter(stats.values()))["best_step"] == 6   # kept: folded
+    moe = block.ffn
+    leaves = [getattr(e, p) for e in moe.experts for p in ("w1", "w3", "w2")]
+    assert all(lin.weight_on_grid() for lin in leaves)
+    with torch.no_grad():
+        on_grid = [data.forward(xx, st) for xx, st in zip(data.inputs, data.states)]
+        plan = moe._plan
+        assert plan is not None and plan[4] is not None and plan[4][0] is moe._packed[0]   # the weights themselves
+        for lin in leaves:   # the fake-quant path: the marks dropped
+            lin._on_grid_key = None
+            lin.invalidate_cache()
+        plain = [data.forward(xx, st) for xx, st in zip(data.inputs, data.states)]
+        assert moe._plan[4][0] is not moe._packed[0]
+    assert all(torch.equal(a, b) for a, b in zip(on_grid, plain))
+    for m in leaves:
+        m.mark_on_grid()
+    lin = leaves[4]
+    with torch.no_grad():   # an in-place change lapses the mark: the plan goes back to fake-quant
+        lin.weight.add_(lin.weight_quantizer.fixed_scale.repeat_interleave(16, dim=-1) * 0.3)
+        lin.invalidate_cache()
+        data.forward(data.inputs[0], data.states[0])
+    assert not lin.weight_on_grid() and moe._plan[4][0] is not moe._packed[0]
+    lin.mark_on_grid()
+    lin.weight_quantizer.set_fixed_qparams(lin.weight, lin.weight_quantizer.fixed_scale * 2,
+                                           lin.weight_quantizer.fixed_zero_point)
+    assert not lin.weight_on_grid()   # another grid
+    assert QuantLinear._on_grid_key is None   # marks live on instances

@@ -165,6 +165,20 @@ class QuantLinear(nn.Module):
         fk = None if fs is None else (id(fs), fs._version)
         return (id(w), w.data_ptr(), w._version, w.device, w.dtype, ck, ok, fk)
 
+    #: the cache key (``_key``) at which the weight was checked to lie on its fixed grid
+    _on_grid_key: tuple | None = None
+
+    def mark_on_grid(self) -> None:
+        """The caller checked, bit for bit, that the weight quantizes back to itself on the fixed
+        grid its quantizer now holds (``formats.fixed_grid``): its fake-quant value is the weight.
+        Holds while the key holds: any change of the weight (in place too), its device, the clip,
+        the offset or the fixed scale lapses it."""
+        self._on_grid_key = self._key()
+
+    def weight_on_grid(self) -> bool:
+        """The weight is its own fake-quant value (:meth:`mark_on_grid`, still current)."""
+        return self._on_grid_key is not None and self.enabled and self._on_grid_key == self._key()
+
     def quantized_weight(self) -> torch.Tensor:
         """The fake-quant weight used by forward (same dtype as the weight)."""
         if not self._can_cache():

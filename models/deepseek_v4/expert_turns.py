@@ -184,4 +184,6 @@ class ExpertTurns:
                 lin.weight_replaced = True
                 folded += 1
             lin.invalidate_cache()
+            if keep:   # the weight is the decoded codes, which end() checked against this grid
+                lin.mark_on_grid()
         return folded

@@ -640,10 +640,23 @@ class QuantV4MoE(MoE):
                 for e in experts for proj in ("w1", "w3", "w2"))
             groupable = groupable and experts[0].w1.input_quantizer.spec == experts[0].w3.input_quantizer.spec
             if groupable:
-                chunks = self._fake_quant_chunks(experts)
-                stacks = _fake_quant_stacks(experts) if chunks is None else None
+                stacks = self._on_grid_stacks(experts)
+                if stacks is None:
+                    chunks = self._fake_quant_chunks(experts)
+                    stacks = _fake_quant_stacks(experts) if chunks is None else None
         self._plan = (QuantLinear.generation, self.experts, quantized, groupable, stacks, smoothed, chunks)
         return self._plan
+
+    def _on_grid_stacks(self, experts) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The packed weight stacks themselves, where they back every expert and every weight is
+        its own fake-quant value (``QuantLinear.weight_on_grid``: folded into fixed grids by the
+        turns, checked bit for bit): no copy and no fake-quant pass (a V4-Pro layer's propagate
+        remade 47 GiB of them every forward, casebook i34-15). Else None."""
+        packed = self._packed
+        if packed is None or not all(getattr(e, p).weight_on_grid() for e in experts for p in ("w1", "w3", "w2")):
+            return None
+        ptrs = [(e.w1.weight.data_ptr(), e.w3.weight.data_ptr(), e.w2.weight.data_ptr()) for e in experts]
+        return (packed[0], packed[1]) if packed[2] == ptrs else None
 
     #: the share of the device's memory the experts' fake-quant stacks may take at once; above it
     #: they are made a chunk of experts at a time, every forward (a V4-Pro layer's are 47 GiB
