@@ -462,7 +462,7 @@ class BlockRound(Algorithm):
                 p.sub_(lr[lr_of.get(id(p), "own")] * torch.sign(p.grad))
             p.grad = None
 
-        hooks, settled, keep = [], {}, False
+        hooks, keep = [], False
         t_start = time.perf_counter()
         try:
             counts = [h.begin_leaf_turns(n_turns) for h in hosts]
@@ -533,21 +533,10 @@ class BlockRound(Algorithm):
                      time.perf_counter() - t_start)
             if not keep:
                 _restore(own, start)
-            # the other units settled first: their offsets leave the device before every expert's
-            # float weights come back to it (a V4-Pro layer: 47 GiB into a 60-GiB budget)
-            best_step = self.iters if keep else 0
             _release(hooks, own)
             hooks, start = [], None
-            out = self._unit_results(data, {u: lfs for u, lfs in per_unit.items()
-                                            if not any(id(lf[0]) in turned for lf in lfs)},
-                                     len(leaves), loss_before, min(loss_after, loss_before), best_step)
-            log.info("blockround layer %s: the other units settled; device %.1f GiB allocated before the experts "
-                     "come back", data.layer_idx, devmod.memory_allocated(dev) / 2 ** 30)
-            for h in hosts:
-                settled.update(h.end_leaf_turns(keep))
-            out.update(self._unit_results(data, {u: lfs for u, lfs in per_unit.items() if u not in out},
-                                          len(leaves), loss_before, min(loss_after, loss_before), best_step, settled))
-            out = {u.name: out[u.name] for u in data.units if u.name in out}   # the units' order
+            out = self._settle_turns(data, hosts, per_unit, turned, len(leaves), loss_before,
+                                     min(loss_after, loss_before), self.iters if keep else 0, keep)
             for stats in out.values():
                 stats["turns"] = n
             return out
@@ -559,6 +548,24 @@ class BlockRound(Algorithm):
                 h.detach_leaf_stacks()
                 h.abort_leaf_turns()
             tuning.restore()
+
+    def _settle_turns(self, data: BlockData, hosts: list, per_unit: dict[str, list], turned: set[int], n_leaves: int,
+                      loss_before: float, best_loss: float, best_step: int, keep: bool) -> dict[str, dict[str, Any]]:
+        """The end of the turns: the other units settled first, so that their offsets leave the
+        device before every expert's float weights come back to it (a V4-Pro layer: 47 GiB into a
+        60-GiB budget, casebook i34-20); then the experts (folded with ``keep``). The units'
+        results in their order."""
+        out = self._unit_results(data, {u: lfs for u, lfs in per_unit.items()
+                                        if not any(id(lf[0]) in turned for lf in lfs)},
+                                 n_leaves, loss_before, best_loss, best_step)
+        log.info("blockround layer %s: the other units settled; device %.1f GiB allocated before the experts "
+                 "come back", data.layer_idx, devmod.memory_allocated(data.device) / 2 ** 30)
+        settled: dict[int, tuple[int, bool]] = {}
+        for h in hosts:
+            settled.update(h.end_leaf_turns(keep))
+        out.update(self._unit_results(data, {u: lfs for u, lfs in per_unit.items() if u not in out},
+                                      n_leaves, loss_before, best_loss, best_step, settled))
+        return {u.name: out[u.name] for u in data.units if u.name in out}
 
     def _open_turn(self, hosts: list, j: int, counts: list[int], sign_step: SignStep) -> list:
         """Turn j begun on every host that has it; its experts' stacked state made learnable."""
