@@ -354,7 +354,7 @@ def test_a_block_stage_larger_than_the_device_is_refused_before_any_layer(tmp_pa
         # the default (turns=0) keeps that bound; turns asked for by number hold at least the
         # experts' codes, half a byte a weight: refused only under that
         default = workflow.BlockStage(parse_algo("blockround").block_algorithm, "quant", 0)
-        with pytest.raises(CE, match="block stage"):
+        with pytest.raises(CE, match=r"block stage.*tune the experts in turns.*turns=N:micro_batch=2:recompute_units=true"):
             default.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 1))
         four = parse_algo("blockround:offset_dtype=float16:keep_best=false:turns=4").block_algorithm
         turned = workflow.BlockStage(four, "quant", 0)

@@ -229,6 +229,11 @@ class Algorithm(abc.ABC):
         refuses a layer whose total exceeds the device before any layer runs. Default: the weight."""
         return weight_bytes
 
+    def memory_advice(self) -> str:
+        """A block-level algorithm: what else to try where that refusal comes (appended to it;
+        '' for nothing)."""
+        return ""
+
     def apply_block(self, data: BlockData) -> dict[str, dict[str, Any]]:
         """A block-level algorithm on one layer: edits the units' leaves in place; returns
         {unit name: stats}. Only called where ``solves_block``."""

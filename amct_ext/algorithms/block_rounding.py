@@ -266,6 +266,14 @@ class BlockRound(Algorithm):
             return 0.5
         return weight_bytes + (2 if self.offset_dtype == "float16" else 4)
 
+    def memory_advice(self) -> str:
+        if self.turns > 1:
+            return ""
+        # the setting whose 100 steps fit a V4-Pro layer in 60 GiB (results §1b)
+        return (f"; or tune the experts in turns, their steps' batch in parts: --algo {self.name}:keep_best=false:"
+                "offset_dtype=float16:turns=N:micro_batch=2:recompute_units=true:chunk_gb=1 (a V4-Pro layer in 60 GiB: "
+                "turns=11; benchmarks/results/block-rounding.md §1b)")
+
     def _turn_hosts(self, data: BlockData) -> list:
         """The layer's modules that can tune their leaves in turns (``begin_leaf_turns``)."""
         if not self.grouped or data.block is None:

@@ -70,7 +70,8 @@ class BlockStage:
                     f"recipe {recipe}: layer {i}'s block stage ({algo.name!r}) holds at least {n * per / 2 ** 30:.1f} GiB "
                     f"on {adapter.device} ({n / 1e9:.1f} G weights of {', '.join(tuned)} at {per} bytes each, "
                     f"weight and learnable state) and the device has {total / 2 ** 30:.1f} GiB; use a recipe without a "
-                    "block stage for this model (e.g. --algo hclip,gptq:sequential=false --propagate float)")
+                    "block stage for this model (e.g. --algo hclip,gptq:sequential=false --propagate float)"
+                    f"{algo.memory_advice()}")
 
     def start(self, calib: Stream) -> None:
         self.fcalib = calib if self.float_stream else None   # the float model's stream (same as calib until layer 1)
