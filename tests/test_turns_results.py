@@ -51,3 +51,26 @@ def test_the_v4_pro_runs_quoted():
     for quote in ("start MSE 0.0434783 after 51.2 s at a **54.5 GiB** peak", "(55.6 GiB peak before it)",
                   "hclip's Hessian passes alone peaked at 75.2 GiB", "ran out of memory at 76.0 GiB"):
         assert quote in doc, quote
+
+
+def test_the_v4_pro_hundred_steps_quoted():
+    """The first V4-Pro run to take all 100 steps within 60 GiB (casebook i34-20): its figures as
+    results §1b quotes them, read from its log."""
+    folder = BENCH / "gpu" / "h100_2026-12-07e_blockround" / "call1"
+    log = (folder / "P1.log").read_text()
+    assert "--device-memory-gb 60" in log and "turns=11:micro_batch=2:recompute_units=true:chunk_gb=1" in log
+    setup = re.search(r"codes made, their float weights on the host \(([0-9.]+) s\); device ([0-9.]+) GiB allocated", log)
+    assert setup.groups() == ("34.4", "20.0")
+    assert re.search(r"start MSE 0\.0434783 \(36\.8 s\)", log)
+    steps = re.findall(r"(\d+) steps, ([0-9.]+) s a step, device peak so far ([0-9.]+) GiB", log)
+    assert steps[0] == ("1", "3.745", "54.5") and steps[-1] == ("100", "2.045", "54.5")
+    ends = re.findall(r"turn (\d+) / 11 .* device peak so far ([0-9.]+) GiB \(([0-9.]+) allocated\)", log)
+    assert len(ends) == 11 and {e[1] for e in ends} == {"54.5"} and {e[2] for e in ends} == {"30.3", "30.5"}
+    assert "end MSE 0.0213008 against 0.0434783 at the start: kept (243.9 s)" in log
+    assert re.search(r"solve:block: 251\.67 s, device peak 54\.5 GiB.*DeviceMemoryError", log)
+    kernels = (folder / "br_kernels.log").read_text()
+    assert "decode_mismatch: 0" in kernels and "decode_ms: 0.240" in kernels and "decode_torch_ms: 3.085" in kernels
+    doc = " ".join((BENCH / "results" / "block-rounding.md").read_text().split())
+    for quote in ("all 100 steps in 11 turns at 2.045 s a step** (the first 3.745 s)", "a **54.5 GiB** device peak",
+                  "end MSE **0.0213008**, kept", "in 34.4 s (20.0 GiB allocated after)", "0.24 ms against 3.09 ms"):
+        assert quote in doc, quote
