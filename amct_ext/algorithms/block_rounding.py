@@ -188,7 +188,8 @@ class BlockRound(Algorithm):
     #: device needs (1 where every expert's float weights and offsets fit WHOLE_SHARE of it: a
     #: V4-Flash layer; else each turn's within TURN_SHARE, where the device holds them all at
     #: least: a V4-Pro layer on an H200; on 64 / 80 GB it is refused before any layer), N = N
-    #: turns (a V4-Pro layer on 64 / 80 GB: 11 / 8; its step does not fit 60 GiB yet). A turn
+    #: turns (a V4-Pro layer in 60 GiB: 11, with ``micro_batch=2``, ``recompute_units`` and
+    #: ``chunk_gb=1`` its 100 steps fit; its end is not yet measured there, results §1b). A turn
     #: has its experts' float weights and offsets on the device and ``iters / turns`` steps (its
     #: own decaying schedule); the experts outside it run at their current fake-quant values,
     #: decoded from integer codes. The other units step through all ``iters`` steps. The layer
@@ -261,7 +262,8 @@ class BlockRound(Algorithm):
         # stage (the clips, one a group, are left out: a lower bound). Turns asked for by number:
         # the codes of the experts outside the turn (half a byte at <= 4 bits). The default
         # (turns=0) keeps the whole bound: a layer over the device is refused before any layer
-        # runs, as the turns do not yet fit a V4-Pro step in 60 GiB (results §1b)
+        # runs (with ``memory_advice``), as a V4-Pro layer's end in turns is not yet measured in
+        # 60 GiB (its steps are: results §1b)
         if self.turns > 1:
             return 0.5
         return weight_bytes + (2 if self.offset_dtype == "float16" else 4)
