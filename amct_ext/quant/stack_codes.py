@@ -64,8 +64,8 @@ class StackCodes:
     def decode(self, e0: int, e1: int, dtype: torch.dtype) -> torch.Tensor:
         """Experts e0:e1's fake-quant weights [e1 - e0, R, C] in ``dtype``: one kernel on CUDA
         (``fused_codes``, the same bits), else ``formats.dequantize_int``."""
-        zp = None if self.zero_point is None else self.zero_point[e0:e1]
         if devmod.fused_kernels_enabled(self.codes.device) and fused_codes.fused_decode_supported(self.codes):
+            zp = None if self.zero_point is None else self.zero_point[e0:e1]
             block = self.spec.group_size if self.spec.granularity == "group" else self.shape[2]
             return fused_codes.decode(self.codes[e0:e1], self.scale[e0:e1], zp, (e1 - e0,) + self.shape[1:],
                                       block, self.qmin, self.packed, dtype)

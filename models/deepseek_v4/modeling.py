@@ -690,14 +690,22 @@ class MoE(nn.Module):
         """Every expert's w1 / w3 / w2 a Parameter viewing its rows of ``w13`` / ``w2`` (their
         current values copied in first with ``copy``)."""
         inter = w2.shape[-1]
-        ptrs = []
         for e, expert in enumerate(self.experts):
             for lin, view in ((expert.w1, w13[e, :inter]), (expert.w3, w13[e, inter:]), (expert.w2, w2[e])):
                 if copy:
                     view.copy_(lin.weight)
                 lin.weight = nn.Parameter(view, requires_grad=lin.weight.requires_grad)
-            ptrs.append((expert.w1.weight.data_ptr(), expert.w3.weight.data_ptr(), expert.w2.weight.data_ptr()))
-        self._packed = (w13, w2, ptrs)
+        self._packed = (w13, w2, self._weight_ptrs())
+
+    def _weight_ptrs(self) -> list[tuple[int, int, int]]:
+        """Each expert's (w1, w3, w2) weight addresses: the packed stacks back the experts while
+        these equal the ones recorded with them."""
+        return [(e.w1.weight.data_ptr(), e.w3.weight.data_ptr(), e.w2.weight.data_ptr()) for e in self.experts]
+
+    def packed_backing(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(w13, w2) where the packed stacks still back every expert's weights, else None."""
+        packed = self._packed
+        return (packed[0], packed[1]) if packed is not None and packed[2] == self._weight_ptrs() else None
 
     def _apply(self, fn, *args, **kwargs):
         self._packed = None  # parameters get new storage: the stacked copies would go stale

@@ -652,11 +652,9 @@ class QuantV4MoE(MoE):
         its own fake-quant value (``QuantLinear.weight_on_grid``: folded into fixed grids by the
         turns, checked bit for bit): no copy and no fake-quant pass (a V4-Pro layer's propagate
         remade 47 GiB of them every forward, casebook i34-15). Else None."""
-        packed = self._packed
-        if packed is None or not all(getattr(e, p).weight_on_grid() for e in experts for p in ("w1", "w3", "w2")):
+        if not all(getattr(e, p).weight_on_grid() for e in experts for p in ("w1", "w3", "w2")):
             return None
-        ptrs = [(e.w1.weight.data_ptr(), e.w3.weight.data_ptr(), e.w2.weight.data_ptr()) for e in experts]
-        return (packed[0], packed[1]) if packed[2] == ptrs else None
+        return self.packed_backing()
 
     #: the share of the device's memory the experts' fake-quant stacks may take at once; above it
     #: they are made a chunk of experts at a time, every forward (a V4-Pro layer's are 47 GiB
@@ -828,22 +826,16 @@ class QuantV4MoE(MoE):
         """(w13 [E, 2I, D], w2 [E, D, I]) that every expert's weights are views of: the float
         MoE's packed stacks when they still back the experts, else packed now (the weights
         copied into new stacks, each leaf's Parameter rebound to its view)."""
-        experts = list(self.experts)
-        ptrs = [(e.w1.weight.data_ptr(), e.w3.weight.data_ptr(), e.w2.weight.data_ptr()) for e in experts]
-        if self._packed is not None and self._packed[2] == ptrs:
-            return self._packed[0], self._packed[1]
-        w1 = experts[0].w1.weight
-        inter, dim = w1.shape
+        backed = self.packed_backing()
+        if backed is not None:
+            return backed
+        w1 = self.experts[0].w1.weight
+        w13, w2 = self._new_stacks(w1.dtype, w1.device)
         with torch.no_grad():
-            w13 = torch.empty(len(experts), 2 * inter, dim, dtype=w1.dtype, device=w1.device)
-            w2 = torch.empty(len(experts), dim, inter, dtype=w1.dtype, device=w1.device)
-            for k, e in enumerate(experts):
-                for lin, dst in ((e.w1, w13[k, :inter]), (e.w3, w13[k, inter:]), (e.w2, w2[k])):
-                    dst.copy_(lin.weight)
-                    lin.weight = nn.Parameter(dst, requires_grad=lin.weight.requires_grad)
-                    lin.invalidate_cache()
-        self._packed = (w13, w2, [(e.w1.weight.data_ptr(), e.w3.weight.data_ptr(), e.w2.weight.data_ptr())
-                                  for e in experts])
+            self._bind_stacks(w13, w2, copy=True)
+        for e in self.experts:
+            for lin in (e.w1, e.w3, e.w2):
+                lin.invalidate_cache()
         return w13, w2
 
     def _can_group(self, flat: torch.Tensor) -> bool:
