@@ -351,17 +351,19 @@ def test_a_block_stage_larger_than_the_device_is_refused_before_any_layer(tmp_pa
         with pytest.raises(CE, match="block stage"):
             stage32.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 1))
         stage32.check_device_memory(a, "r", spec.scheme, ("attn-linear",), range(0, 1))
-        # the default (turns=0) keeps that bound; turns asked for by number hold at least the
-        # experts' codes, half a byte a weight: refused only under that
+        # blockround that cannot go in turns (keep_best) keeps that bound, and says how it could;
+        # one that can (turns asked for by number, or turns=0 with keep_best=false) holds at least
+        # the weights, every expert's back on the device at the end: refused only under that
         default = workflow.BlockStage(parse_algo("blockround").block_algorithm, "quant", 0)
-        with pytest.raises(CE, match=r"block stage.*tune the experts in turns.*turns=N:micro_batch=2:recompute_units=true"):
+        with pytest.raises(CE, match=r"block stage.*go in turns where the device needs it: --algo blockround:keep_best=false"):
             default.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 1))
-        four = parse_algo("blockround:offset_dtype=float16:keep_best=false:turns=4").block_algorithm
-        turned = workflow.BlockStage(four, "quant", 0)
-        turned.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 1))
-        monkeypatch.setattr(workflow.devmod, "total_memory_bytes", lambda dev=None: n // 2 - 1)
-        with pytest.raises(CE, match="block stage"):
+        for algo in ("blockround:offset_dtype=float16:keep_best=false:turns=4", "blockround:keep_best=false"):
+            turned = workflow.BlockStage(parse_algo(algo).block_algorithm, "quant", 0)
+            monkeypatch.setattr(workflow.devmod, "total_memory_bytes", lambda dev=None: n * 4)
             turned.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 1))
+            monkeypatch.setattr(workflow.devmod, "total_memory_bytes", lambda dev=None: n * 4 - 1)
+            with pytest.raises(CE, match=r"block stage.* at 4 bytes each.*for this model \(e.g. [^;]*\)$"):
+                turned.check_device_memory(a, "r", spec.scheme, spec.targets, range(0, 1))
 
 
 def test_a_tiny_run_saves_every_unit_and_its_params_give_back_its_ppl(tmp_path, calib_text, wiki_test_raw):
@@ -413,11 +415,12 @@ def test_v4_samples_concatenate_into_one_block_call(calib_text):
         assert a.concat_samples(short, stream.state[:2]) is None
 
 
-@pytest.mark.parametrize("name, weights_g, gib, codes_gib", [("flash", 6.47, 24.1, 3.0), ("pro", 25.43, 94.7, 11.8)])
-def test_the_released_configs_expert_counts(tmp_path, name, weights_g, gib, codes_gib):
+@pytest.mark.parametrize("name, weights_g, gib, weights_gib", [("flash", 6.47, 24.1, 12.0), ("pro", 25.43, 94.7, 47.4)])
+def test_the_released_configs_expert_counts(tmp_path, name, weights_g, gib, weights_gib):
     """The figures casebook i34-6 and i34-17 quote: the experts' weights of a V4-Flash / V4-Pro layer
     from the shipped official config.json, what blockround (bf16, float16 offsets) holds for them at
-    least by default and in one turn, and in turns asked for by number (their 4-bit codes)."""
+    least in one turn or where it cannot go in turns (keep_best), and where it can (the weights
+    alone: every expert is back on the device at the stage's end)."""
     import shutil
 
     from models.deepseek_v4.cost import v4_target_weight_count
@@ -429,5 +432,7 @@ def test_the_released_configs_expert_counts(tmp_path, name, weights_g, gib, code
     assert round(n / 1e9, 2) == weights_g
     for turns in (0, 1):
         assert round(n * BlockRound(offset_dtype="float16", turns=turns).block_bytes_per_weight(2) / 2 ** 30, 1) == gib
-    assert round(n * BlockRound(offset_dtype="float16", turns=11).block_bytes_per_weight(2) / 2 ** 30, 1) == codes_gib
+    for turns in (0, 11):
+        algo = BlockRound(offset_dtype="float16", keep_best=False, turns=turns)
+        assert round(n * algo.block_bytes_per_weight(2) / 2 ** 30, 1) == weights_gib
     assert v4_target_weight_count(load_config(tmp_path), 0, "attn-linear") == 0

@@ -206,9 +206,47 @@ def test_turn_settings_refused_and_counted(monkeypatch):
     from models.deepseek_v4.quant_module import QuantV4MoE
 
     monkeypatch.setattr(QuantV4MoE, "leaf_turn_bytes", lambda self, dtype: 25433210880 * 4)
-    for gib, turns in ((139.8, 5), (79.2, 8), (60, 11)):
+    for gib, turns, lean in ((139.8, 5, False), (79.2, 8, True), (60, 11, True)):
         monkeypatch.setattr(devmod, "total_memory_bytes", lambda dev, _g=gib: int(_g * 2 ** 30))
         assert algo.turns_for(data) == turns, gib
+        # where the device cannot hold the experts' weights and offsets even once: the setting
+        # measured in 60 GiB (results §1b); an explicit count of turns keeps the recipe's own
+        got = algo.settings_for(data, turns)
+        assert (got.micro_batch, got.recompute_units, got.chunk_gb) == ((2, True, 1.0) if lean else (0, False, 2.0)), gib
+        assert BlockRound(keep_best=False, turns=turns).settings_for(data, turns).micro_batch == 0
+    assert BlockRound(keep_best=False, micro_batch=4, chunk_gb=0.5).settings_for(data, 11).micro_batch == 4
+    assert BlockRound(keep_best=False, micro_batch=4, chunk_gb=0.5).settings_for(data, 11).chunk_gb == 0.5
+
+
+def test_the_default_takes_the_lean_setting_where_the_device_needs_it(monkeypatch):
+    """turns=0 on a device that cannot hold the experts' weights and offsets once runs what the
+    recipe with that setting written out runs, to the bit (statistics and every leaf's state)."""
+    from amct_ext.runtime import device as devmod
+
+    block, x, ids = _block(dtype=torch.float32, scheme="w4-sym-g32", layer=3)
+    x, ids = torch.cat([x] * 2), torch.cat([ids] * 2)
+    need = block.ffn.leaf_turn_bytes(torch.float16)
+    monkeypatch.setattr(devmod, "total_memory_bytes", lambda dev: need - 1)
+    ran = []
+    run = BlockRound._apply_in_turns
+
+    def spy(self, data, per_unit, leaves, n_turns):
+        ran.append((n_turns, self.micro_batch, self.recompute_units, self.chunk_gb))
+        return run(self, data, per_unit, leaves, n_turns)
+
+    monkeypatch.setattr(BlockRound, "_apply_in_turns", spy)
+    chunk = 2 * _expert_bytes(block) / 2 ** 30
+    auto = copy.deepcopy(block)
+    got, _, _ = _stage(auto, x, ids, iters=8, offset_dtype="float16", chunk_gb=chunk)
+    written = copy.deepcopy(block)
+    want, _, _ = _stage(written, x, ids, iters=8, offset_dtype="float16", chunk_gb=chunk, turns=7, micro_batch=2,
+                        recompute_units=True)
+    assert ran == [(7, 2, True, chunk), (7, 2, True, chunk)]
+    _same_stats(got, want)
+    for (name, a), (_, b) in zip(auto.named_parameters(), written.named_parameters()):
+        assert torch.equal(a, b), name
+    for (name, a), (_, b) in zip(auto.named_buffers(), written.named_buffers()):
+        assert torch.equal(a, b), name
 
 
 def test_the_stacks_the_layer_was_built_with_are_freed_during_the_turns(monkeypatch):
@@ -304,6 +342,69 @@ def test_the_other_units_are_settled_before_the_experts_come_back(monkeypatch):
     assert len(seen) == 1 and all(gone and folded for gone, folded in seen[0]), seen
     units, _ = block_data(copy.deepcopy(block), x, ids)
     assert list(stats) == [u.name for u in units]   # every unit, in the units' order
+
+
+def _storages() -> dict[int, int]:
+    """{data_ptr: nbytes} of every live tensor's storage."""
+    import gc
+
+    gc.collect()
+    return {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in gc.get_objects()
+            if isinstance(o, torch.Tensor) and not o.is_meta}
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_nothing_of_the_turns_stays_when_the_experts_come_back(monkeypatch, keep):
+    """When every expert's float weights come back to the device (a V4-Pro layer: 47.4 GiB into
+    60), nothing else of the stage may still be there (casebook i34-21: the codes, the start
+    clips, the other units' offsets and the last turn's stack, through a loop variable, held
+    about 10 GiB and ran the P2 run out). At that moment every tensor made since the stage began
+    is the layer's own state (its weights, clips and fixed grids) or one of its targets."""
+    from models.deepseek_v4.expert_turns import ExpertTurns
+    from models.deepseek_v4.quant_module import QuantV4MoE
+
+    block, x, ids = _block(dtype=torch.float32, scheme="w4-sym-g32", layer=3)
+    _random_state(block)   # a start state of offsets and clips (as after hclip) for the turns to keep
+    x, ids = torch.cat([x] * 4), torch.cat([ids] * 4)   # 8 samples: turns of several steps
+    # the code's own lazy caches (lru_cache'd tables) made before: a stage on a copy
+    knobs = dict(iters=8, turns=4, offset_dtype="float16", micro_batch=2, recompute_units=True,
+                 chunk_gb=2 * _expert_bytes(block) / 2 ** 30)
+    _stage(copy.deepcopy(block), x, ids, **knobs)
+    seen = {}
+    bind = QuantV4MoE._bind_stacks
+
+    def look_then_bind(self, w13, w2, copy=False):
+        if "finish" in seen and "back" not in seen:   # the float weights, back from the host
+            seen["back"] = {k: n for k, n in _storages().items()
+                            if k not in (w13.untyped_storage().data_ptr(), w2.untyped_storage().data_ptr())}
+        return bind(self, w13, w2, copy=copy)
+
+    finish = ExpertTurns.finish
+
+    def mark_then_finish(self, keep):
+        seen["finish"] = True
+        return finish(self, keep)
+
+    monkeypatch.setattr(QuantV4MoE, "_bind_stacks", look_then_bind)
+    monkeypatch.setattr(ExpertTurns, "finish", mark_then_finish)
+    if not keep:   # the end no better than the start
+        monkeypatch.setattr(_LayerLoss, "full_mse", lambda self: 1.0)
+    before = _storages()
+    start = {t.untyped_storage().data_ptr() for e in block.ffn.experts for lin in (e.w1, e.w3, e.w2)
+             for t in (lin.weight_quantizer.clip, lin.weight_quantizer.round_offset)}
+    stats, data, _ = _stage(block, x, ids, **knobs)
+    assert next(iter(stats.values()))["folded_leaves"] == (3 if keep else 0)
+    # the layer's own state now (weights, clips, grids of every module) and the targets
+    layer = {t.untyped_storage().data_ptr() for m in block.modules()
+             for t in [*m._parameters.values(), *m._buffers.values(), *vars(m).values()] if isinstance(t, torch.Tensor)}
+    layer |= {t.untyped_storage().data_ptr() for t in data.targets}
+    stray = {k: n for k, n in seen["back"].items() if k not in before and k not in layer}
+    # the experts' fixed grids wait on the host by design (in this test the host is the device)
+    grids = [t.numel() * t.element_size() for e in block.ffn.experts for lin in (e.w1, e.w3, e.w2)
+             for t in (lin.weight_quantizer.fixed_scale, lin.weight_quantizer.fixed_zero_point) if t is not None]
+    assert sum(stray.values()) <= sum(grids) and all(n <= max(grids, default=0) for n in stray.values()), stray
+    if keep:   # the experts' start state (clips, offsets), replaced by their grids, is gone too
+        assert not start & set(seen["back"])
 
 
 

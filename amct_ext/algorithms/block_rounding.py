@@ -60,7 +60,7 @@ import os
 import time
 import traceback
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -186,10 +186,9 @@ class BlockRound(Algorithm):
     prefetch: bool = True
     #: the routed experts tuned in turns (a model's ``begin_leaf_turns``): 0 = as many as the
     #: device needs (1 where every expert's float weights and offsets fit WHOLE_SHARE of it: a
-    #: V4-Flash layer; else each turn's within TURN_SHARE, where the device holds them all at
-    #: least: a V4-Pro layer on an H200; on 64 / 80 GB it is refused before any layer), N = N
-    #: turns (a V4-Pro layer in 60 GiB: 11, with ``micro_batch=2``, ``recompute_units`` and
-    #: ``chunk_gb=1`` its 100 steps fit; its end is not yet measured there, results §1b). A turn
+    #: V4-Flash layer; else each turn's within TURN_SHARE: a V4-Pro layer, 5 turns on an H200;
+    #: where the device cannot hold them all even once, 64 / 80 GB, also the ``LEAN`` setting:
+    #: 11 turns in 60 GiB, results §1b), N = N turns (the recipe's settings as written). A turn
     #: has its experts' float weights and offsets on the device and ``iters / turns`` steps (its
     #: own decaying schedule); the experts outside it run at their current fake-quant values,
     #: decoded from integer codes. The other units step through all ``iters`` steps. The layer
@@ -206,6 +205,11 @@ class BlockRound(Algorithm):
     #: the share one turn's experts take where they do not (the codes of all experts, the
     #: layer's other weights and the step's intermediates share the rest)
     TURN_SHARE: ClassVar[float] = 0.15
+    #: what ``turns=0`` sets where the device cannot hold every expert's float weights and
+    #: offsets even once (a V4-Pro layer on 64 / 80 GB): the steps' batch in parts, the other
+    #: units recomputed, smaller expert chunks. The setting whose whole layer was measured in
+    #: 60 GiB (results/block-rounding.md §1b); only the memory of the steps changes
+    LEAN: ClassVar[dict[str, Any]] = {"micro_batch": 2, "recompute_units": True, "chunk_gb": 1.0}
 
     def settings(self) -> dict[str, Any]:
         # these change where intermediates live, not one number (test_block_rounding,
@@ -259,22 +263,19 @@ class BlockRound(Algorithm):
 
     def block_bytes_per_weight(self, weight_bytes: int) -> float:
         # every tuned weight and its rounding offset live on the device together for the whole
-        # stage (the clips, one a group, are left out: a lower bound). Turns asked for by number:
-        # the codes of the experts outside the turn (half a byte at <= 4 bits). The default
-        # (turns=0) keeps the whole bound: a layer over the device is refused before any layer
-        # runs (with ``memory_advice``), as a V4-Pro layer's end in turns is not yet measured in
-        # 60 GiB (its steps are: results §1b)
-        if self.turns > 1:
-            return 0.5
+        # stage (the clips, one a group, are left out: a lower bound), unless the experts can go
+        # in turns (fold_grid, keep_best=false: turns=0 takes them where the device needs it).
+        # Then the weights alone: every expert's float weights are back on the device at the
+        # stage's end (a V4-Pro layer: 47.4 GiB; results §1b)
+        if self.turns > 1 or (self.turns == 0 and self.fold_grid and not self.keep_best):
+            return weight_bytes
         return weight_bytes + (2 if self.offset_dtype == "float16" else 4)
 
     def memory_advice(self) -> str:
-        if self.turns > 1:
-            return ""
-        # the setting whose 100 steps fit a V4-Pro layer in 60 GiB (results §1b)
-        return (f"; or tune the experts in turns, their steps' batch in parts: --algo {self.name}:keep_best=false:"
-                "offset_dtype=float16:turns=N:micro_batch=2:recompute_units=true:chunk_gb=1 (a V4-Pro layer in 60 GiB: "
-                "turns=11; benchmarks/results/block-rounding.md §1b)")
+        if self.turns > 1 or (self.turns == 0 and self.fold_grid and not self.keep_best):
+            return ""   # the weights alone do not fit: no setting of this algorithm helps
+        # the setting that lets the layer go in turns where the device needs it (results §1b)
+        return f"; or let the experts go in turns where the device needs it: --algo {self.name}:keep_best=false"
 
     def _turn_hosts(self, data: BlockData) -> list:
         """The layer's modules that can tune their leaves in turns (``begin_leaf_turns``)."""
@@ -300,6 +301,25 @@ class BlockRound(Algorithm):
                 f"not fit {self.WHOLE_SHARE:.0%} of {data.device} at once, and tuning them in turns needs "
                 "fold_grid=true and keep_best=false")
         return -(-need // int(self.TURN_SHARE * total))
+
+    def settings_for(self, data: BlockData, n_turns: int) -> "BlockRound":
+        """The settings the layer's turns run with: these, or with ``turns=0`` where the device
+        cannot hold every expert's float weights and offsets even once, ``LEAN`` for what it
+        leaves at its defaults (an explicit ``micro_batch``, or a smaller ``chunk_gb``, stays)."""
+        if self.turns or n_turns <= 1:
+            return self
+        need = sum(h.leaf_turn_bytes(getattr(torch, self.offset_dtype)) for h in self._turn_hosts(data))
+        total = devmod.total_memory_bytes(data.device)
+        if total is None or need <= total:
+            return self
+        lean = replace(self, micro_batch=self.micro_batch or self.LEAN["micro_batch"],
+                       recompute_units=self.LEAN["recompute_units"] or self.recompute_units,
+                       chunk_gb=min(self.chunk_gb, self.LEAN["chunk_gb"]))
+        log.info("blockround layer %s: the experts' weights and offsets (%.1f GiB) are more than %s holds "
+                 "(%.1f GiB): %d turns, micro_batch=%d, recompute_units=%s, chunk_gb=%g", data.layer_idx,
+                 need / 2 ** 30, data.device, total / 2 ** 30, n_turns, lean.micro_batch,
+                 str(lean.recompute_units).lower(), lean.chunk_gb)
+        return lean
 
     def apply(self, unit, data: UnitData, ctx: SolveContext) -> dict[str, Any]:
         raise ConfigError("blockround tunes a whole layer: it runs through the workflow's block stage, "
@@ -338,7 +358,7 @@ class BlockRound(Algorithm):
             return {u.name: {"skipped": "no calibration samples"} for u in data.units}
         n_turns = self.turns_for(data)
         if n_turns > 1:
-            return self._apply_in_turns(data, per_unit, leaves, n_turns)
+            return self.settings_for(data, n_turns)._apply_in_turns(data, per_unit, leaves, n_turns)
         modules = [u.module for u in data.units]
         tuning = _Tuning(modules)
         sign_step = SignStep()
@@ -431,7 +451,7 @@ class BlockRound(Algorithm):
                      time.perf_counter() - t_start, time.perf_counter() - t_steps, devmod.peak_memory_bytes(dev) / 2 ** 30)
             return out
         except torch.OutOfMemoryError as err:
-            raise self._out_of_memory(data, params, err) from None
+            raise self._out_of_memory(data, _nbytes(params), err) from None
         finally:
             _release(hooks, params)
             for h in hosts:
@@ -459,6 +479,7 @@ class BlockRound(Algorithm):
         offsets, clips, clip_lo = learnable_state([lf for lf in leaves if id(lf[0]) not in turned],
                                                   self.learn_clip, self.clip_min)
         own = offsets + clips   # the other units' state: every step
+        own_bytes = _nbytes(own)
         sign_step = SignStep()
         layer_loss = _LayerLoss(data, own, modules, self.batch, ahead=self.prefetch)
         lr = {"own": 0.0, "turn": 0.0}
@@ -497,9 +518,11 @@ class BlockRound(Algorithm):
                 steps = self.iters * (j + 1) // n - self.iters * j // n
                 stacks = self._open_turn(hosts, j, counts, sign_step)
                 turn_clips = [c for st in stacks for c in st.clips]
-                for c in turn_clips:
-                    lr_of[id(c)] = "turn"
-                    hooks.append(c.register_post_accumulate_grad_hook(step))
+                # no loop variable in this frame may hold a turn's state past its turn: the
+                # last one would keep its stack (1.4 GiB of a V4-Pro layer) through the layer's
+                # end (casebook i34-21); comprehensions have their own scope
+                lr_of.update({id(c): "turn" for c in turn_clips})
+                hooks += [c.register_post_accumulate_grad_hook(step) for c in turn_clips]
                 layer_loss.params = own + [v for st in stacks for v in st.params()]
                 turn_lr0 = self.lr or (1.0 / max(steps, 1))
                 draws = ([next(order) for _ in range(min(self.batch, len(data.inputs)))] for _ in range(steps))
@@ -515,8 +538,7 @@ class BlockRound(Algorithm):
                         _step_summed(turn_clips, lr["turn"])
                         _step_offsets([v for st in stacks for v in st.offsets], lr["turn"])
                     clamp_learnables(offsets, clips, clip_lo)
-                    for st in stacks:
-                        st.clamp_()
+                    _clamp_stacks(stacks)
                     t += 1
                     if t == 1 or t % max(self.iters // 10, 1) == 0:
                         devmod.synchronize(dev)
@@ -528,14 +550,8 @@ class BlockRound(Algorithm):
                 log.info("blockround layer %s: turn %d / %d (%d steps) done, %d steps in %.1f s, device peak so far "
                          "%.1f GiB (%.1f allocated)", data.layer_idx, j + 1, n, steps, t, time.perf_counter() - t_start,
                          devmod.peak_memory_bytes(dev) / 2 ** 30, devmod.memory_allocated(dev) / 2 ** 30)
-                for p in layer_loss.params[len(own):]:
-                    p.requires_grad_(False)
-                for h in hosts:
-                    h.detach_leaf_stacks()
-                    if h.turn_current() is not None:
-                        h.end_leaf_turn()
+                _close_turn(hosts, layer_loss, len(own))
                 del stacks, turn_clips
-                layer_loss.params = own
             loss_after = layer_loss.full_mse()
             keep = loss_after < loss_before   # strict, as keep_best: a tie keeps the start
             log.info("blockround layer %s: end MSE %.6g against %.6g at the start: %s (%.1f s)", data.layer_idx,
@@ -544,14 +560,18 @@ class BlockRound(Algorithm):
             if not keep:
                 _restore(own, start)
             _release(hooks, own)
-            hooks, start = [], None
+            # nothing here may keep the other units' state once they are settled: the experts'
+            # float weights come back to the device after them (casebook i34-21)
+            hooks, start, layer_loss.params = [], None, []
+            for held in (own, offsets, clips, clip_lo):
+                held.clear()
             out = self._settle_turns(data, hosts, per_unit, turned, len(leaves), loss_before,
                                      min(loss_after, loss_before), self.iters if keep else 0, keep)
             for stats in out.values():
                 stats["turns"] = n
             return out
         except torch.OutOfMemoryError as err:
-            raise self._out_of_memory(data, own, err) from None
+            raise self._out_of_memory(data, own_bytes, err) from None
         finally:
             _release(hooks, own)
             for h in hosts:   # after an error: every weight back on the device as it began
@@ -650,7 +670,7 @@ class BlockRound(Algorithm):
                 "n_nonzero_offsets": settled[id(lfs[0][0])][0] if lfs else 0,
                 "folded_leaves": sum(int(settled[id(leaf)][1]) for leaf, _, _ in lfs), "layer_leaves": n_leaves}
 
-    def _out_of_memory(self, data: BlockData, params: list[torch.Tensor], err: BaseException) -> DeviceMemoryError:
+    def _out_of_memory(self, data: BlockData, state: int, err: BaseException) -> DeviceMemoryError:
         dev = data.device
         # where it ran out (the error below replaces torch's traceback): the innermost frame of
         # this project's code, for the log
@@ -660,7 +680,6 @@ class BlockRound(Algorithm):
             log.warning("blockround layer %s: out of device memory in %s:%d (%s), %.1f GiB allocated", data.layer_idx,
                         os.path.basename(frames[-1].filename), frames[-1].lineno, frames[-1].name,
                         devmod.memory_allocated(dev) / 2 ** 30)
-        state = sum(p.numel() * p.element_size() for p in params)
         total = devmod.total_memory_bytes(dev)
         return DeviceMemoryError(
             f"blockround, layer {data.layer_idx}: out of device memory on {dev}"
@@ -719,6 +738,26 @@ def _release(hooks: list, params: list[torch.Tensor]) -> None:
     for p in params:
         p.requires_grad_(False)
         p.grad = None
+
+
+def _close_turn(hosts: list, layer_loss: "_LayerLoss", n_own: int) -> None:
+    """The turn's state out of autograd and off the hosts (into the codes); the loss back to
+    the other units' state (its first ``n_own`` parameters)."""
+    _release([], layer_loss.params[n_own:])
+    for h in hosts:
+        h.detach_leaf_stacks()
+        if h.turn_current() is not None:
+            h.end_leaf_turn()
+    layer_loss.params = layer_loss.params[:n_own]
+
+
+def _clamp_stacks(stacks: list) -> None:
+    for st in stacks:
+        st.clamp_()
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _drop_weights(lfs: list, turned: set[int]) -> None:
