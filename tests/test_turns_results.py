@@ -76,8 +76,54 @@ def test_the_v4_pro_hundred_steps_quoted():
         assert quote in doc, quote
     results = " ".join((BENCH / "RESULTS.md").read_text().split())
     for quote in ("**all 100 steps at 2.045 s a step within a 54.5 GiB peak** (end MSE 0.0435 -> 0.0213, kept; block "
-                  "stage 251.7 s;", "V4-Pro in 60 GiB: 100 steps at 2.045 s, 54.5 GiB (H100, its end not measured)"):
+                  "stage 251.7 s;", "V4-Pro in 60 GiB (H100): 100 steps at 2.045 s, 54.5 GiB"):
         assert quote in results, quote
     readme = " ".join((BENCH.parent / "README.md").read_text().split())
-    assert "its 100 steps took 2.045 s each within a 54.5 GiB peak on an H100; the layer's end is not yet measured" \
-        in readme
+    assert "Its 100 steps took 2.045 s each within a 54.5 GiB peak on an H100" in readme
+
+
+def test_the_v4_pro_end_quoted():
+    """The runs that took a V4-Pro layer to its end within 60 GiB (casebook i34-21): P2 ran out
+    as the experts came back, P3 (the turns chosen by the default) ran the whole layer; their
+    figures, and the per-layer cost added up from P1-P3's parts, as results §1b, RESULTS and README
+    quote them, read from the logs."""
+    folder = BENCH / "gpu" / "h100_2026-12-07f_blockround"
+    p2 = (folder / "call1" / "P2.log").read_text()
+    assert "100 steps, 2.564 s a step, device peak so far 54.5 GiB" in p2
+    assert "end MSE 0.0213008 against 0.0434783 at the start: kept" in p2
+    assert "settled; device 23.0 GiB allocated" in p2 and "in expert_turns.py:174 (finish), 15.0 GiB allocated" in p2
+    p3 = (folder / "call2" / "P3.log").read_text()
+    assert "--algo blockround:keep_best=false:offset_dtype=float16:iters=33 " in p3 and "--device-memory-gb 60" in p3
+    assert ("the experts' weights and offsets (94.5 GiB) are more than cuda:0 holds (60.0 GiB): 11 turns, "
+            "micro_batch=2, recompute_units=true, chunk_gb=1") in p3
+    assert "33 steps, 2.757 s a step" in p3 and "settled; device 18.9 GiB allocated" in p3
+    assert "end MSE 0.0842683 against 0.0434783 at the start: the start state kept" in p3
+    phases = dict(re.findall(r"\[phase\] layer 2 (capture|solve:block|propagate): ([0-9.]+) s", p3))
+    assert phases == {"capture": "24.95", "solve:block": "148.29", "propagate": "138.72"}
+    row = re.search(r"^2 \(4/hash\).* ([0-9.]+)\s+([0-9.]+) GiB\s+([0-9.]+) GiB \(([0-9.]+) GiB\)", p3, re.M)
+    assert row.groups() == ("315.9", "56.89", "122.74", "80.89")
+    # the cost of 100 steps from the parts: capture, codes, steps, the end (block stage minus the
+    # end MSE's time), the propagate of P3
+    logs = [(BENCH / "gpu" / "h100_2026-12-07e_blockround" / "call1" / "P1.log").read_text(), p2, p3]
+    capture = [float(re.search(r"layer 2 capture: ([0-9.]+) s", t).group(1)) for t in logs]
+    codes = [float(re.search(r"on the host \(([0-9.]+) s\)", t).group(1)) for t in logs]
+    step = [float(re.findall(r"100 steps, ([0-9.]+) s a step", t)[-1]) for t in logs[:2]]
+    end = float(phases["solve:block"]) - float(re.search(r"start state kept \(([0-9.]+) s\)", p3).group(1))
+    lo = min(capture) + min(codes) + 100 * min(step) + end + float(phases["propagate"])
+    hi = max(capture) + max(codes) + 100 * max(step) + end + float(phases["propagate"])
+    assert round(end) == 8 and (round(lo / 60, 1), round(hi / 60, 1)) == (6.7, 8.2)
+    doc = " ".join((BENCH / "results" / "block-rounding.md").read_text().split())
+    for quote in ("100 steps at 2.564 s a step within the same 54.5 GiB peak", "15.0 GiB allocated: about 10 GiB",
+                  "whole layer ran within 60 GiB: device peak 56.9 GiB, 315.9 s** (capture 24.9 s; codes made in "
+                  "43.1 s; 33 steps, 3 a turn, at 2.757 s a step; 18.9 GiB allocated before the experts came back; "
+                  "block stage 148.3 s at 54.5 GiB; write 0.2 s; propagate 138.7 s at 56.9 GiB)",
+                  "end MSE 0.0842683 against 0.0434783", "80.9 GiB against the bound 64.0 GiB",
+                  "capture 17-31 s, codes 34-57 s, 100 steps at 2.045-2.564 s (205-256 s), the end 8 s, the propagate "
+                  "139 s", "**6.7-8.2 min a layer**"):
+        assert quote in doc, quote
+    results = " ".join((BENCH / "RESULTS.md").read_text().split())
+    for quote in ("V4-Pro in 60 GiB (H100): 100 steps at 2.045 s, 54.5 GiB; the whole layer at 33 steps 315.9 s, 56.9 GiB",
+                  "6.7-8.2 min a layer at 100 steps"):
+        assert quote in results, quote
+    readme = " ".join((BENCH.parent / "README.md").read_text().split())
+    assert "the whole layer (33 steps) ran in 315.9 s within a 56.9 GiB peak" in readme
