@@ -218,6 +218,21 @@ def test_turn_settings_refused_and_counted(monkeypatch):
     assert BlockRound(keep_best=False, micro_batch=4, chunk_gb=0.5).settings_for(data, 11).chunk_gb == 0.5
 
 
+def test_few_steps_a_turn_are_warned(caplog):
+    """Each expert takes iters / turns steps: at 3 a turn a V4-Pro layer ended worse than it began
+    (results §1b, P3), at 9 better (P1, P2). Under 9 the run says so, naming the setting."""
+    import logging
+
+    block, x, ids = _block(dtype=torch.float32, scheme="w4-sym-g32", layer=3)
+    for iters, warned in ((35, True), (36, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            _stage(copy.deepcopy(block), x, ids, iters=iters, turns=4)
+        said = [r.getMessage() for r in caplog.records if "steps over 4 turns" in r.getMessage()]
+        assert bool(said) == warned, (iters, said)
+        assert not said or f"{iters} steps over 4 turns leave each expert 8;" in said[0] and "blockround:iters" in said[0]
+
+
 def test_the_default_takes_the_lean_setting_where_the_device_needs_it(monkeypatch):
     """turns=0 on a device that cannot hold the experts' weights and offsets once runs what the
     recipe with that setting written out runs, to the bit (statistics and every leaf's state)."""
