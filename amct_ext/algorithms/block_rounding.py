@@ -267,15 +267,26 @@ class BlockRound(Algorithm):
         # in turns (fold_grid, keep_best=false: turns=0 takes them where the device needs it).
         # Then the weights alone: every expert's float weights are back on the device at the
         # stage's end (a V4-Pro layer: 47.4 GiB; results §1b)
-        if self.turns > 1 or (self.turns == 0 and self.fold_grid and not self.keep_best):
+        if self.turns > 1 or (self.turns == 0 and self.can_turn):
             return weight_bytes
         return weight_bytes + (2 if self.offset_dtype == "float16" else 4)
 
     def memory_advice(self) -> str:
-        if self.turns > 1 or (self.turns == 0 and self.fold_grid and not self.keep_best):
+        if self.turns > 1 or (self.turns == 0 and self.can_turn):
             return ""   # the weights alone do not fit: no setting of this algorithm helps
         # the setting that lets the layer go in turns where the device needs it (results §1b)
         return f"; or let the experts go in turns where the device needs it: --algo {self.name}:keep_best=false"
+
+    @property
+    def can_turn(self) -> bool:
+        """The experts can go in turns: their result is held as codes between turns (fold_grid)
+        and only the end is compared with the start (keep_best=false)."""
+        return self.fold_grid and not self.keep_best
+
+    def _turn_need(self, hosts: list, data: BlockData) -> tuple[int, int | None]:
+        """(bytes every expert's float weights and offsets take at once, the device's memory)."""
+        need = sum(h.leaf_turn_bytes(getattr(torch, self.offset_dtype)) for h in hosts)
+        return need, devmod.total_memory_bytes(data.device)
 
     def _turn_hosts(self, data: BlockData) -> list:
         """The layer's modules that can tune their leaves in turns (``begin_leaf_turns``)."""
@@ -291,11 +302,10 @@ class BlockRound(Algorithm):
             return 1
         if self.turns:
             return self.turns
-        need = sum(h.leaf_turn_bytes(getattr(torch, self.offset_dtype)) for h in hosts)
-        total = devmod.total_memory_bytes(data.device)
+        need, total = self._turn_need(hosts, data)
         if total is None or need <= self.WHOLE_SHARE * total:
             return 1
-        if not self.fold_grid or self.keep_best:
+        if not self.can_turn:
             raise ConfigError(
                 f"blockround, layer {data.layer_idx}: the experts' weights and offsets ({need / 2 ** 30:.1f} GiB) do "
                 f"not fit {self.WHOLE_SHARE:.0%} of {data.device} at once, and tuning them in turns needs "
@@ -308,8 +318,7 @@ class BlockRound(Algorithm):
         leaves at its defaults (an explicit ``micro_batch``, or a smaller ``chunk_gb``, stays)."""
         if self.turns or n_turns <= 1:
             return self
-        need = sum(h.leaf_turn_bytes(getattr(torch, self.offset_dtype)) for h in self._turn_hosts(data))
-        total = devmod.total_memory_bytes(data.device)
+        need, total = self._turn_need(self._turn_hosts(data), data)
         if total is None or need <= total:
             return self
         lean = replace(self, micro_batch=self.micro_batch or self.LEAN["micro_batch"],
