@@ -512,3 +512,66 @@ def test_experts_folded_by_the_turns_run_on_their_weights_with_the_same_numbers(
                                            lin.weight_quantizer.fixed_zero_point)
     assert not lin.weight_on_grid()   # another grid
     assert QuantLinear._on_grid_key is None   # marks live on instances
+
+
+def _on_release_grid(block) -> None:
+    """The routed experts' weights as built from a released checkpoint: on the FP4 grid (random
+    values through the project's own checkpoint codec)."""
+    from amct_ext.io.storage_formats import decode_fp4, encode_fp4
+
+    with torch.no_grad():
+        for e in block.ffn.experts:
+            for lin in (e.w1, e.w3, e.w2):
+                w = lin.weight
+                w.copy_(decode_fp4(*encode_fp4(w.float()), dtype=w.dtype))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_experts_parked_in_the_release_format_tune_as_in_their_own_dtype(monkeypatch, keep):
+    """A layer built from the release parks its experts' float weights on the host as MXFP4 codes
+    (12.6 GiB for a V4-Pro layer, not 47.4): the turns must end bit for bit where they end with
+    the weights parked in their own dtype, the kept fold and the start state alike; and when the
+    float stacks come back, nothing of the turns (codes, parked weights) is left on the device."""
+    from amct_ext.io import host_stack
+    from models.deepseek_v4.expert_turns import ExpertTurns
+
+    block, x, ids = _block(dtype=torch.float32, scheme="w4-sym-g32", layer=3)
+    _on_release_grid(block)
+    _random_state(block)
+    if not keep:
+        monkeypatch.setattr(_LayerLoss, "full_mse", lambda self: 1.0)
+    parked, at_fill = [], []
+    init, fill = host_stack.HostStack.__init__, ExpertTurns._fill
+
+    def record(self, x, *a, **k):
+        init(self, x, *a, **k)
+        parked.append(self.compact)
+
+    def look(self, w, source):   # the float stacks are on the device: what else is held there
+        at_fill.append((self.codes13, self.codes2, self.host13, self.host2))
+        return fill(self, w, source)
+
+    monkeypatch.setattr(host_stack.HostStack, "__init__", record)
+    monkeypatch.setattr(ExpertTurns, "_fill", look)
+    own = copy.deepcopy(block)
+    got, _, _ = _stage(block, x, ids, iters=6, turns=3)
+    assert parked == [True, True]            # both stacks (w13, w2) in the release format
+    assert at_fill == [(None, None, None, None)] * 2
+    monkeypatch.setattr(host_stack, "encode_exact", lambda x: None)
+    parked.clear()
+    want, _, _ = _stage(own, x, ids, iters=6, turns=3)
+    assert parked == [False, False]
+    _same_stats(got, want)
+    assert next(iter(got.values()))["best_step"] == (6 if keep else 0)
+    other = dict(own.named_modules())
+    experts = 0
+    for name, a in block.named_modules():
+        b = other[name]
+        for (na, ta), (nb, tb) in zip(a.named_parameters(recurse=False), b.named_parameters(recurse=False)):
+            assert na == nb and torch.equal(ta, tb), (name, na)
+        if getattr(a, "weight_quantizer", None) is not None:
+            assert torch.equal(a.quantized_weight(), b.quantized_weight()), name
+            if ".experts." in name:
+                experts += 1
+                assert a.weight_quantizer.has_fixed_qparams == b.weight_quantizer.has_fixed_qparams == keep, name
+    assert experts == 3 * len(block.ffn.experts)

@@ -81,3 +81,13 @@ class StackCodes:
         r0, r1 = rows
         zp = None if self.zero_point is None else self.zero_point[expert, r0:r1].float()
         return self.scale[expert, r0:r1], zp
+
+    def part(self, e0: int, e1: int, device: torch.device | str) -> "StackCodes":
+        """Experts e0:e1 as codes of their own on ``device`` (copies): the codes parked on the
+        host, one chunk decoded on the device at a time."""
+        out = object.__new__(StackCodes)
+        out.__dict__.update(self.__dict__)
+        out.shape = (e1 - e0,) + self.shape[1:]
+        out.codes, out.scale = self.codes[e0:e1].to(device), self.scale[e0:e1].to(device)
+        out.zero_point = None if self.zero_point is None else self.zero_point[e0:e1].to(device)
+        return out

@@ -6,7 +6,10 @@ and their offsets (another 47.2 GiB in float16) on the device together, past a 6
 on the device as float weights with their learnable state; the float weights of the others wait
 on the host, and every expert outside the turn enters the forward at its current fake-quant
 value, decoded a chunk at a time from integer codes held on the device (:class:`StackCodes`:
-11.8 GiB for a V4-Pro layer at 4 bits).
+11.8 GiB for a V4-Pro layer at 4 bits). On the host the float weights are a :class:`HostStack`:
+the release's FP4 experts as their e2m1 codes (12.6 GiB for a V4-Pro layer, not 47.4 in bf16),
+other weights as they are; outside its turn an expert's weights are meta placeholders (shape and
+dtype, no values: whatever reads them raises rather than computing on stale values).
 
 Lifecycle (driven by ``BlockRound``, through ``QuantV4MoE``):
 
@@ -25,6 +28,7 @@ import torch
 
 from amct_ext.errors import QuantConfigError
 from amct_ext.quant import formats
+from amct_ext.io.host_stack import HostStack
 from amct_ext.quant.leaf_stack import chunk_bounds
 from amct_ext.quant.stack_codes import StackCodes
 
@@ -50,23 +54,24 @@ class ExpertTurns:
         # the float weights wait on the host; the device copies go with the last reference (a
         # copy on the CPU too: the stacks the layer was built with are then freed there alike).
         # First, so that the codes never share the device with them (V4-Pro: 47 + 12 GiB)
-        with torch.no_grad():
-            self.host13, self.host2 = w13.to("cpu", copy=True), w2.to("cpu", copy=True)
+        self.host13, self.host2 = HostStack(w13), HostStack(w2)
         shapes = tuple(w13.shape), tuple(w2.shape)
+        self.parked = (torch.empty(shapes[0], dtype=self.dtype, device="meta"),
+                       torch.empty(shapes[1], dtype=self.dtype, device="meta"))
         del w13, w2
-        moe._bind_stacks(self.host13, self.host2, copy=False)
+        moe._bind_stacks(*self.parked, copy=False)
         self._invalidate()
         self.codes13 = StackCodes(shapes[0], experts[0].w1.weight_quantizer.spec, self.device)
         self.codes2 = StackCodes(shapes[1], experts[0].w2.weight_quantizer.spec, self.device)
         self.turns = turn_bounds(len(experts), n_turns)
-        per_expert = (self.host13[0].numel() + self.host2[0].numel()) * self.host13.element_size()
+        per_expert = (self.parked[0][0].numel() + self.parked[1][0].numel()) * self.parked[0].element_size()
         self.frozen_bounds = chunk_bounds(len(experts), per_expert, frozen_chunk_bytes)
         # every leaf's state before the turns (where the layer ends worse than it began, it goes
         # back to it), and its codes: each chunk of experts back on the device for its encoding
         self.start = {}
         with torch.no_grad():
             for e0, e1 in self.frozen_bounds:
-                d13, d2 = self.host13[e0:e1].to(self.device), self.host2[e0:e1].to(self.device)
+                d13, d2 = self.host13.slice_to(e0, e1, self.device), self.host2.slice_to(e0, e1, self.device)
                 for e, lin, codes, (r0, r1) in self.leaves(e0, e1):
                     wq = lin.weight_quantizer
                     self.start[id(lin)] = (wq.clip, wq.round_offset)
@@ -104,7 +109,7 @@ class ExpertTurns:
     def begin(self, j: int) -> tuple[int, int]:
         """Turn j: its experts' float weights on the device; returns its expert range."""
         e0, e1 = self.turns[j]
-        self.device_stacks = (self.host13[e0:e1].to(self.device), self.host2[e0:e1].to(self.device))
+        self.device_stacks = (self.host13.slice_to(e0, e1, self.device), self.host2.slice_to(e0, e1, self.device))
         self._rebind(e0, e1, *self.device_stacks)
         self.current = (e0, e1)
         return e0, e1
@@ -130,7 +135,7 @@ class ExpertTurns:
             if off is not None:
                 self.moved[e] += int((off != 0).sum())
             wq.clip, wq.round_offset = self.start[id(lin)]
-        self._rebind(e0, e1, self.host13[e0:e1], self.host2[e0:e1])
+        self._rebind(e0, e1, self.parked[0][e0:e1], self.parked[1][e0:e1])
         self.current = self.device_stacks = None
 
     def abort(self) -> None:
@@ -139,7 +144,7 @@ class ExpertTurns:
             e0, e1 = self.current
             for _, lin, _, _ in self.leaves(e0, e1):
                 lin.weight_quantizer.clip, lin.weight_quantizer.round_offset = self.start[id(lin)]
-            self._rebind(e0, e1, self.host13[e0:e1], self.host2[e0:e1])
+            self._rebind(e0, e1, self.parked[0][e0:e1], self.parked[1][e0:e1])
             self.current = self.device_stacks = None
         try:
             self.finish(keep=False)
@@ -152,12 +157,20 @@ class ExpertTurns:
         """Experts e0:e1's current fake-quant weights (w13, w2), decoded from their codes."""
         return self.codes13.decode(e0, e1, self.dtype), self.codes2.decode(e0, e1, self.dtype)
 
-    def _decode_to_host(self) -> None:
-        """Every expert's weights replaced by its decoded codes, on the host, a chunk at a time."""
+    def _codes_to_host(self) -> tuple[StackCodes, StackCodes]:
+        """The codes moved to the host (the device's copies go with the last reference)."""
+        parked = tuple(codes.part(0, codes.shape[0], "cpu") for codes in (self.codes13, self.codes2))
+        self.codes13 = self.codes2 = None
+        return parked
+
+    def _fill(self, w: torch.Tensor, source) -> None:
+        """``w`` (a device stack) from ``source`` (a HostStack, or StackCodes on the host),
+        a chunk of experts at a time."""
         for e0, e1 in self.frozen_bounds:
-            w13, w2 = self.frozen_weights(e0, e1)
-            self.host13[e0:e1].copy_(w13)
-            self.host2[e0:e1].copy_(w2)
+            if isinstance(source, HostStack):
+                w[e0:e1].copy_(source.slice_to(e0, e1, self.device))
+            else:
+                w[e0:e1].copy_(source.part(e0, e1, self.device).decode(0, e1 - e0, self.dtype))
 
     def _grids_to_host(self) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
         """{id(leaf): (scale, zero point)} of every leaf's fixed grid from the codes, on the host;
@@ -174,19 +187,26 @@ class ExpertTurns:
     def finish(self, keep: bool) -> int:
         """Every expert's float weights back on the device as the MoE's packed stacks; ``keep``:
         each leaf folded into its fixed grid (weight = decoded codes, scales fixed). Returns the
-        leaves folded. The decoded weights go through the host, so the device never holds the
-        float stacks and the codes together with a decoded chunk (a V4-Pro layer: 47 + 12 GiB)."""
+        leaves folded. The device never holds the float stacks beside the codes (a V4-Pro layer:
+        47.4 + 13.3 GiB; casebook i34-21): with ``keep`` the float weights are no longer needed
+        and the codes go to the host, to be decoded back a chunk at a time; else the codes go and
+        the float weights come back from the host. The leaves hold their own state: the start's
+        after end(), else the fixed grids set below."""
         if self.current is not None:
             self.end()
-        if keep:
-            self._decode_to_host()
         grids = self._grids_to_host() if keep else {}
-        # the codes and the start state leave the device before the float weights come back
-        # (a V4-Pro layer: 13.3 GiB of codes beside 47.4; casebook i34-21). The leaves hold
-        # their own state: the start's after end(), else the fixed grids set below
-        self.codes13 = self.codes2 = self.start = None
-        w13, w2 = self.host13.to(self.device), self.host2.to(self.device)
-        self.host13 = self.host2 = None
+        self.start = None
+        if keep:
+            self.host13 = self.host2 = None
+            sources = self._codes_to_host()
+        else:
+            self.codes13 = self.codes2 = None
+            sources = (self.host13, self.host2)
+            self.host13 = self.host2 = None
+        w13, w2 = self.moe._new_stacks(self.dtype, self.device)
+        self._fill(w13, sources[0])
+        self._fill(w2, sources[1])
+        del sources
         self.moe._bind_stacks(w13, w2, copy=False)
         for lin in (lin for ex in self.moe.experts for lin in (ex.w1, ex.w3, ex.w2)):
             lin.weight.requires_grad_(False)
