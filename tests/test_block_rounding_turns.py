@@ -575,3 +575,16 @@ def test_experts_parked_in_the_release_format_tune_as_in_their_own_dtype(monkeyp
                 experts += 1
                 assert a.weight_quantizer.has_fixed_qparams == b.weight_quantizer.has_fixed_qparams == keep, name
     assert experts == 3 * len(block.ffn.experts)
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_the_parked_bytes_the_run_reports(release):
+    """The log's host figure (``QuantV4MoE.parked_bytes``): 17/32 of a byte a weight parked in the
+    release's format, the dtype's own size otherwise."""
+    block, _, _ = _block(dtype=torch.float32, scheme="w4-channel", layer=3)
+    if release:
+        _on_release_grid(block)
+    n = sum(getattr(e, p).weight.numel() for e in block.ffn.experts for p in ("w1", "w3", "w2"))
+    block.ffn.begin_leaf_turns(2)
+    assert block.ffn.parked_bytes() == (n * 17 // 32 if release else n * 4)
+    block.ffn.abort_leaf_turns()

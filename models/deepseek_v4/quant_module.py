@@ -806,6 +806,10 @@ class QuantV4MoE(MoE):
         self._plan = None
         return len(self._turns.turns)
 
+    def parked_bytes(self) -> int:
+        """Host bytes the experts' float weights take while they wait for their turns."""
+        return self._turns.host13.nbytes() + self._turns.host2.nbytes()
+
     def begin_leaf_turn(self, j: int) -> tuple[int, int]:
         return self._turns.begin(j)
 
