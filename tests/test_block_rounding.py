@@ -415,12 +415,15 @@ def test_v4_samples_concatenate_into_one_block_call(calib_text):
         assert a.concat_samples(short, stream.state[:2]) is None
 
 
-@pytest.mark.parametrize("name, weights_g, gib, weights_gib", [("flash", 6.47, 24.1, 12.0), ("pro", 25.43, 94.7, 47.4)])
-def test_the_released_configs_expert_counts(tmp_path, name, weights_g, gib, weights_gib):
-    """The figures casebook i34-6 and i34-17 quote: the experts' weights of a V4-Flash / V4-Pro layer
-    from the shipped official config.json, what blockround (bf16, float16 offsets) holds for them at
-    least in one turn or where it cannot go in turns (keep_best), and where it can (the weights
-    alone: every expert is back on the device at the stage's end)."""
+@pytest.mark.parametrize("name, weights_g, gib, weights_gib, parked_gib",
+                         [("flash", 6.47, 24.1, 12.0, 3.2), ("pro", 25.43, 94.7, 47.4, 12.6)])
+def test_the_released_configs_expert_counts(tmp_path, name, weights_g, gib, weights_gib, parked_gib):
+    """The figures casebook i34-6, i34-17 and i34-23 quote: the experts' weights of a V4-Flash /
+    V4-Pro layer from the shipped official config.json, what blockround (bf16, float16 offsets)
+    holds for them at least in one turn or where it cannot go in turns (keep_best), and where it
+    can (the weights alone: every expert is back on the device at the stage's end); and what their
+    float weights take parked on the host in turns, in the release's FP4 format (a HostStack's
+    bytes a weight, measured on a stack of that format)."""
     import shutil
 
     from models.deepseek_v4.cost import v4_target_weight_count
@@ -436,3 +439,8 @@ def test_the_released_configs_expert_counts(tmp_path, name, weights_g, gib, weig
         algo = BlockRound(offset_dtype="float16", keep_best=False, turns=turns)
         assert round(n * algo.block_bytes_per_weight(2) / 2 ** 30, 1) == weights_gib
     assert v4_target_weight_count(load_config(tmp_path), 0, "attn-linear") == 0
+    from tests.test_host_stack import _release_like
+    from amct_ext.io.host_stack import HostStack
+
+    sample = HostStack(_release_like())
+    assert sample.compact and round(n * sample.nbytes() / _release_like().numel() / 2 ** 30, 1) == parked_gib
