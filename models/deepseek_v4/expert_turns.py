@@ -149,8 +149,8 @@ class ExpertTurns:
         try:
             self.finish(keep=False)
         except torch.OutOfMemoryError:
-            # the error being raised still holds the failed step's tensors: the weights stay on
-            # the host (the layer is discarded with the error), and that error is the one reported
+            # the error being raised still holds the failed step's tensors: the weights do not
+            # come back (the layer is discarded with the error), and that error is the one reported
             pass
 
     def frozen_weights(self, e0: int, e1: int) -> tuple[torch.Tensor, torch.Tensor]:
