@@ -402,3 +402,65 @@ def test_per_channel_exact_top_equal_to_grid_scores_every_candidate():
     H = torch.outer(v, v) * 50 + torch.diag(torch.rand(16, generator=g, dtype=torch.float64))
     r = hessian_clip_choice(W[None], H[None, None], CH4, None, grid=3, grid_min=0.5, exact_top=3)
     assert torch.equal(r["clip"][0], _brute_force(W, H, CH4, 3, 0.5))
+
+
+def test_the_chunk_of_experts_fits_the_free_device_memory(monkeypatch):
+    """A V4-Pro layer held in 60 GiB leaves about 6 GiB to hclip: 16 experts a chunk ran out
+    there (casebook i34-24), so the chunk shrinks to what the free memory holds; with room, or on
+    the CPU (no budget), it stays ``expert_chunk``. Which chunk runs does not change a result
+    (test_batched_experts_equal_one_by_one)."""
+    from amct_ext.runtime import device as devmod
+
+    algo, gib = HessianClip(), 2 ** 30
+    cuda = torch.device("cuda", 0)
+    assert algo.fitting_chunk((3072, 7168), 0, torch.device("cpu")) == 16
+    for total, held, shape, want in ((60, 53.7, (3072, 7168), 4),      # V4-Pro w1 / w3 in 60 GiB
+                                     (60, 53.7, (7168, 3072), 6),      # V4-Pro w2: a narrower Hessian
+                                     (60, 59.9, (3072, 7168), 1),      # never none
+                                     (139.8, 40.0, (2048, 4096), 16)):  # V4-Flash on an H200: as before
+        monkeypatch.setattr(devmod, "total_memory_bytes", lambda dev, _t=total: int(_t * gib))
+        monkeypatch.setattr(devmod, "memory_allocated", lambda dev, _h=held: int(_h * gib))
+        assert algo.fitting_chunk(shape, 0, cuda) == want, (total, held, shape)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_running_out_of_device_memory_is_one_clear_error(monkeypatch, grouped, caplog):
+    """torch's out-of-memory error inside an algorithm becomes one DeviceMemoryError naming the
+    algorithm, the layer, the device and what to lower (H1, a V4-Pro layer in 60 GiB, ended in a
+    torch traceback); the log names the project frame that ran out."""
+    import logging
+
+    from amct_ext.algorithms.runner import _apply_algorithm
+    from amct_ext.errors import DeviceMemoryError
+
+    mods, stats = _experts(spec=G16)
+    units = _units(mods)
+    datas = {u.name: UnitData([], hessians=s) for u, s in zip(units, stats)}
+    ctxs = {u.name: SolveContext(layer_idx=7) for u in units}
+
+    def no_memory(self, *a, **k):
+        raise torch.OutOfMemoryError("stand-in: out of device memory")
+
+    monkeypatch.setattr(HessianClip, "_solve_chunk", no_memory)
+    algo = HessianClip(grid=10, expert_chunk=4)
+    if not grouped:
+        monkeypatch.setattr(HessianClip, "group_kinds", frozenset())
+    with caplog.at_level(logging.WARNING), pytest.raises(DeviceMemoryError) as err:
+        _apply_algorithm(algo, units, datas, ctxs, {u.name: {} for u in units}, {u.name: 0.0 for u in units})
+    assert str(err.value).startswith("hclip, layer 7: out of device memory on cpu; lower hclip:expert_chunk (now 4;")
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    assert any("hclip layer 7: out of device memory in hessian_clip.py:" in r.getMessage() for r in caplog.records)
+
+
+def test_the_experts_are_solved_in_the_fitting_chunks(monkeypatch):
+    mods, stats = _experts(spec=G16)
+    sizes, solve = [], HessianClip._solve_chunk
+
+    def record(self, chunk, *a, **k):
+        sizes.append(len(chunk))
+        return solve(self, chunk, *a, **k)
+
+    monkeypatch.setattr(HessianClip, "fitting_chunk", lambda self, shape, groups, dev: 2)
+    monkeypatch.setattr(HessianClip, "_solve_chunk", record)
+    _run(mods, stats, 4)
+    assert sizes and max(sizes) == 2

@@ -518,10 +518,9 @@ class BlockRound(Algorithm):
         t_start = time.perf_counter()
         try:
             counts = [h.begin_leaf_turns(n_turns) for h in hosts]
-            log.info("blockround layer %s: the experts' codes made, their float weights on the host, %.1f GiB "
-                     "(%.1f s); device %.1f GiB allocated", data.layer_idx,
-                     sum(h.parked_bytes() for h in hosts) / 2 ** 30, time.perf_counter() - t_start,
-                     devmod.memory_allocated(dev) / 2 ** 30)
+            log.info("blockround layer %s: the experts' codes made, their float weights on the host, %.1f GiB (%.1f s); "
+                     "device %.1f GiB allocated", data.layer_idx, sum(h.parked_bytes() for h in hosts) / 2 ** 30,
+                     time.perf_counter() - t_start, devmod.memory_allocated(dev) / 2 ** 30)
             loss_before = layer_loss.full_mse()
             log.info("blockround layer %s: %d leaves, %d samples, the experts in %d turns; start MSE %.6g (%.1f s), "
                      "device peak so far %.1f GiB", data.layer_idx, len(leaves), len(data.inputs), max(counts),

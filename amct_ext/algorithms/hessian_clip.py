@@ -68,6 +68,7 @@ import torch
 from torch import nn
 
 from ..quant import formats
+from ..runtime import device as devmod
 from ..quant.quant_linear import QuantLinear
 from ..quant.quantizers import ActivationQuantizer
 from .base import Algorithm, Needs, SolveContext, UnitData
@@ -314,6 +315,12 @@ class HessianClip(Algorithm):
     # routed experts per batched solve: their weights and Hessians sit on the device together
     # (16 V4-Flash experts: w1 / w3 Hessians 1 GiB, weights 0.5 GiB per leaf, a few temporaries)
     expert_chunk: int = 16
+    #: an expert's working set in a chunk, in float32 values: its weight, the differences and
+    #: fake-quant temporaries beside it (``WORK_COPIES`` copies of R x C), and its Hessian with the
+    #: padded copy the narrow path makes (2 x B x C x C)
+    WORK_COPIES: ClassVar[int] = 8
+    #: the share of the device's free memory a chunk may take (the allocator's slack aside)
+    FREE_SHARE: ClassVar[float] = 0.8
 
     def check(self) -> None:
         if self.grid < 2:
@@ -385,12 +392,28 @@ class HessianClip(Algorithm):
                 key = (n, tuple(lf.weight.shape), lf.weight.dtype, spec, _groups(lf))
                 buckets.setdefault(key, []).append((ui, n, lf, ls))
         for (name, shape, _dtype, spec, g), items in buckets.items():
-            per_chunk = 1 if spec.granularity == "tensor" else max(1, self.expert_chunk)
+            per_chunk = 1 if spec.granularity == "tensor" else self.fitting_chunk(shape, g, dev)
             for c0 in range(0, len(items), per_chunk):
                 self._solve_chunk(items[c0:c0 + per_chunk], spec, g, dev, out)
         for o in out:
             o.setdefault("choice", "hclip")
         return out
+
+    def memory_advice(self) -> str:
+        return (f"; lower hclip:expert_chunk (now {self.expert_chunk}; a chunk of routed experts holds their "
+                f"weights and Hessians on the device together)")
+
+    def fitting_chunk(self, shape: tuple[int, int], groups: int, dev: torch.device) -> int:
+        """``expert_chunk``, or as many experts as the device's free memory holds where that is
+        fewer: a V4-Pro layer resident in 60 GiB leaves about 6 GiB, and 16 of its experts'
+        working sets (about 1 GiB each) ran out there (casebook i34-24). The CPU has no budget."""
+        total = devmod.total_memory_bytes(dev)
+        if total is None:
+            return max(1, self.expert_chunk)
+        rows, cols = shape
+        per_expert = 4 * (self.WORK_COPIES * rows * cols + 2 * (groups or 1) * cols * cols)
+        free = max(0, total - devmod.memory_allocated(dev))
+        return max(1, min(self.expert_chunk, int(free * self.FREE_SHARE) // per_expert))
 
     def _solve_chunk(self, chunk, spec, groups: int, dev, out) -> None:
         B = groups or 1

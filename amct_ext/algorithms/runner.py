@@ -13,14 +13,18 @@ back: weights, norms, clip factors, fixed scales).
 from __future__ import annotations
 
 import logging
+import os
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from ..errors import DeviceMemoryError
 from ..pipeline.capture import UnitCall
+from ..runtime import device as devmod
 from ..quant.quant_linear import QuantLinear
 from ..quant.quantizers import ActivationQuantizer, WeightQuantizer
 from ..pipeline.ptq_units import PtqUnit, UnitResult
@@ -111,6 +115,32 @@ def hessian_leaf_errors(unit: PtqUnit, stats: dict) -> dict[str, tuple[torch.Ten
 
 
 def _apply_algorithm(algo, units, datas, ctxs, stats, seconds, statistics: bool = False) -> None:
+    """:func:`_apply_algorithm_units`; where the device runs out of memory, one DeviceMemoryError
+    naming the algorithm, the layer, the device and what to lower, never torch's traceback
+    (casebook i34-24: hclip on a V4-Pro layer in 60 GiB)."""
+    try:
+        _apply_algorithm_units(algo, units, datas, ctxs, stats, seconds, statistics)
+    except torch.OutOfMemoryError as err:
+        raise _out_of_device_memory(algo, units, ctxs, err) from None
+
+
+def _out_of_device_memory(algo, units, ctxs, err: BaseException) -> DeviceMemoryError:
+    ctx = ctxs[units[0].name] if units else SolveContext()
+    dev = ctx.device
+    # where it ran out: the innermost frame of this project's code, for the log
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if f"{os.sep}amct_ext{os.sep}" in f.filename or f"{os.sep}models{os.sep}" in f.filename]
+    if frames:
+        log.warning("%s layer %s: out of device memory in %s:%d (%s), %.1f GiB allocated", algo.name, ctx.layer_idx,
+                    os.path.basename(frames[-1].filename), frames[-1].lineno, frames[-1].name,
+                    devmod.memory_allocated(dev) / 2 ** 30)
+    total = devmod.total_memory_bytes(dev)
+    advice = algo.memory_advice() or f"; use a recipe without {algo.name} for this model"
+    return DeviceMemoryError(f"{algo.name}, layer {ctx.layer_idx}: out of device memory on {dev}"
+                             f"{'' if total is None else f' ({total / 2 ** 30:.1f} GiB)'}{advice}")
+
+
+def _apply_algorithm_units(algo, units, datas, ctxs, stats, seconds, statistics: bool = False) -> None:
     """One algorithm of a recipe over a layer's units: the kinds it solves jointly
     (``algo.group_kinds``, e.g. all routed experts) through ``apply_group``, the others one by
     one; or every unit in one ``apply_group`` when the algorithm solves the layer jointly
