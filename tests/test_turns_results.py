@@ -127,3 +127,36 @@ def test_the_v4_pro_end_quoted():
         assert quote in results, quote
     readme = " ".join((BENCH.parent / "README.md").read_text().split())
     assert "the whole layer (33 steps) ran in 315.9 s within a 56.9 GiB peak" in readme
+
+
+def test_the_v4_pro_host_parking_quoted():
+    """P5 (the experts parked on the host in the release's format, casebook i34-23) and H1 (hclip
+    on the same layer, casebook i34-24), as results §1b, RESULTS and README quote them, read from
+    the logs; P5's MSEs equal P3's to the digit (the parking gives back every weight)."""
+    folder = BENCH / "gpu" / "h100_2026-12-07g_blockround"
+    p5 = (folder / "call1" / "P5.log").read_text()
+    p3 = (BENCH / "gpu" / "h100_2026-12-07f_blockround" / "call2" / "P3.log").read_text()
+    assert "--algo blockround:keep_best=false:offset_dtype=float16:iters=33 " in p5 and "--propagate float" in p5
+    assert "their float weights on the host, 12.6 GiB (14.1 s)" in p5 and "on the host (43.1 s)" in p3
+    mse = "end MSE 0.0842683 against 0.0434783 at the start: the start state kept"
+    assert mse in p5 and mse in p3
+    assert "33 steps, 2.302 s a step" in p5 and "BOUND PASSED" not in p5 and "BOUND PASSED" in p3
+    phases = dict(re.findall(r"\[phase\] layer 2 (capture|solve:block): ([0-9.]+) s", p5))
+    assert phases == {"capture": "18.08", "solve:block": "98.06"}
+    assert "solve:block: 98.06 s, device peak 55.6 GiB, host RSS 90.7 GiB (anon 46.2)" in p5
+    row = re.search(r"^2 \(4/hash\).* ([0-9.]+)\s+([0-9.]+) GiB\s+([0-9.]+) GiB \(([0-9.]+) GiB\)", p5, re.M)
+    assert row.groups() == ("119.8", "55.58", "90.75", "46.17")
+    h1 = (folder / "call2" / "H1.log").read_text()
+    assert "--algo hclip " in h1 and "'ended_by': 'OutOfMemoryError'" in h1
+    assert "solve:recipe: 0.28 s, device peak 59.8 GiB" in h1 and "capture: 5.37 s, device peak 56.7 GiB" in h1
+    doc = " ".join((BENCH / "results" / "block-rounding.md").read_text().split())
+    for quote in ("\"their float weights on the host, 12.6 GiB (14.1 s)\" (P3: 47.4 GiB, 43.1 s)",
+                  "block stage 98.1 s at 55.6 GiB (P3 148.3 s at 54.5)", "33 steps at 2.302 s a step",
+                  "**host anonymous peak 46.2 GiB, within the bound 64.0** (P3 80.9)",
+                  "The layer without its propagate: 119.8 s", "16 experts at 59.8 GiB"):
+        assert quote in doc, quote
+    results = " ".join((BENCH / "RESULTS.md").read_text().split())
+    assert "anonymous peak 46.2 GiB against 64.0, was 80.9" in results
+    assert "parked in 12.6 GiB (made in 14.1 s, was 43.1)" in results
+    readme = " ".join((BENCH.parent / "README.md").read_text().split())
+    assert "(12.6 GiB for a Pro layer, not 47.4 in bf16)" in readme
