@@ -50,13 +50,17 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 import math
+import os
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
 from ..pipeline.capture import LazyCalls, UnitCall
+from ..runtime import device as devmod
 from ..pipeline.ptq_units import PtqUnit
 
 @dataclass(frozen=True)
@@ -239,3 +243,15 @@ class Algorithm(abc.ABC):
         {unit name: stats}. Only called where ``solves_block``."""
         raise TypeError(f"{self.name} is not a block-level algorithm (solves_block is False): the workflow "
                         "calls apply_block only on the recipe's last entry when it is one")
+
+
+def log_where_memory_ran_out(what: str, layer_idx: int | None, device: torch.device, err: BaseException) -> None:
+    """Log the innermost frame of this project's code in ``err``'s traceback (the project's own
+    error replaces torch's traceback, so the log keeps where it ran out)."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if f"{os.sep}amct_ext{os.sep}" in f.filename or f"{os.sep}models{os.sep}" in f.filename]
+    if frames:
+        logging.getLogger(__name__).warning(
+            "%s layer %s: out of device memory in %s:%d (%s), %.1f GiB allocated", what, layer_idx,
+            os.path.basename(frames[-1].filename), frames[-1].lineno, frames[-1].name,
+            devmod.memory_allocated(device) / 2 ** 30)

@@ -58,7 +58,6 @@ import contextlib
 import logging
 import os
 import time
-import traceback
 from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
@@ -71,7 +70,7 @@ from ..runtime import device as devmod
 from ..pipeline.replay import output_tensor
 from ..quant.leaf_stack import SignStep, signsgd_
 from ..quant.quantizers import CLIP_MIN
-from .base import Algorithm, BlockData, Needs, SolveContext, UnitData
+from .base import Algorithm, BlockData, Needs, SolveContext, UnitData, log_where_memory_ran_out
 from .recipe import register
 from .rounding import _fold_leaves, _invalidate, _weight_leaves, clamp_learnables, learnable_state
 
@@ -693,14 +692,7 @@ class BlockRound(Algorithm):
 
     def _out_of_memory(self, data: BlockData, state: int, err: BaseException) -> DeviceMemoryError:
         dev = data.device
-        # where it ran out (the error below replaces torch's traceback): the innermost frame of
-        # this project's code, for the log
-        frames = [f for f in traceback.extract_tb(err.__traceback__)
-                  if f"{os.sep}amct_ext{os.sep}" in f.filename or f"{os.sep}models{os.sep}" in f.filename]
-        if frames:
-            log.warning("blockround layer %s: out of device memory in %s:%d (%s), %.1f GiB allocated", data.layer_idx,
-                        os.path.basename(frames[-1].filename), frames[-1].lineno, frames[-1].name,
-                        devmod.memory_allocated(dev) / 2 ** 30)
+        log_where_memory_ran_out("blockround", data.layer_idx, dev, err)
         total = devmod.total_memory_bytes(dev)
         return DeviceMemoryError(
             f"blockround, layer {data.layer_idx}: out of device memory on {dev}"

@@ -13,9 +13,7 @@ back: weights, norms, clip factors, fixed scales).
 from __future__ import annotations
 
 import logging
-import os
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -29,7 +27,7 @@ from ..quant.quant_linear import QuantLinear
 from ..quant.quantizers import ActivationQuantizer, WeightQuantizer
 from ..pipeline.ptq_units import PtqUnit, UnitResult
 from ..pipeline.replay import unit_mse, unit_seed
-from .base import SolveContext, UnitData
+from .base import SolveContext, UnitData, log_where_memory_ran_out
 from .recipe import Recipe
 
 _WQ_STATE = ("clip", "fixed_scale", "fixed_zero_point")
@@ -127,13 +125,7 @@ def _apply_algorithm(algo, units, datas, ctxs, stats, seconds, statistics: bool 
 def _out_of_device_memory(algo, units, ctxs, err: BaseException) -> DeviceMemoryError:
     ctx = ctxs[units[0].name] if units else SolveContext()
     dev = ctx.device
-    # where it ran out: the innermost frame of this project's code, for the log
-    frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if f"{os.sep}amct_ext{os.sep}" in f.filename or f"{os.sep}models{os.sep}" in f.filename]
-    if frames:
-        log.warning("%s layer %s: out of device memory in %s:%d (%s), %.1f GiB allocated", algo.name, ctx.layer_idx,
-                    os.path.basename(frames[-1].filename), frames[-1].lineno, frames[-1].name,
-                    devmod.memory_allocated(dev) / 2 ** 30)
+    log_where_memory_ran_out(algo.name, ctx.layer_idx, dev, err)
     total = devmod.total_memory_bytes(dev)
     advice = algo.memory_advice() or f"; use a recipe without {algo.name} for this model"
     return DeviceMemoryError(f"{algo.name}, layer {ctx.layer_idx}: out of device memory on {dev}"
