@@ -163,14 +163,11 @@ class ExpertTurns:
         self.codes13 = self.codes2 = None
         return parked
 
-    def _fill(self, w: torch.Tensor, source) -> None:
-        """``w`` (a device stack) from ``source`` (a HostStack, or StackCodes on the host),
-        a chunk of experts at a time."""
+    def _fill(self, w: torch.Tensor, part) -> None:
+        """``w`` (a device stack) a chunk of experts at a time from ``part(e0, e1)``, their
+        weights on the device."""
         for e0, e1 in self.frozen_bounds:
-            if isinstance(source, HostStack):
-                w[e0:e1].copy_(source.slice_to(e0, e1, self.device))
-            else:
-                w[e0:e1].copy_(source.part(e0, e1, self.device).decode(0, e1 - e0, self.dtype))
+            w[e0:e1].copy_(part(e0, e1))
 
     def _grids_to_host(self) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
         """{id(leaf): (scale, zero point)} of every leaf's fixed grid from the codes, on the host;
@@ -196,14 +193,15 @@ class ExpertTurns:
             self.end()
         grids = self._grids_to_host() if keep else {}
         self.start = None
-        if keep:
+        dev, dtype = self.device, self.dtype
+        if keep:   # the decoded codes, from the host
             self.host13 = self.host2 = None
-            sources = self._codes_to_host()
-        else:
+            sources = [lambda e0, e1, c=c: c.part(e0, e1, dev).decode(0, e1 - e0, dtype) for c in self._codes_to_host()]
+        else:      # the float weights, from the host
             self.codes13 = self.codes2 = None
-            sources = (self.host13, self.host2)
+            sources = [lambda e0, e1, h=h: h.slice_to(e0, e1, dev) for h in (self.host13, self.host2)]
             self.host13 = self.host2 = None
-        w13, w2 = self.moe._new_stacks(self.dtype, self.device)
+        w13, w2 = self.moe._new_stacks(dtype, dev)
         self._fill(w13, sources[0])
         self._fill(w2, sources[1])
         del sources
