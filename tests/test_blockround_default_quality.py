@@ -172,7 +172,9 @@ def test_turns_rerun_equals_the_record_on_its_host(rec):
                                                      ("review3_turns4.json", "lean_end_turns4.json"),
                                                      ("hoststack_rerun.json", "review3_rerun.json"),
                                                      ("hoststack_turns4.json", "review3_turns4.json"),
-                                                     ("hclip_fit_rerun.json", "hoststack_rerun.json")])
+                                                     ("hclip_fit_rerun.json", "hoststack_rerun.json"),
+                                                     ("tip13_rerun.json", "hclip_fit_rerun.json"),
+                                                     ("tip13_turns4.json", "hoststack_turns4.json")])
 def test_later_reruns_equal_the_turns_record(rec, after_file, before_file):
     """The offsets stepping once a batch where samples run apart (casebook i34-19), ``micro_batch``,
     the review mend (one fold check, ``formats.fixed_grid``), and the turns' end settled in a new
