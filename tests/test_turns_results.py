@@ -160,3 +160,63 @@ def test_the_v4_pro_host_parking_quoted():
     assert "parked in 12.6 GiB (made in 14.1 s, was 43.1)" in results
     readme = " ".join((BENCH.parent / "README.md").read_text().split())
     assert "(12.6 GiB for a Pro layer, not 47.4 in bf16)" in readme
+
+
+def _phase_sums(log: str) -> dict[str, tuple[int, float, float]]:
+    """{phase: (count, seconds summed, largest device peak GiB)} of layer 2's phase lines."""
+    out: dict[str, tuple[int, float, float]] = {}
+    for name, sec, peak in re.findall(r"^\[phase\] layer 2 (\S+): ([0-9.]+) s, device peak ([0-9.]+) GiB", log, re.M):
+        n, total, top = out.get(name, (0, 0.0, 0.0))
+        out[name] = (n + 1, total + float(sec), max(top, float(peak)))
+    return out
+
+
+def test_the_v4_pro_default_recipe_and_whole_layer_quoted():
+    """P6 (the default recipe on a V4-Pro layer, hclip fitted since casebook i34-24) and P7
+    (blockround alone, the whole layer at 100 steps in one run, the tuned layer kept), as results
+    §1b, RESULTS and README quote them; the 9.3-min sum recomputed from the two logs."""
+    folder = BENCH / "gpu" / "h100_2026-12-07h_blockround"
+    p6 = (folder / "call2" / "P6.log").read_text()
+    p7 = (folder / "call3" / "P7.log").read_text()
+    assert "--algo hclip,blockround:keep_best=false:offset_dtype=float16:iters=100 --propagate quant" in p6
+    assert "--algo blockround:keep_best=false:offset_dtype=float16:iters=100 --propagate quant" in p7
+    assert "--device-memory-gb 60" in p6 and "--device-memory-gb 60" in p7
+    six, seven = _phase_sums(p6), _phase_sums(p7)
+    # P6: hclip's passes before the block stage, and its peak (the i34-24 fit)
+    n_cap, cap_s, cap_peak = six["capture"]
+    n_rec, rec_s, rec_peak = six["solve:recipe"]
+    assert (n_cap, n_rec) == (36, 36) and (round(cap_s, 1), round(rec_s, 1)) == (174.4, 53.3)
+    assert max(cap_peak, rec_peak) == 58.8 and round(cap_s + rec_s, 1) == 227.8
+    assert sum(int(k) for k in re.findall(r"hclip: (\d+) expert unit\(s\) solved jointly", p6)) == 384
+    assert "90 steps, 2.452 s a step, device peak so far 56.3 GiB" in p6 and "'ended_by': 'KeyboardInterrupt'" in p6
+    assert "start MSE 0.0289049" in p6 and "end MSE" not in p6
+    # P7: the whole layer, its kept end, within both bounds
+    assert "end MSE 0.0213008 against 0.0434783 at the start: kept" in p7
+    assert "100 steps, 2.519 s a step" in p7 and "device 18.9 GiB allocated before the experts come back" in p7
+    row = re.search(r"^2 \(4/hash\).* ([0-9.]+)\s+([0-9.]+) GiB\s+([0-9.]+) GiB \(([0-9.]+) GiB\)", p7, re.M)
+    assert row.groups() == ("332.8", "57.70", "95.64", "51.10")
+    rep = json.loads((folder / "call3" / "P7.json").read_text())
+    bounds = rep["bounds"]
+    assert bounds["violations"] == [] and bounds["max_device_gib"] == 60.0
+    limit = bounds["layer_weight_bytes"]["2"] + bounds["max_host_anon_extra_gib"] * 2 ** 30
+    layer = rep["ptq"]["per_layer"]["2"]
+    assert layer["host_anon_peak_bytes"] <= limit and round(limit / 2 ** 30, 1) == 64.0
+    assert layer["device_peak_bytes"] <= 60 * 2 ** 30
+    assert (round(seven["solve:block"][1], 1), round(seven["propagate"][1], 1)) == (293.2, 13.8)
+    assert round(layer["phases"]["write"]["seconds"], 1) == 16.8 and layer["phases"]["write"]["count"] == 386
+    # the default recipe a layer: P7 plus what P6's hclip added before its block stage
+    pre7 = seven["capture"][1] + seven["solve:recipe"][1]
+    added = cap_s + rec_s - pre7
+    assert round(pre7, 1) == 4.9 and round(added, 1) == 222.9
+    assert round((float(row.group(1)) + added) / 60, 1) == 9.3
+    doc = " ".join((BENCH / "results" / "block-rounding.md").read_text().split())
+    for quote in ("at a **58.8 GiB** peak", "90 of the 100 steps at 2.452 s a step within **56.3 GiB**",
+                  "**the whole layer in one run, 332.8 s, device peak 57.7 GiB, host anonymous peak 51.1 GiB against 64.0**",
+                  "end MSE 0.0213008 against 0.0434783 at the start: **kept**", "**13.8 s** at 57.7 GiB",
+                  "332.8 s plus the 222.9 s P6's hclip added", "**about 9.3 min a layer**"):
+        assert quote in doc, quote
+    results = " ".join((BENCH / "RESULTS.md").read_text().split())
+    assert "at 100 steps in one run 332.8 s, 57.7 GiB, host anonymous 51.1 GiB against 64.0" in results
+    assert "then fitted at 58.8 GiB (227.8 s): the default recipe about 9.3 min a layer" in results
+    readme = " ".join((BENCH.parent / "README.md").read_text().split())
+    assert "took 332.8 s in one run (device peak 57.7 GiB, host anonymous 51.1 GiB)" in readme
