@@ -91,15 +91,30 @@ def test_recompute_units_rerun_equals_the_record(rec):
         assert run["scheme"] == s and run["windows"] == 1487 and run["seed"] == 0
         assert run["recipe"] == before[s]["recipe"] and run["propagate"] == before[s]["propagate"], s
         assert run["ppl"] == before[s]["ppl"], s
-    results = " ".join((BENCH / "RESULTS.md").read_text().split())      # RESULTS §4 quotes both sides
-    for s, run in rerun["runs"].items():
-        assert f"{s} {before[s]['ppl']:.4f} / {run['ppl']:.4f}" in results, s
+    _assert_results_row("recompute_units_rerun.json", {s: before[s]["ppl"] for s in before}, rerun)
+
+
+SCHEMES = ("w4a16-g128", "w3a16-g128", "w4a16", "w2a16-g64", "w4a8")
+
+
+def _assert_results_row(after_file: str, before_ppl: dict, after: dict, before_file: str | None = None,
+                        label: str | None = None) -> None:
+    """RESULTS §4's tiny-table row for ``after_file`` (one row a change) names the records and the
+    host, and quotes each scheme's before / after perplexity in its column."""
+    rows = [line for line in (BENCH / "RESULTS.md").read_text().splitlines()
+            if line.lstrip().startswith("|") and f"→ `{after_file}` |" in line]
+    assert len(rows) == 1, after_file
+    cells = [c.strip() for c in rows[0].strip().strip("|").split("|")]
+    assert cells[1] == after["cpu_class"], after_file
+    assert before_file is None or cells[2] == f"`{before_file}` → `{after_file}`", after_file
+    assert label is None or label in cells[0], (after_file, label)
+    assert cells[3:] == [f"{before_ppl[s]:.4f} / {after['runs'][s]['ppl']:.4f}" for s in SCHEMES], after_file
 
 
 def _assert_rerun_equals(rerun_file: str, before_file: str, quoted_after: str) -> None:
     """A whole-split rerun record of the five block-rounding defaults equals the record before to
-    the last digit (same scheme, windows, seed, recipe); RESULTS quotes both sides after the
-    phrase ``quoted_after``."""
+    the last digit (same scheme, windows, seed, recipe); RESULTS §4's row for the change (labelled
+    with ``quoted_after``) quotes both sides."""
     rerun = json.loads((BENCH / "quality" / rerun_file).read_text())
     before = json.loads((BENCH / "quality" / before_file).read_text())["runs"]
     assert sorted(rerun["runs"]) == sorted(before)
@@ -107,10 +122,7 @@ def _assert_rerun_equals(rerun_file: str, before_file: str, quoted_after: str) -
         assert (run["scheme"], run["windows"], run["first_window"], run["seed"]) == (s, 1487, 0, 0)
         assert run["recipe"] == before[s]["recipe"] and run["propagate"] == before[s]["propagate"], s
         assert run["ppl"] == before[s]["ppl"], s
-    results = " ".join((BENCH / "RESULTS.md").read_text().split())
-    quote = results.split(quoted_after, 1)[1]
-    for s, run in rerun["runs"].items():
-        assert f"{s} {before[s]['ppl']:.4f} / {run['ppl']:.4f}" in quote, s
+    _assert_results_row(rerun_file, {s: r["ppl"] for s, r in before.items()}, rerun, before_file, quoted_after)
 
 
 def test_prefetch_rerun_equals_the_record(rec):
@@ -187,5 +199,5 @@ def test_later_reruns_equal_the_turns_record(rec, after_file, before_file):
     for s, run in after["runs"].items():
         assert (run["windows"], run["seed"], run["recipe"]) == (1487, 0, before["runs"][s]["recipe"]), s
         assert run["ppl"] == before["runs"][s]["ppl"], s
-    assert f"`{after_file}`" in (BENCH / "RESULTS.md").read_text()
+    _assert_results_row(after_file, {s: r["ppl"] for s, r in before["runs"].items()}, after, before_file)
 
