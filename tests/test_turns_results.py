@@ -224,3 +224,24 @@ def test_the_v4_pro_default_recipe_and_whole_layer_quoted():
         in results and "about 9.3 min (P7's 332.8 s + 222.9 s)" in results
     readme = " ".join((BENCH.parent / "README.md").read_text().split())
     assert "took 332.8 s in one run (device peak 57.7 GiB, host anonymous 51.1 GiB)" in readme
+
+
+def test_the_cpu_ab_of_the_block_stage_quoted():
+    """The tip against 0657c48 (the last V4-Flash timing on a device), the tiny default's block
+    stage on the CPU (benchmarks/cpu_ab_block_stage.py): the figures recomputed from the runs,
+    pair by pair, and RESULTS §4 quoting them."""
+    rec = json.loads((BENCH / "results" / "cpu_ab_block_stage.json").read_text())
+    assert rec["b"]["commit"] == "0657c48" and rec["scheme"] == "w4a16-g128"
+    assert rec["algo"] == "hclip,blockround:keep_best=false:offset_dtype=float16:iters=100"
+    a, b = rec["runs"]["a"], rec["runs"]["b"]
+    assert len(a) == len(b) == 3
+    ratios = sorted(x["unit_seconds"] / y["unit_seconds"] for x, y in zip(a, b))
+    fig = rec["figures"]["unit_seconds"]
+    assert (round(ratios[1], 4), round(ratios[0], 4), round(ratios[-1], 4)) == \
+        (fig["ratio_a_over_b"]["median"], fig["ratio_a_over_b"]["min"], fig["ratio_a_over_b"]["max"])
+    med_a = sorted(x["unit_seconds"] for x in a)[1]
+    med_b = sorted(y["unit_seconds"] for y in b)[1]
+    results = " ".join((BENCH / "RESULTS.md").read_text().split())
+    assert (f"median {ratios[1]:.3f} of 3 pairs run in turn ({ratios[0]:.3f} - {ratios[-1]:.3f}; this host's noise), "
+            f"{med_a:.1f} s against {med_b:.1f} s") in results
+    assert f"`results/cpu_ab_block_stage.json`, {rec['cpu_class']}, {rec['date']}" in results
