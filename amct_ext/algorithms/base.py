@@ -59,6 +59,7 @@ from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
+from ..errors import DeviceMemoryError
 from ..pipeline.capture import LazyCalls, UnitCall
 from ..runtime import device as devmod
 from ..pipeline.ptq_units import PtqUnit
@@ -245,9 +246,11 @@ class Algorithm(abc.ABC):
                         "calls apply_block only on the recipe's last entry when it is one")
 
 
-def log_where_memory_ran_out(what: str, layer_idx: int | None, device: torch.device, err: BaseException) -> None:
-    """Log the innermost frame of this project's code in ``err``'s traceback (the project's own
-    error replaces torch's traceback, so the log keeps where it ran out)."""
+def device_memory_error(what: str, layer_idx: int | None, device: torch.device, err: BaseException,
+                        advice: str) -> DeviceMemoryError:
+    """The project's one error for ``what`` running out of memory on ``device`` (its size named,
+    then ``advice``), in place of torch's traceback; the innermost frame of this project's code in
+    ``err``'s traceback goes to the log, so the log keeps where it ran out."""
     frames = [f for f in traceback.extract_tb(err.__traceback__)
               if f"{os.sep}amct_ext{os.sep}" in f.filename or f"{os.sep}models{os.sep}" in f.filename]
     if frames:
@@ -255,3 +258,6 @@ def log_where_memory_ran_out(what: str, layer_idx: int | None, device: torch.dev
             "%s layer %s: out of device memory in %s:%d (%s), %.1f GiB allocated", what, layer_idx,
             os.path.basename(frames[-1].filename), frames[-1].lineno, frames[-1].name,
             devmod.memory_allocated(device) / 2 ** 30)
+    total = devmod.total_memory_bytes(device)
+    return DeviceMemoryError(f"{what}, layer {layer_idx}: out of device memory on {device}"
+                             f"{'' if total is None else f' ({total / 2 ** 30:.1f} GiB)'}{advice}")

@@ -70,7 +70,7 @@ from ..runtime import device as devmod
 from ..pipeline.replay import output_tensor
 from ..quant.leaf_stack import SignStep, signsgd_
 from ..quant.quantizers import CLIP_MIN
-from .base import Algorithm, BlockData, Needs, SolveContext, UnitData, log_where_memory_ran_out
+from .base import Algorithm, BlockData, Needs, SolveContext, UnitData, device_memory_error
 from .recipe import register
 from .rounding import _fold_leaves, _invalidate, _weight_leaves, clamp_learnables, learnable_state
 
@@ -691,15 +691,11 @@ class BlockRound(Algorithm):
                 "folded_leaves": sum(int(settled[id(leaf)][1]) for leaf, _, _ in lfs), "layer_leaves": n_leaves}
 
     def _out_of_memory(self, data: BlockData, state: int, err: BaseException) -> DeviceMemoryError:
-        dev = data.device
-        log_where_memory_ran_out("blockround", data.layer_idx, dev, err)
-        total = devmod.total_memory_bytes(dev)
-        return DeviceMemoryError(
-            f"blockround, layer {data.layer_idx}: out of device memory on {dev}"
-            f"{'' if total is None else f' ({total / 2 ** 30:.1f} GiB)'}; the layer's learnable state alone is "
+        return device_memory_error(
+            "blockround", data.layer_idx, data.device, err,
+            f"; the layer's learnable state alone is "
             f"{state / 2 ** 30:.1f} GiB{'' if self.offset_dtype == 'float16' else ' (offset_dtype=float16 halves it)'}"
             "; lower blockround:batch, or use a recipe without a block stage for this model")
-
 
 class _Tuning:
     """The layer's modules while they are tuned: their own parameters frozen (the learnable state

@@ -22,12 +22,11 @@ from torch import nn
 
 from ..errors import DeviceMemoryError
 from ..pipeline.capture import UnitCall
-from ..runtime import device as devmod
 from ..quant.quant_linear import QuantLinear
 from ..quant.quantizers import ActivationQuantizer, WeightQuantizer
 from ..pipeline.ptq_units import PtqUnit, UnitResult
 from ..pipeline.replay import unit_mse, unit_seed
-from .base import SolveContext, UnitData, log_where_memory_ran_out
+from .base import SolveContext, UnitData, device_memory_error
 from .recipe import Recipe
 
 _WQ_STATE = ("clip", "fixed_scale", "fixed_zero_point")
@@ -124,12 +123,8 @@ def _apply_algorithm(algo, units, datas, ctxs, stats, seconds, statistics: bool 
 
 def _out_of_device_memory(algo, units, ctxs, err: BaseException) -> DeviceMemoryError:
     ctx = ctxs[units[0].name] if units else SolveContext()
-    dev = ctx.device
-    log_where_memory_ran_out(algo.name, ctx.layer_idx, dev, err)
-    total = devmod.total_memory_bytes(dev)
     advice = algo.memory_advice() or f"; use a recipe without {algo.name} for this model"
-    return DeviceMemoryError(f"{algo.name}, layer {ctx.layer_idx}: out of device memory on {dev}"
-                             f"{'' if total is None else f' ({total / 2 ** 30:.1f} GiB)'}{advice}")
+    return device_memory_error(algo.name, ctx.layer_idx, ctx.device, err, advice)
 
 
 def _apply_algorithm_units(algo, units, datas, ctxs, stats, seconds, statistics: bool = False) -> None:
