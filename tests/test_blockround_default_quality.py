@@ -186,7 +186,9 @@ def test_turns_rerun_equals_the_record_on_its_host(rec):
                                                      ("hoststack_turns4.json", "review3_turns4.json"),
                                                      ("hclip_fit_rerun.json", "hoststack_rerun.json"),
                                                      ("tip13_rerun.json", "hclip_fit_rerun.json"),
-                                                     ("tip13_turns4.json", "hoststack_turns4.json")])
+                                                     ("tip13_turns4.json", "hoststack_turns4.json"),
+                                                     ("tip14_rerun.json", "tip13_rerun.json"),
+                                                     ("tip14_turns4.json", "tip13_turns4.json")])
 def test_later_reruns_equal_the_turns_record(rec, after_file, before_file):
     """The offsets stepping once a batch where samples run apart (casebook i34-19), ``micro_batch``,
     the review mend (one fold check, ``formats.fixed_grid``), and the turns' end settled in a new
@@ -201,3 +203,22 @@ def test_later_reruns_equal_the_turns_record(rec, after_file, before_file):
         assert run["ppl"] == before["runs"][s]["ppl"], s
     _assert_results_row(after_file, {s: r["ppl"] for s, r in before["runs"].items()}, after, before_file)
 
+
+
+def test_the_whole_change_since_6756be4_quoted(rec):
+    """The algorithm changes since 6756be4 (review3 records) to the tip (tip14 records): the same
+    digits, the five defaults and four turns, as RESULTS §4 quotes them before / after."""
+    results = " ".join((BENCH / "RESULTS.md").read_text().split())
+    quote = results.split("Across the algorithm changes since 6756be4", 1)[1].split(". ", 2)
+    quote = ". ".join(quote[:2])
+    for before_file, after_file, lead in (("review3_rerun.json", "tip14_rerun.json", ""),
+                                          ("review3_turns4.json", "tip14_turns4.json", "four turns")):
+        before = json.loads((BENCH / "quality" / before_file).read_text())
+        after = json.loads((BENCH / "quality" / after_file).read_text())
+        assert before["cpu_class"] == after["cpu_class"] and f"`{before_file}`" in quote and f"`{after_file}`" in quote
+        cells = [f"{before['runs'][s]['ppl']:.4f} / {after['runs'][s]['ppl']:.4f}" for s in SCHEMES]
+        for s, c in zip(SCHEMES, cells):
+            assert after["runs"][s]["ppl"] == before["runs"][s]["ppl"], (after_file, s)
+            assert (f"{s} {c}" if not lead else c) in quote, (after_file, s)
+        if lead:
+            assert f"{lead} {', '.join(cells)}" in quote
