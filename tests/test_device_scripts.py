@@ -48,3 +48,46 @@ def test_a_call_cut_after_its_first_run_still_returns_that_run(tmp_path):
         names = {Path(n).name for n in tar.getnames()}
     assert {"DONE.json", "DONE.log", "summary.txt"} <= names
     assert "run DONE: rc=0" in (out / "summary.txt").read_text()
+
+
+SLOW_STUB = STUB.replace("exec sleep 60;;", "exec sleep 60;;\n  *run_SLOW*) sleep 3;;")
+
+
+def test_a_started_run_outlives_its_call_and_a_later_call_waits_for_it(tmp_path):
+    """casebook i34-25: the default recipe on a V4-Pro layer (~8 min, plus the benchmark's minute)
+    passes one call's 600 s. ``start@`` runs it in a session of its own, so killing the call's
+    process group (what the tool does when a command returns) leaves it running; ``wait@`` in the
+    next call returns once it has ended, with its files."""
+    stub = tmp_path / "py"
+    stub.write_text(SLOW_STUB)
+    stub.chmod(0o755)
+    env = {**os.environ, "BR_PY": str(stub), "BR_WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out1")}
+    script = str(REPO / "benchmarks/scripts/h200_block_rounding.sh")
+    first = subprocess.Popen(["bash", script, "start@SLOW@w4a16@rtn@30"], cwd=REPO, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first.wait(timeout=10)
+    os.killpg(first.pid, 9) if _group_alive(first.pid) else None     # the tool ends the call's processes
+    summary = tmp_path / "work" / "res" / "summary.txt"
+    assert "run SLOW: rc=" not in summary.read_text()                # returned before the run ended
+    out2 = tmp_path / "out2"
+    done = subprocess.run(["bash", script, "wait@SLOW@30"], cwd=REPO, env={**env, "OUT": str(out2)},
+                          capture_output=True, text=True, timeout=40)
+    assert done.returncode == 0 and "run SLOW: rc=0" in (out2 / "summary.txt").read_text()
+    with tarfile.open(out2 / "results.tgz") as tar:
+        assert {"SLOW.json", "SLOW.log"} <= {Path(n).name for n in tar.getnames()}
+    assert "still running" not in done.stdout
+
+
+def test_a_wait_that_runs_out_says_so(tmp_path):
+    env = {**os.environ, "BR_WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(REPO / "benchmarks/scripts/h200_block_rounding.sh"), "wait@NONE@2"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    assert "run NONE: still running after 2 s" in done.stdout
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False

@@ -34,6 +34,7 @@ H200B = "h200_2026-12-06_blockround"
 H100C = "h100_2026-12-07_blockround"
 H100D = "h100_2026-12-07b_blockround"
 H100E = "h100_2026-12-07c_blockround"
+H100F = "h100_2026-12-07i_blockround"
 #: (tag, card folder under benchmarks/gpu, call folder, what it is)
 RUN_ORDER = [
     ("hbr200", H200, "call1", "H200; before: per-step SignSGD hook, float32 offsets"),
@@ -76,6 +77,9 @@ RUN_ORDER = [
     ("S1", H100E, "call1", "H100 (machine 10), first run; main 0657c48 (the default as it stands), repeated for its spread"),
     ("S2", H100E, "call1", "H100 (machine 10), second run; main 0657c48"),
     ("S3", H100E, "call1", "H100 (machine 10), third run (after the attention's GPU check); main 0657c48"),
+    ("T1", H100F, "call1", "H100 (machine 11), first run; main d3c1dd0 (the turns, host parking, hclip's chunk), repeated"),
+    ("T2", H100F, "call1", "H100 (machine 11), second run; main d3c1dd0"),
+    ("T3", H100F, "call1", "H100 (machine 11), third run; main d3c1dd0"),
 ]
 #: the default at w4a16-g128 (BLOCKROUND_DEFAULT): runs in a machine's first run (cold page cache)
 #: and warm runs (the checkpoint read before); the headline is the median of the warm runs; w4a8's
@@ -93,6 +97,9 @@ HC_RUN, HC_BEFORE_RUN = "H1", "N1"
 LEVERS_RUN, LEVERS_BEFORE_RUN = "B1", "N2"
 #: 2026-12-07, a third H100 lease: main as it stands, three runs (its first and two warm)
 REPEAT_RUNS = ("S1", "S2", "S3")
+#: 2026-12-07, a fourth H100 lease: main d3c1dd0 (after the turns, the host parking and hclip's
+#: fitted chunk), three runs (its first and two warm)
+TIP_RUNS = ("T1", "T2", "T3")
 DEFAULT_FIRST_RUNS = ("D100", "E1", "E5")
 DEFAULT_WARM_RUNS = ("D100b", "E2", "E3", "E4", "E6")
 #: runs measured before the stream-leak fix (casebook i34-8): over the host bound
@@ -179,7 +186,10 @@ def default_summary(rs: list[dict]) -> dict:
             "levers": by[LEVERS_RUN], "levers_before": by[LEVERS_BEFORE_RUN],
             "repeat_step_s": stat(REPEAT_RUNS, "step_s"), "repeat_capture_solve_s": stat(REPEAT_RUNS, "capture_solve_s"),
             "repeat_block_s": stat(REPEAT_RUNS, "block_s"), "repeat_device_gib": stat(REPEAT_RUNS, "device_gib"),
-            "repeat_host_anon_gib": stat(REPEAT_RUNS, "host_anon_gib")}
+            "repeat_host_anon_gib": stat(REPEAT_RUNS, "host_anon_gib"),
+            "tip_step_s": stat(TIP_RUNS, "step_s"), "tip_capture_solve_s": stat(TIP_RUNS, "capture_solve_s"),
+            "tip_block_s": stat(TIP_RUNS, "block_s"), "tip_device_gib": stat(TIP_RUNS, "device_gib"),
+            "tip_host_anon_gib": stat(TIP_RUNS, "host_anon_gib")}
 
 
 def _spread(d, spec) -> str:
@@ -229,6 +239,15 @@ def render_repeat_lease(sm: dict) -> str:
             f"GiB, host anon {_spread(sm['repeat_host_anon_gib'], '.1f')} GiB.")
 
 
+def render_tip_lease(sm: dict) -> str:
+    """The fourth 2026-12-07 H100 lease (main d3c1dd0, three runs): the default after the V4-Pro work."""
+    return (f"On one H100 (2026-12-07, a fourth lease), main at d3c1dd0 (after the turns, the host parking and "
+            f"hclip's fitted chunk), three runs, median (min - max): a step {_spread(sm['tip_step_s'], '.3f')} s, "
+            f"capture + solve {_spread(sm['tip_capture_solve_s'], '.1f')} s, block stage "
+            f"{_spread(sm['tip_block_s'], '.1f')} s, device peak {_spread(sm['tip_device_gib'], '.1f')} GiB, host anon "
+            f"{_spread(sm['tip_host_anon_gib'], '.1f')} GiB.")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check-results", action="store_true")
@@ -237,7 +256,7 @@ def main(argv=None) -> int:
     sm = default_summary(rs)
     summary = render_summary(sm)
     table = (render(rs) + "\n\n" + summary + " " + render_hc_lease(sm) + " " + render_levers_lease(sm) + " "
-             + render_repeat_lease(sm))
+             + render_repeat_lease(sm) + " " + render_tip_lease(sm))
     if not a.check_results:
         print(table)
         return 0

@@ -16,6 +16,10 @@
 #   rm-flash            delete the V4-Flash checkpoint (disk: 64 GiB hold Flash or Pro, not both with runs)
 #   run@TAG@SCHEME@ALGO[@LIMIT[@MODEL]]   one bench_ptq run of layer 2, ALGO passed as --algo
 #                       (with --propagate quant), cut at LIMIT s (default 300); MODEL flash|pro
+#   start@TAG@...       the same run in a session of its own (setsid), returning at once: it outlives
+#                       the call, so a run longer than one call of the device tool (600 s) ends in the
+#                       next call while the machine is held (casebook i34-25)
+#   wait@TAG[@SECONDS]  wait (default 560 s) until run TAG has ended; its files come back as any run's
 #   AMCT_PROFILE_BLOCKROUND=STEP:PATH in the environment writes a profile of that step.
 #   BR_PROFILE_STEP=N profiles step N of every run (prof_TAG.txt); BR_BENCH_ARGS goes to bench_ptq
 #   (e.g. "--max-device-gib 60 --max-host-anon-extra-gib 16": exit 3 when a bound is passed);
@@ -86,6 +90,14 @@ for st in ${*:-env kernels ckpt}; do
     ckpt-pro) ckpt v4-pro "$W/pro";;
     rm-flash) rm -rf "$W/flash";;
     run@*) IFS=@ read -r _ tag scheme algo lim model <<< "$st"; run "$tag" "$scheme" "$algo" "${lim:-300}" "${model:-flash}";;
+    start@*) IFS=@ read -r _ tag _ <<< "$st"
+             setsid bash "${BASH_SOURCE[0]}" "run@${st#start@}" > "$W/start_$tag.out" 2>&1 < /dev/null &
+             say "started ${st#start@} (pid $!)";;
+    wait@*) IFS=@ read -r _ tag secs <<< "$st"; waited=0
+            until grep -q "run $tag: rc=" "$RES/summary.txt" 2>/dev/null || [ "$waited" -ge "${secs:-560}" ]; do
+              sleep 2; waited=$((waited + 2)); cp "$RES/$tag.log" "$OUT/$tag.partial.log" 2>/dev/null
+            done
+            grep -q "run $tag: rc=" "$RES/summary.txt" || say "run $tag: still running after ${waited} s";;
     *) echo "unknown stage $st"; exit 2;;
   esac
 done
