@@ -257,7 +257,8 @@ def test_the_v4_pro_default_recipe_in_one_run_quoted():
                   f"**100 steps at 2.247 s a step** (floors {f['flops']} s of FLOPs, {f['bytes']} s of bytes)",
                   f"end MSE 0.0204583: **kept**; {f['block']} s", f"the write of 386 units {f['write']} s",
                   f"the propagate on the folded experts {f['prop']} s",
-                  f"479.3 s, device peak 58.8 GiB, host anonymous 51.1 GiB against 64.0, the tuned layer kept"):
+                  f"{f['layer']} s, device peak {f['dev']} GiB, host anonymous {f['host']} GiB against 64.0, the tuned "
+                  "layer kept"):
         assert quote in doc, quote
     results = " ".join((BENCH / "RESULTS.md").read_text().split())
     for quote in (f"V4-Pro in 60 GiB (H100): the default recipe, the whole layer in one run, {f['layer']} s, device peak "
