@@ -54,7 +54,7 @@ def working_set(n: int, rows: int, cols: int) -> dict:
     done.set()
     t.join()
     held = (w.numel() + h.numel()) * 4
-    estimate = n * 4 * (HessianClip.WORK_COPIES * rows * cols + 2 * cols * cols)
+    estimate = n * HessianClip.expert_working_bytes((rows, cols))
     return {"experts": n, "rows": rows, "cols": cols, "seconds": round(time.perf_counter() - t0, 1),
             "working_gib": round((max(peak[0], before) - before + held) / 2 ** 30, 3),
             "estimate_gib": round(estimate / 2 ** 30, 3)}

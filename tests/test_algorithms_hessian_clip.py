@@ -468,8 +468,8 @@ def test_the_experts_are_solved_in_the_fitting_chunks(monkeypatch):
 
 def test_the_chunk_estimate_bounds_the_measured_working_set():
     """fitting_chunk's estimate of an expert's working set is at least what hclip held on V4-Pro's
-    expert shapes, measured on the CPU (benchmarks/check_hclip_memory.py); recomputed here from
-    the current WORK_COPIES."""
+    expert shapes, measured on the CPU (benchmarks/check_hclip_memory.py); the estimate is the one
+    fitting_chunk divides by (HessianClip.expert_working_bytes), at the current WORK_COPIES."""
     import json
     from pathlib import Path
 
@@ -477,5 +477,5 @@ def test_the_chunk_estimate_bounds_the_measured_working_set():
     assert {(r["rows"], r["cols"]) for r in rec["runs"].values()} == {(3072, 7168), (7168, 3072)}
     for r in rec["runs"].values():
         n, rows, cols = r["experts"], r["rows"], r["cols"]
-        estimate = n * 4 * (HessianClip.WORK_COPIES * rows * cols + 2 * cols * cols) / 2 ** 30
+        estimate = n * HessianClip.expert_working_bytes((rows, cols)) / 2 ** 30
         assert estimate >= r["working_gib"] > 0, r

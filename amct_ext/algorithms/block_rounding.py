@@ -697,6 +697,7 @@ class BlockRound(Algorithm):
             f"{state / 2 ** 30:.1f} GiB{'' if self.offset_dtype == 'float16' else ' (offset_dtype=float16 halves it)'}"
             "; lower blockround:batch, or use a recipe without a block stage for this model")
 
+
 class _Tuning:
     """The layer's modules while they are tuned: their own parameters frozen (the learnable state
     is what steps) and eval mode; :meth:`restore` puts both back and drops the quantizers' caches.

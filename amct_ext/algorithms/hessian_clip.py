@@ -410,10 +410,15 @@ class HessianClip(Algorithm):
         total = devmod.total_memory_bytes(dev)
         if total is None:
             return max(1, self.expert_chunk)
-        rows, cols = shape
-        per_expert = 4 * (self.WORK_COPIES * rows * cols + 2 * (groups or 1) * cols * cols)
         free = max(0, total - devmod.memory_allocated(dev))
-        return max(1, min(self.expert_chunk, int(free * self.FREE_SHARE) // per_expert))
+        return max(1, min(self.expert_chunk, int(free * self.FREE_SHARE) // self.expert_working_bytes(shape, groups)))
+
+    @classmethod
+    def expert_working_bytes(cls, shape: tuple[int, int], groups: int = 1) -> int:
+        """The estimate of one routed expert's working set in a chunk (float32): ``WORK_COPIES``
+        copies of its [R, C] weight and two of its [B, C, C] Hessian."""
+        rows, cols = shape
+        return 4 * (cls.WORK_COPIES * rows * cols + 2 * (groups or 1) * cols * cols)
 
     def _solve_chunk(self, chunk, spec, groups: int, dev, out) -> None:
         B = groups or 1

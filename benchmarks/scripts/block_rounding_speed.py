@@ -184,12 +184,9 @@ def default_summary(rs: list[dict]) -> dict:
             "now_before_device_gib": stat(NOW_BEFORE_RUNS, "device_gib"),
             "hc": by[HC_RUN], "hc_before": by[HC_BEFORE_RUN],
             "levers": by[LEVERS_RUN], "levers_before": by[LEVERS_BEFORE_RUN],
-            "repeat_step_s": stat(REPEAT_RUNS, "step_s"), "repeat_capture_solve_s": stat(REPEAT_RUNS, "capture_solve_s"),
-            "repeat_block_s": stat(REPEAT_RUNS, "block_s"), "repeat_device_gib": stat(REPEAT_RUNS, "device_gib"),
-            "repeat_host_anon_gib": stat(REPEAT_RUNS, "host_anon_gib"),
-            "tip_step_s": stat(TIP_RUNS, "step_s"), "tip_capture_solve_s": stat(TIP_RUNS, "capture_solve_s"),
-            "tip_block_s": stat(TIP_RUNS, "block_s"), "tip_device_gib": stat(TIP_RUNS, "device_gib"),
-            "tip_host_anon_gib": stat(TIP_RUNS, "host_anon_gib")}
+            # the leases of repeated runs: every figure's spread, as "<lease>_<figure>"
+            **{f"{lease}_{key}": stat(tags, key) for lease, tags in (("repeat", REPEAT_RUNS), ("tip", TIP_RUNS))
+               for key in ("step_s", "capture_solve_s", "block_s", "device_gib", "host_anon_gib")}}
 
 
 def _spread(d, spec) -> str:
@@ -231,21 +228,23 @@ def render_levers_lease(sm: dict) -> str:
             f"{b['device_gib']:.1f} GiB.")
 
 
+def _render_spread_lease(sm: dict, lease: str, head: str) -> str:
+    """A lease of repeated runs of one code: ``head``, then each figure's median (min - max)."""
+    return (f"{head}, three runs, median (min - max): a step {_spread(sm[f'{lease}_step_s'], '.3f')} s, capture + solve "
+            f"{_spread(sm[f'{lease}_capture_solve_s'], '.1f')} s, block stage {_spread(sm[f'{lease}_block_s'], '.1f')} s, "
+            f"device peak {_spread(sm[f'{lease}_device_gib'], '.1f')} GiB, host anon "
+            f"{_spread(sm[f'{lease}_host_anon_gib'], '.1f')} GiB.")
+
+
 def render_repeat_lease(sm: dict) -> str:
     """The third 2026-12-07 H100 lease (main 0657c48, three runs): the step's spread."""
-    return (f"On one H100 (2026-12-07, a third lease), main at 0657c48, three runs, median (min - max): a step "
-            f"{_spread(sm['repeat_step_s'], '.3f')} s, capture + solve {_spread(sm['repeat_capture_solve_s'], '.1f')} s, "
-            f"block stage {_spread(sm['repeat_block_s'], '.1f')} s, device peak {_spread(sm['repeat_device_gib'], '.1f')} "
-            f"GiB, host anon {_spread(sm['repeat_host_anon_gib'], '.1f')} GiB.")
+    return _render_spread_lease(sm, "repeat", "On one H100 (2026-12-07, a third lease), main at 0657c48")
 
 
 def render_tip_lease(sm: dict) -> str:
     """The fourth 2026-12-07 H100 lease (main d3c1dd0, three runs): the default after the V4-Pro work."""
-    return (f"On one H100 (2026-12-07, a fourth lease), main at d3c1dd0 (after the turns, the host parking and "
-            f"hclip's fitted chunk), three runs, median (min - max): a step {_spread(sm['tip_step_s'], '.3f')} s, "
-            f"capture + solve {_spread(sm['tip_capture_solve_s'], '.1f')} s, block stage "
-            f"{_spread(sm['tip_block_s'], '.1f')} s, device peak {_spread(sm['tip_device_gib'], '.1f')} GiB, host anon "
-            f"{_spread(sm['tip_host_anon_gib'], '.1f')} GiB.")
+    return _render_spread_lease(sm, "tip", "On one H100 (2026-12-07, a fourth lease), main at d3c1dd0 (after the "
+                                           "turns, the host parking and hclip's fitted chunk)")
 
 
 def main(argv=None) -> int:
