@@ -188,7 +188,9 @@ def test_turns_rerun_equals_the_record_on_its_host(rec):
                                                      ("tip13_rerun.json", "hclip_fit_rerun.json"),
                                                      ("tip13_turns4.json", "hoststack_turns4.json"),
                                                      ("tip14_rerun.json", "tip13_rerun.json"),
-                                                     ("tip14_turns4.json", "tip13_turns4.json")])
+                                                     ("tip14_turns4.json", "tip13_turns4.json"),
+                                                     ("tip15_rerun.json", "base518_rerun.json"),
+                                                     ("tip15_turns4.json", "base518_turns4.json")])
 def test_later_reruns_equal_the_turns_record(rec, after_file, before_file):
     """The offsets stepping once a batch where samples run apart (casebook i34-19), ``micro_batch``,
     the review mend (one fold check, ``formats.fixed_grid``), and the turns' end settled in a new
